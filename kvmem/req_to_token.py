@@ -1,0 +1,94 @@
+"""Level 1: the req_to_token table, one row per running request.
+
+`req_to_token[row, pos]` is the KV slot (`out_cache_loc`) that holds token `pos` of the request that owns
+`row`. Rows are handed out by `alloc` and returned by `free`; the table itself is never resized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvmem._checks import check_positive_int
+
+
+class ReqToTokenPool:
+    """A fixed table of `size` rows x `max_context_len` int32 slot ids.
+
+    Args:
+        size: number of rows (concurrent requests), > 0.
+        max_context_len: longest request in tokens (prompt + output), > 0.
+        device: where the table lives (the attention kernels read it there).
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu") -> None:
+        check_positive_int("size", size)
+        check_positive_int("max_context_len", max_context_len)
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
+        # A stack of free rows: pop from the end so that recently freed (cache-warm) rows are reused first.
+        self._free_rows: list[int] = list(range(size - 1, -1, -1))
+        self._is_free = [True] * size
+
+    def available_size(self) -> int:
+        """Number of free rows."""
+        return len(self._free_rows)
+
+    def alloc(self, n: int = 1) -> list[int] | None:
+        """Hands out `n` rows, or returns None (nothing changed) when fewer than `n` are free."""
+        check_positive_int("n", n)
+        if n > len(self._free_rows):
+            return None
+        rows = self._free_rows[-n:][::-1]
+        del self._free_rows[-n:]
+        for r in rows:
+            self._is_free[r] = False
+        return rows
+
+    def free(self, index: int | Sequence[int] | torch.Tensor) -> None:
+        """Returns one row or several rows. A free, repeated or out-of-range row raises; nothing changes."""
+        rows = self._as_rows(index)
+        bad = [r for r in rows if not 0 <= r < self.size]
+        if bad:
+            raise IndexError(f"index {bad[0]} out of range [0, {self.size})")
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"index holds repeated rows: {rows}")
+        freed = [r for r in rows if self._is_free[r]]
+        if freed:
+            raise ValueError(f"index {freed[0]}: row is already free (double free)")
+        for r in rows:
+            self._is_free[r] = True
+        self._free_rows.extend(reversed(rows))
+
+    def write(self, index, values) -> None:
+        """`req_to_token[index] = values`, with `index` a row, a (row, slice) pair or any tensor index.
+
+        Rows must be allocated; values are cast to int32.
+        """
+        row = index[0] if isinstance(index, tuple) else index
+        for r in self._as_rows(row):
+            if not 0 <= r < self.size or self._is_free[r]:
+                raise IndexError(f"index: row {r} is not an allocated row")
+        if isinstance(values, torch.Tensor):
+            values = values.to(torch.int32)
+        self.req_to_token[index] = values
+
+    def clear(self) -> None:
+        """Frees every row."""
+        self._free_rows = list(range(self.size - 1, -1, -1))
+        self._is_free = [True] * self.size
+
+    @staticmethod
+    def _as_rows(index) -> list[int]:
+        if isinstance(index, torch.Tensor):
+            if index.dtype.is_floating_point or index.dtype == torch.bool:
+                raise TypeError(f"index must hold integers, got dtype {index.dtype}")
+            return [int(i) for i in index.reshape(-1).tolist()]
+        if isinstance(index, int):
+            return [index]
+        if isinstance(index, Sequence) and all(isinstance(i, int) for i in index):
+            return list(index)
+        raise TypeError(f"index must be an int, a sequence of ints or an integer tensor, got {index!r}")

@@ -1,0 +1,244 @@
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvmem.allocator import PagedTokenAllocator, TokenAllocator
+
+
+def test_alloc_returns_distinct_slots_and_never_slot_zero():
+    a = TokenAllocator(16)
+    slots = a.alloc(16)
+    assert sorted(slots.tolist()) == list(range(1, 17))
+    assert slots.dtype == torch.int64 and a.available_size() == 0
+
+
+def test_alloc_beyond_capacity_returns_none_and_changes_nothing():
+    a = TokenAllocator(8)
+    a.alloc(5)
+    assert a.alloc(4) is None
+    assert a.available_size() == 3
+
+
+@pytest.mark.parametrize("n", [0, -3, 2.0, True])
+def test_alloc_of_zero_or_negative_raises(n):
+    a = TokenAllocator(8)
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        a.alloc(n)
+    assert a.available_size() == 8
+
+
+def test_returned_slots_survive_later_frees_and_allocs():
+    a = TokenAllocator(4)
+    x = a.alloc(2)
+    snapshot = x.clone()
+    a.free(a.alloc(2))
+    a.free(x)
+    a.alloc(4)
+    assert torch.equal(x, snapshot)
+
+
+@pytest.mark.parametrize("bad,err,msg", [
+    ([0], ValueError, "padding slot 0"),
+    ([-2], ValueError, "negative"),
+    ([9], IndexError, "out of range"),
+    ([3, 3], ValueError, "more than once"),
+])
+def test_bad_free_raises_and_frees_nothing(bad, err, msg):
+    a = TokenAllocator(8)
+    a.alloc(8)
+    with pytest.raises(err, match=msg):
+        a.free(torch.tensor([1] + bad))
+    assert a.available_size() == 0
+    assert a.is_allocated(torch.tensor([1])).item()
+
+
+def test_double_free_raises():
+    a = TokenAllocator(8)
+    x = a.alloc(3)
+    a.free(x)
+    with pytest.raises(ValueError, match="not allocated"):
+        a.free(x[:1])
+    assert a.available_size() == 8
+
+
+def test_free_rejects_float_and_2d_slots():
+    a = TokenAllocator(8)
+    a.alloc(4)
+    with pytest.raises(TypeError):
+        a.free(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="1-D"):
+        a.free(torch.tensor([[1]]))
+
+
+def test_free_group_defers_reuse_until_the_block_ends():
+    a = TokenAllocator(4)
+    x = a.alloc(4)
+    with a.free_group():
+        a.free(x[:2])
+        a.free(x[2:])
+        assert a.available_size() == 0
+        with pytest.raises(ValueError):
+            a.free(x[:1])  # still caught inside the group
+    assert a.available_size() == 4
+
+
+def test_backup_and_restore_roll_back_allocations():
+    a = TokenAllocator(8)
+    a.alloc(2)
+    state = a.backup_state()
+    y = a.alloc(5)
+    a.restore_state(state)
+    assert a.available_size() == 6
+    assert not a.is_allocated(y).any()
+
+
+def test_token_allocator_refuses_page_size():
+    with pytest.raises(ValueError, match="page_size must be 1"):
+        TokenAllocator(8, page_size=4)
+
+
+def test_paged_alloc_returns_whole_pages():
+    a = PagedTokenAllocator(16, 4)
+    slots = a.alloc(8)
+    assert slots.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        a.alloc(3)
+    assert a.available_size() == 8
+
+
+def test_paged_size_must_be_whole_pages():
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        PagedTokenAllocator(10, 4)
+
+
+def test_alloc_extend_fills_partial_last_page_first():
+    a = PagedTokenAllocator(64, 4)
+    first = a.alloc_extend([0, 0], [5, 3], [-1, -1])
+    assert first.tolist() == [4, 5, 6, 7, 8, 12, 13, 14]
+    # request 0 holds 5 tokens (last slot 8, page 2 offset 0); request 1 holds 3 (last slot 14)
+    more = a.alloc_extend([5, 3], [7, 6], [8, 14])
+    assert more.tolist() == [9, 10, 15, 16, 17]
+    assert a.available_size() == 64 - 16
+
+
+def test_alloc_decode_takes_a_new_page_only_at_page_boundaries():
+    a = PagedTokenAllocator(64, 4)
+    s = a.alloc_extend([0, 0], [4, 2], [-1, -1])  # pages 1 (full) and 2 (2 tokens)
+    d = a.alloc_decode([5, 3], [s[3], s[5]])
+    assert d.tolist() == [12, 10]
+
+
+def test_alloc_extend_shortage_returns_none_and_changes_nothing():
+    a = PagedTokenAllocator(8, 4)
+    assert a.alloc_extend([0], [9], [-1]) is None
+    assert a.available_size() == 8
+
+
+@pytest.mark.parametrize("prefix,seq,last,msg", [
+    ([0, 0], [4], [-1], "one entry per request"),
+    ([2], [2], [5], "prefix_lens < seq_lens"),
+    ([-1], [2], [5], "prefix_lens < seq_lens"),
+    ([2], [5], [6], "not the slot of token 1"),
+    ([2], [5], [41], "not in an allocated page"),
+])
+def test_misaligned_paged_arguments_raise(prefix, seq, last, msg):
+    a = PagedTokenAllocator(64, 4)
+    a.alloc(4)  # page 1: slots 4..7
+    with pytest.raises(ValueError, match=msg):
+        a.alloc_extend(prefix, seq, last)
+    assert a.available_size() == 60
+
+
+def test_paged_free_releases_pages_listed_from_their_first_slot():
+    a = PagedTokenAllocator(16, 4)
+    s = a.alloc_extend([0], [6], [-1])  # slots 4..9: page 1 whole, page 2 partial
+    with pytest.raises(ValueError, match="mid-page"):
+        a.free(s[5:])
+    a.free(s)
+    assert a.available_size() == 16
+
+
+def test_paged_double_free_of_a_page_raises():
+    a = PagedTokenAllocator(16, 4)
+    s = a.alloc(8)
+    a.free(s[:4])
+    with pytest.raises(ValueError, match="not allocated"):
+        a.free(s)
+    assert a.available_size() == 12
+
+
+class AllocatorModel(RuleBasedStateMachine):
+    """Random alloc/free sequences against a set of held slots."""
+
+    @initialize(page_size=st.sampled_from([1, 4]), pages=st.integers(1, 12))
+    def setup(self, page_size, pages):
+        self.ps = page_size
+        self.size = pages * page_size
+        self.a = TokenAllocator(self.size) if page_size == 1 else PagedTokenAllocator(self.size, page_size)
+        self.held: list[list[int]] = []
+
+    @rule(n=st.integers(1, 20))
+    def alloc(self, n):
+        n *= self.ps
+        free_before = self.a.available_size()
+        out = self.a.alloc(n)
+        if n > free_before:
+            assert out is None
+        else:
+            slots = out.tolist()
+            assert len(slots) == n
+            assert not set(slots) & {s for run in self.held for s in run}
+            assert all(1 * self.ps <= s < self.size + self.ps for s in slots)
+            self.held.append(slots)
+
+    @precondition(lambda self: self.held)
+    @rule(i=st.integers(0, 100))
+    def free(self, i):
+        self.a.free(torch.tensor(self.held.pop(i % len(self.held))))
+
+    @precondition(lambda self: self.held)
+    @rule(i=st.integers(0, 100))
+    def double_free_is_refused(self, i):
+        run = self.held[i % len(self.held)]
+        self.a.free(torch.tensor(run))
+        with pytest.raises(ValueError):
+            self.a.free(torch.tensor(run[:self.ps]))
+        self.held.remove(run)
+
+    @invariant()
+    def free_plus_held_is_total(self):
+        if hasattr(self, "a"):
+            assert self.a.available_size() + sum(len(r) for r in self.held) == self.size
+
+
+TestAllocatorModel = AllocatorModel.TestCase
+TestAllocatorModel.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+                                       suppress_health_check=[HealthCheck.too_slow])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_alloc_extend_gives_each_token_a_distinct_slot_in_its_requests_pages(data):
+    ps = data.draw(st.sampled_from([1, 2, 4, 16]))
+    a = PagedTokenAllocator(512 * ps, ps)
+    bs = data.draw(st.integers(1, 6))
+    prefix = data.draw(st.lists(st.integers(0, 40), min_size=bs, max_size=bs))
+    ext = data.draw(st.lists(st.integers(1, 40), min_size=bs, max_size=bs))
+    rows = []
+    last = []
+    for p in prefix:  # give each request its prefix first
+        row = a.alloc_extend([0], [p], [-1]).tolist() if p else []
+        rows.append(row)
+        last.append(row[-1] if row else -1)
+    out = a.alloc_extend(prefix, [p + e for p, e in zip(prefix, ext)], last).tolist()
+    off = 0
+    everything = [s for r in rows for s in r] + out
+    assert len(set(everything)) == len(everything)
+    for row, e in zip(rows, ext):
+        row += out[off:off + e]
+        off += e
+        # positions map to slots page by page: token t sits at offset t % ps of its page
+        assert all(s % ps == t % ps for t, s in enumerate(row))
+        assert all(row[t] // ps == row[t - t % ps] // ps for t in range(len(row)))
