@@ -1,0 +1,284 @@
+"""Requests and the batch a model runner executes: what goes where in memory for one forward step.
+
+A `ScheduleBatch` is either an extend (prefill) batch or a decode batch. `prepare_for_extend` and
+`prepare_for_decode` allocate `out_cache_loc`, write `req_to_token`, and evict from the radix cache (or,
+for decode, retract requests) when slots are short. Each shortage is met by one eviction of exactly the
+shortfall, so a loop under pressure does not thrash the tree with many small evictions.
+"""
+
+from __future__ import annotations
+
+import enum
+from array import array
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvmem.allocator import PagedTokenAllocator, TokenAllocator
+from kvmem.radix_cache import RadixCache
+from kvmem.req_to_token import ReqToTokenPool
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"
+    DECODE = "decode"
+
+
+class Req:
+    """One generation request.
+
+    Args:
+        rid: caller's id, echoed in errors.
+        input_ids: prompt token ids (non-empty), kept as an int64 `array`.
+        max_new_tokens: output tokens to generate (>= 1); the request finishes after that many.
+        priority: larger is more valuable to the "priority" eviction policy.
+
+    Memory state, kept by the scheduler: `req_pool_idx` (its req_to_token row or None), `kv_len` (leading
+    tokens of input_ids + output_ids whose slots are in the row), `prefix_indices` and `last_node` (the
+    cached prefix it matched, locked in the tree), `cache_protected_len` (how many leading slots belong
+    to the tree; the rest of the row belongs to the request).
+    """
+
+    def __init__(self, rid, input_ids: Sequence[int], max_new_tokens: int, *, priority: int = 0) -> None:
+        ids = _as_token_array(rid, input_ids)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+                or max_new_tokens <= 0:
+            raise ValueError(f"request {rid!r}: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        self.rid = rid
+        self.input_ids: array = ids
+        self.max_new_tokens = int(max_new_tokens)
+        self.priority = priority
+        self.output_ids: list[int] = []
+        self.req_pool_idx: int | None = None
+        self.kv_len = 0
+        self.prefix_indices: torch.Tensor = _EMPTY
+        self.last_node = None
+        self.cache_protected_len = 0
+        # Tokens this extend step brings the row up to; below len(fill_ids) while chunked prefill goes on.
+        self.extend_end = 0
+        self.num_retractions = 0
+
+    @property
+    def fill_ids(self) -> array:
+        """The tokens whose KV a prefill computes: the prompt and, after a retraction, the outputs so far
+        (an int64 array)."""
+        if not self.output_ids:
+            return self.input_ids
+        ids = array("q", self.input_ids)
+        ids.extend(self.output_ids)
+        return ids
+
+    def finished(self) -> bool:
+        return len(self.output_ids) >= self.max_new_tokens
+
+    def is_chunked(self) -> bool:
+        """True while the prompt is only partly prefilled."""
+        return self.extend_end < len(self.input_ids) + len(self.output_ids)
+
+    def reset_for_retract(self) -> None:
+        self.req_pool_idx = None
+        self.kv_len = 0
+        self.prefix_indices = _EMPTY
+        self.last_node = None
+        self.cache_protected_len = 0
+        self.extend_end = 0
+        self.num_retractions += 1
+
+    def __repr__(self) -> str:
+        return (f"Req(rid={self.rid!r}, input={len(self.input_ids)}, output={len(self.output_ids)}/"
+                f"{self.max_new_tokens}, kv_len={self.kv_len})")
+
+
+def _as_token_array(rid, input_ids) -> array:
+    """Prompt ids as a C int64 array: the radix cache reads its bytes without converting, and it takes
+    about a quarter of the memory of a list of Python ints."""
+    if isinstance(input_ids, (torch.Tensor, np.ndarray)):
+        arr = input_ids.numpy() if isinstance(input_ids, torch.Tensor) else input_ids
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise TypeError(f"request {rid!r}: input_ids must be a 1-D sequence of ints, got "
+                            f"{arr.dtype} of shape {arr.shape}")
+        ids = array("q")
+        ids.frombytes(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
+    else:
+        try:
+            ids = array("q", input_ids)
+        except TypeError:
+            raise TypeError(f"request {rid!r}: input_ids must hold ints, got {type(input_ids).__name__}") from None
+    if not ids:
+        raise ValueError(f"request {rid!r}: input_ids is empty")
+    return ids
+
+
+class ScheduleBatch:
+    """The requests of one forward step and the tensors a model runner needs.
+
+    After `prepare_for_extend()` / `prepare_for_decode()`: `req_pool_indices`, `seq_lens`, `prefix_lens`,
+    `extend_lens` ([bs] int64) and `out_cache_loc` ([num new tokens] int64, the slots this step writes).
+    """
+
+    def __init__(self, reqs: list[Req], req_to_token_pool: ReqToTokenPool,
+                 token_allocator: TokenAllocator | PagedTokenAllocator, tree_cache: RadixCache) -> None:
+        self.reqs = reqs
+        self.req_to_token_pool = req_to_token_pool
+        self.token_allocator = token_allocator
+        self.tree_cache = tree_cache
+        self.page_size = token_allocator.page_size
+        self.forward_mode: ForwardMode | None = None
+        self.req_pool_indices = self.seq_lens = self.prefix_lens = self.extend_lens = _EMPTY
+        self.out_cache_loc = _EMPTY
+        self.retracted: list[Req] = []
+        self.evicted_tokens = 0
+
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    def prepare_for_extend(self) -> bool:
+        """Rows, prefix slots and `out_cache_loc` for every request's tokens kv_len..extend_end.
+
+        New requests (no row yet) get a row and their matched prefix written into it; chunked requests
+        continue in the row they have. Returns False, with nothing changed, if rows or slots are short
+        even after evicting the shortfall from the tree.
+        """
+        self.forward_mode = ForwardMode.EXTEND
+        reqs = self.reqs
+        new = [r for r in reqs if r.req_pool_idx is None]
+        for r in new:
+            r.kv_len = len(r.prefix_indices)
+        prefix = np.fromiter((r.kv_len for r in reqs), dtype=np.int64, count=len(reqs))
+        seq = np.fromiter((r.extend_end for r in reqs), dtype=np.int64, count=len(reqs))
+        if (seq <= prefix).any():
+            i = int(np.flatnonzero(seq <= prefix)[0])
+            raise ValueError(f"request {reqs[i].rid!r}: nothing to extend (kv_len {prefix[i]}, extend_end {seq[i]})")
+        rows = self.req_to_token_pool.alloc(len(new)) if new else []
+        if rows is None:
+            return False
+        for r, row in zip(new, rows):
+            r.req_pool_idx = row
+        last_loc = self._last_loc(prefix)
+        out = self._alloc_with_eviction(lambda: self._alloc_extend(prefix, seq, last_loc),
+                                        self._extend_need(prefix, seq))
+        if out is None:
+            for r in new:
+                r.req_pool_idx = None
+            if rows:
+                self.req_to_token_pool.free(rows)
+            return False
+        self._write_extend(new, prefix, seq, out)
+        for r, s in zip(reqs, seq.tolist()):
+            r.kv_len = s
+        self._set_lens(prefix, seq, out)
+        return True
+
+    def prepare_for_decode(self) -> None:
+        """One slot per running request for the token at position kv_len (its last sampled token).
+
+        When slots are short it evicts the shortfall from the tree, then retracts requests (see
+        `retract_decode`) until the rest fit; retracted requests are in `self.retracted`.
+        """
+        self.forward_mode = ForwardMode.DECODE
+        if self._decode_need() > self.token_allocator.available_size() + self.tree_cache.evictable_size():
+            self.retracted = self.retract_decode()
+        short = self._decode_need() - self.token_allocator.available_size()
+        if short > 0:
+            self.evicted_tokens += self.tree_cache.evict(short)
+        reqs = self.reqs
+        prefix = np.fromiter((r.kv_len for r in reqs), dtype=np.int64, count=len(reqs))
+        seq = prefix + 1
+        if not reqs:
+            self._set_lens(prefix, seq, _EMPTY)
+            return
+        out = self._alloc_extend(prefix, seq, self._last_loc(prefix))
+        assert out is not None, "decode allocation failed after eviction and retraction"
+        rows = torch.from_numpy(np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=len(reqs)))
+        self.req_to_token_pool.req_to_token[rows, torch.from_numpy(prefix)] = out.to(torch.int32)
+        for r in reqs:
+            r.kv_len += 1
+        self._set_lens(prefix, seq, out)
+
+    def retract_decode(self) -> list[Req]:
+        """Releases requests' memory until the remaining ones can decode one more token, counting the
+        evictable part of the tree as free.
+
+        Victims are the requests that generated least (least work lost), longest prompt first among equals;
+        their own slots are freed and their cached prefix unlocked (evictable again); the caller evicts
+        what is still short. They keep their outputs and resume by prefilling prompt + outputs. At least one
+        request is kept.
+        """
+        order = sorted(self.reqs, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
+        retracted = []
+        while len(self.reqs) > 1 and self._decode_need() > self.token_allocator.available_size() \
+                + self.tree_cache.evictable_size():
+            victim = order.pop(0)
+            self.reqs.remove(victim)
+            self._release(victim)
+            retracted.append(victim)
+        return retracted
+
+    def _release(self, req: Req) -> None:
+        own = self._own_slots(req)
+        if len(own):
+            self.token_allocator.free(own)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        if req.last_node is not None:
+            self.tree_cache.dec_lock_ref(req.last_node)
+        req.reset_for_retract()
+
+    def _own_slots(self, req: Req) -> torch.Tensor:
+        """The slots of the row that belong to the request, not the tree."""
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        return row[req.cache_protected_len:req.kv_len].to(torch.int64)
+
+    def _decode_need(self) -> int:
+        if self.page_size == 1:
+            return len(self.reqs)
+        return sum(self.page_size for r in self.reqs if r.kv_len % self.page_size == 0)
+
+    def _extend_need(self, prefix: np.ndarray, seq: np.ndarray) -> int:
+        ps = self.page_size
+        return int(((seq + ps - 1) // ps - (prefix + ps - 1) // ps).sum()) * ps
+
+    def _alloc_with_eviction(self, alloc, need: int):
+        short = need - self.token_allocator.available_size()
+        if short > 0:
+            self.evicted_tokens += self.tree_cache.evict(short)
+            if need > self.token_allocator.available_size():
+                return None
+        return alloc()
+
+    def _alloc_extend(self, prefix: np.ndarray, seq: np.ndarray, last_loc: np.ndarray):
+        if self.page_size == 1:
+            return self.token_allocator.alloc(int((seq - prefix).sum()))
+        return self.token_allocator.alloc_extend(prefix, seq, last_loc)
+
+    def _last_loc(self, prefix: np.ndarray) -> np.ndarray:
+        """Slot of each request's token prefix-1 where that token ends a partial page (else -1): paged
+        allocation continues that page. A new request's prefix comes from the tree in whole pages, so
+        only rows already written (chunked and decoding requests) are read."""
+        last = np.full(len(prefix), -1, dtype=np.int64)
+        partial = np.flatnonzero(prefix % self.page_size)
+        if len(partial):
+            rows = torch.tensor([self.reqs[i].req_pool_idx for i in partial.tolist()], dtype=torch.int64)
+            cols = torch.from_numpy(prefix[partial] - 1)
+            last[partial] = self.req_to_token_pool.req_to_token[rows, cols].numpy()
+        return last
+
+    def _write_extend(self, new: list[Req], prefix: np.ndarray, seq: np.ndarray, out: torch.Tensor) -> None:
+        table = self.req_to_token_pool.req_to_token
+        for r in new:
+            if len(r.prefix_indices):
+                table[r.req_pool_idx, :len(r.prefix_indices)] = r.prefix_indices.to(torch.int32)
+        out32 = out.to(torch.int32)
+        off = 0
+        for r, p, s in zip(self.reqs, prefix.tolist(), seq.tolist()):
+            table[r.req_pool_idx, p:s] = out32[off:off + s - p]
+            off += s - p
+
+    def _set_lens(self, prefix: np.ndarray, seq: np.ndarray, out: torch.Tensor) -> None:
+        self.req_pool_indices = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
+        self.prefix_lens = torch.from_numpy(prefix)
+        self.seq_lens = torch.from_numpy(seq)
+        self.extend_lens = self.seq_lens - self.prefix_lens
+        self.out_cache_loc = out

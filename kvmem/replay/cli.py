@@ -1,0 +1,228 @@
+"""`kvmem-replay`: replay a trace through kvmem's scheduler and radix cache, print a JSON report.
+
+The JSON report is the last thing written to stdout; warnings and the progress bar go to stderr. Every
+user error (bad option, unreadable or malformed trace, unknown model) is one line on stderr and exit
+status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvmem.replay.config import EVICTION_POLICIES, SCHEDULE_POLICIES, ReplayConfig
+from kvmem.replay.report import require_matplotlib, write_sweep_plot
+from kvmem.replay.traces import Trace, TraceError, default_trace_path, read_trace
+
+PROG = "kvmem-replay"
+DEFAULT_CAPACITY_TOKENS = 1 << 18  # 262,144: e.g. Llama-3-8B's bf16 KV in 32 GiB
+SWEEP_FACTORS = (1 / 8, 1 / 4, 1 / 2, 1, 2, 4)  # --sweep without a list: these multiples of the capacity
+SYNTHETIC_FORMATS = ("synthetic-system", "synthetic-chat", "synthetic-agent")
+MAX_WARNINGS = 20  # skipped-line warnings printed one by one; the rest are counted
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of argparse's usage block
+        raise _UsageError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _capacity_list(text: str) -> list[int]:
+    try:
+        return [_positive_int(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive token counts, got {text!r} "
+                                         "(a TRACE goes before --sweep)") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Replay an LLM request trace through kvmem's scheduler and radix "
+                "cache and report hit rate, evictions, memory use and cache-operation time as JSON.")
+    p.add_argument("trace", nargs="?", metavar="TRACE",
+                   help="trace file (Mooncake or kvmem JSONL); default: the embedded Mooncake excerpt")
+    p.add_argument("--format", default="auto", choices=("auto", "mooncake", "jsonl") + SYNTHETIC_FORMATS,
+                   help="trace format, or a built-in synthetic workload (no TRACE then); default auto")
+    cap = p.add_mutually_exclusive_group()
+    cap.add_argument("--capacity-tokens", type=_positive_int, metavar="N",
+                     help=f"KV-cache capacity in tokens (default {DEFAULT_CAPACITY_TOKENS})")
+    cap.add_argument("--gpu-mem-gb", type=_positive_float, metavar="G",
+                     help="KV-cache memory in GiB; needs --model")
+    p.add_argument("--model", metavar="CONFIG", help="model preset for --gpu-mem-gb (see kvmem.sizing)")
+    p.add_argument("--kv-cache-dtype", metavar="DTYPE", help="KV storage dtype for --gpu-mem-gb (default auto)")
+    p.add_argument("--page-size", type=_positive_int, default=1, metavar="P", help="tokens per page (default 1)")
+    p.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES)
+    p.add_argument("--schedule-policy", default="lpm", choices=SCHEDULE_POLICIES)
+    p.add_argument("--max-running", type=_positive_int, default=256, metavar="R",
+                   help="most requests running at once (default 256)")
+    p.add_argument("--chunked-prefill-size", type=int, default=8192, metavar="C",
+                   help="prompt tokens per prefill step; 0 or less: no chunking (default 8192)")
+    p.add_argument("--arrivals", default="honour", choices=("honour", "all-at-once"),
+                   help="honour the trace's arrival times, or queue everything at time 0 (default honour)")
+    p.add_argument("--limit", type=_positive_int, metavar="N",
+                   help="replay only the first N requests (synthetic: generate N; default 1000)")
+    p.add_argument("--on-error", default="stop", choices=("stop", "skip"),
+                   help="at a malformed trace line: stop with its line number, or skip it (default stop)")
+    p.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR (needs matplotlib)")
+    p.add_argument("--sweep", nargs="?", const=[], type=_capacity_list, metavar="CAPACITIES",
+                   help="replay at several capacities (comma-separated tokens; default: the capacity "
+                        "x 1/8, 1/4, 1/2, 1, 2, 4) and report the hit-rate curve")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--seed", type=int, default=0, help="seed for synthetic workloads and the simulator")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit status (0 ok, 2 user error, 130 interrupted)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except _UsageError as e:
+        return _error(str(e))
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        return _error("interrupted", 130)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        if args.plot:
+            require_matplotlib()
+            _make_plot_dir(args.plot)
+        trace = _load_trace(args)
+        config = _replay_config(args, trace)
+        capacities = _sweep_capacities(args, config.capacity_tokens)
+    except TraceError as e:
+        hint = " (--on-error skip skips malformed lines)" if e.line is not None and args.on_error == "stop" else ""
+        return _error(f"{e}{hint}")
+    except (ValueError, RuntimeError) as e:
+        return _error(str(e))
+    _warn_skipped(trace)
+
+    from kvmem.replay.simulator import replay  # imports torch: only once the arguments are good
+
+    progress = not args.no_progress
+    trace_format = args.format if args.format in SYNTHETIC_FORMATS else trace.format
+    out = {"trace": trace.name, "format": trace_format, "skipped_lines": len(trace.skipped),
+           "config": dataclasses.asdict(config)}
+    if capacities is None:
+        reports = [replay(trace, config, progress=progress)]
+        out.update(reports[0].to_json())
+    else:
+        reports = [replay(trace, dataclasses.replace(config, capacity_tokens=c), progress=progress)
+                   for c in capacities]
+        out["sweep"] = [r.to_json() for r in reports]
+    if args.plot:
+        try:
+            plots = reports[0].write_plots(args.plot) if capacities is None else [write_sweep_plot(reports, args.plot)]
+        except OSError as e:
+            return _error(f"cannot write plots to {args.plot}: {e.strerror or e}")
+        out["plots"] = [str(p) for p in plots]
+    sys.stdout.write(json.dumps(out, indent=2) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+def _error(message: str, status: int = 2) -> int:
+    print(f"{PROG}: error: {message.splitlines()[0] if message else 'failed'}", file=sys.stderr)
+    return status
+
+
+def _make_plot_dir(directory: str) -> None:
+    """Creates --plot DIR before the replay, so that a bad DIR fails before minutes of work, not after."""
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RuntimeError(f"cannot write plots to {directory}: {e.strerror or e}") from None
+
+
+def _load_trace(args: argparse.Namespace) -> Trace:
+    if args.format in SYNTHETIC_FORMATS:
+        if args.trace is not None:
+            raise ValueError(f"--format {args.format} generates its workload; drop TRACE ({args.trace})")
+        from kvmem.replay.synthetic import GENERATORS
+        return GENERATORS[args.format](args.limit or 1000, seed=args.seed)
+    if args.trace is None and args.format == "jsonl":
+        raise ValueError("--format jsonl needs a TRACE file (the embedded default is Mooncake)")
+    path = args.trace if args.trace is not None else default_trace_path()
+    return read_trace(path, args.format, limit=args.limit, on_error=args.on_error)
+
+
+def _replay_config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
+    if args.model is not None and args.gpu_mem_gb is None:
+        raise ValueError("--model only sizes the cache together with --gpu-mem-gb")
+    if args.kv_cache_dtype is not None and args.gpu_mem_gb is None:
+        raise ValueError("--kv-cache-dtype only sizes the cache together with --gpu-mem-gb and --model")
+    if args.gpu_mem_gb is not None:
+        capacity = _capacity_from_memory(args)
+    else:
+        capacity = args.capacity_tokens or DEFAULT_CAPACITY_TOKENS
+    return ReplayConfig(
+        capacity_tokens=capacity, max_context_len=trace.max_context_len, page_size=args.page_size,
+        eviction_policy=args.eviction_policy, schedule_policy=args.schedule_policy,
+        max_running=args.max_running,
+        chunked_prefill_size=args.chunked_prefill_size if args.chunked_prefill_size > 0 else None,
+        honour_arrivals=args.arrivals == "honour", seed=args.seed)
+
+
+def _capacity_from_memory(args: argparse.Namespace) -> int:
+    if args.model is None:
+        raise ValueError("--gpu-mem-gb needs --model to know the bytes per token")
+    from kvmem import sizing
+
+    try:
+        model = sizing.get_model_config(args.model)
+    except ValueError as e:
+        raise ValueError(f"--model: {e}") from None
+    capacity = sizing.tokens_for_budget(model, gpu_mem_gb=args.gpu_mem_gb, page_size=args.page_size,
+                                        kv_cache_dtype=args.kv_cache_dtype or "auto")
+    if capacity <= 0:
+        raise ValueError(f"--gpu-mem-gb {args.gpu_mem_gb} holds no {args.page_size}-token page of "
+                         f"{args.model}'s KV cache")
+    return capacity
+
+
+def _sweep_capacities(args: argparse.Namespace, capacity: int) -> list[int] | None:
+    if args.sweep is None:
+        return None
+    capacities = args.sweep or [max(int(capacity * f), args.page_size) for f in SWEEP_FACTORS]
+    for c in capacities:
+        if c < args.page_size:
+            raise ValueError(f"--sweep capacity {c} is less than one page (--page-size {args.page_size})")
+    return sorted(set(capacities))
+
+
+def _warn_skipped(trace: Trace) -> None:
+    for err in trace.skipped[:MAX_WARNINGS]:
+        print(f"{PROG}: warning: {err} (skipped)", file=sys.stderr)
+    if len(trace.skipped) > MAX_WARNINGS:
+        print(f"{PROG}: warning: {len(trace.skipped) - MAX_WARNINGS} more malformed lines skipped",
+              file=sys.stderr)

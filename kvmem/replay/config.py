@@ -1,0 +1,59 @@
+"""What a trace replay simulates: one frozen dataclass, checked where it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority")
+SCHEDULE_POLICIES = ("lpm", "fcfs")
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """The simulated server.
+
+    capacity_tokens: KV-cache slots (tokens) in the pool, page_size included (rounded down to pages by
+        the simulator).
+    max_context_len: the longest prompt + output a request may have (the req_to_token row length);
+        derive it from the trace (`Trace.max_context_len`).
+    page_size: tokens per KV page (1: token-granular radix cache).
+    eviction_policy: which unlocked radix-tree leaves go first: "lru", "lfu", "fifo" or "priority".
+    schedule_policy: "lpm" (longest cached prefix first) or "fcfs" (arrival order).
+    max_running: cap on requests decoding at once (also the req_to_token rows).
+    chunked_prefill_size: new prompt tokens per prefill step (None: a prompt is prefilled whole).
+    honour_arrivals: True admits a request only once the simulated clock reaches its arrival_s; False
+        queues every request at time 0, in trace order.
+    seed: for any tie-break a simulator randomizes.
+    """
+
+    capacity_tokens: int
+    max_context_len: int
+    page_size: int = 1
+    eviction_policy: str = "lru"
+    schedule_policy: str = "lpm"
+    max_running: int = 256
+    chunked_prefill_size: int | None = 8192
+    honour_arrivals: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("capacity_tokens", "max_context_len", "page_size", "max_running"):
+            _check_positive(name, getattr(self, name))
+        if self.chunked_prefill_size is not None:
+            _check_positive("chunked_prefill_size", self.chunked_prefill_size)
+        if self.capacity_tokens < self.page_size:
+            raise ValueError(f"capacity_tokens {self.capacity_tokens} is less than one page "
+                             f"(page_size {self.page_size})")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if not isinstance(self.honour_arrivals, bool):
+            raise ValueError(f"honour_arrivals must be a bool, got {self.honour_arrivals!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -1,0 +1,146 @@
+"""The trace-replay simulator: requests through kvmem's Scheduler and RadixCache with a fake model.
+
+No model runs. Each step's batch is "executed" by handing back the request's next output token (the
+trace's output ids, or `synthetic_output_ids` of its prompt), and a simulated clock advances by a simple
+cost model, so that arrivals can be honoured: a step costs `decode_step_s` plus `1 / prefill_tokens_per_s`
+per prefilled token. Only the order of events matters for the cache; the model sets how many requests
+overlap in time, as a server of that speed would see them.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvmem.allocator import PagedTokenAllocator, TokenAllocator
+from kvmem.batch import ForwardMode, Req
+from kvmem.radix_cache import RadixCache
+from kvmem.replay.config import ReplayConfig
+from kvmem.replay.report import ReplayReport
+from kvmem.replay.traces import TraceRequest
+from kvmem.req_to_token import ReqToTokenPool
+from kvmem.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Simulated seconds per step: a fixed part per forward plus prefill tokens at a throughput.
+
+    The defaults are of the order of one 8-GPU node serving a 70B-class model (tens of thousands of
+    prefill tokens per second, tens of milliseconds per decode step); change them to model another
+    server.
+    """
+
+    decode_step_s: float = 0.03
+    prefill_tokens_per_s: float = 50_000.0
+
+    def __post_init__(self) -> None:
+        if not self.decode_step_s >= 0 or not self.prefill_tokens_per_s > 0:
+            raise ValueError(f"need decode_step_s >= 0 and prefill_tokens_per_s > 0, got {self}")
+
+
+def build_scheduler(config: ReplayConfig) -> Scheduler:
+    """The pools, tree and scheduler a replay of `config` runs on."""
+    ps = config.page_size
+    capacity = config.capacity_tokens // ps * ps
+    pool = ReqToTokenPool(config.max_running, config.max_context_len)
+    alloc = TokenAllocator(capacity) if ps == 1 else PagedTokenAllocator(capacity, ps)
+    tree = RadixCache(pool, alloc, page_size=ps, eviction_policy=config.eviction_policy)
+    return Scheduler(pool, alloc, tree, SchedulerConfig(
+        schedule_policy=config.schedule_policy, max_running_requests=config.max_running,
+        chunked_prefill_size=config.chunked_prefill_size))
+
+
+def replay(requests: Sequence[TraceRequest], config: ReplayConfig, progress: bool = False,
+           cost: StepCost = StepCost()) -> ReplayReport:
+    """Replays `requests` (a Trace or a list of TraceRequest) and returns what it measured.
+
+    Requests that can never run (longer than max_context_len or the KV capacity) are rejected at
+    admission, counted in the report's `rejected`, and the replay goes on.
+    """
+    sched = build_scheduler(config)
+    report = ReplayReport(capacity_tokens=sched.token_allocator.size)
+    order = _arrival_order(requests, config.honour_arrivals)
+    outputs: dict[int, np.ndarray] = {}
+    admitted: set[int] = set()
+    bar = _progress_bar(len(order), progress)
+    clock = 0.0
+    nxt = 0
+    cache_s = 0.0
+    t_start = time.perf_counter()
+    alloc, tree = sched.token_allocator, sched.tree_cache
+    while nxt < len(order) or not sched.is_idle():
+        if sched.is_idle() and config.honour_arrivals:
+            clock = max(clock, requests_arrival(requests, order[nxt]))
+        while nxt < len(order) and (not config.honour_arrivals
+                                    or requests_arrival(requests, order[nxt]) <= clock):
+            nxt += 1
+            i = int(order[nxt - 1])
+            tr = requests[i]
+            try:
+                sched.add_request(Req(i, tr.input_ids.tolist(), tr.output_len))
+            except ValueError as e:
+                report.rejected += 1
+                print(f"kvmem-replay: skipped: {e}", file=sys.stderr)
+                if bar is not None:
+                    bar.update(1)
+                continue
+            outputs[i] = tr.output_tokens()
+        t0 = time.perf_counter()
+        batch = sched.step()
+        cache_s += time.perf_counter() - t0
+        if batch is None:
+            if not sched.is_idle():
+                raise RuntimeError("scheduler stalled: requests wait but none can be admitted")
+            continue
+        extend = batch.forward_mode is ForwardMode.EXTEND
+        if extend:
+            for req in batch.reqs:
+                if req.rid not in admitted:
+                    admitted.add(req.rid)
+                    report.record_admission(len(req.input_ids), len(req.prefix_indices))
+            clock += cost.decode_step_s + int(batch.extend_lens.sum()) / cost.prefill_tokens_per_s
+        else:
+            clock += cost.decode_step_s
+        tokens = [int(outputs[r.rid][len(r.output_ids)]) for r in batch.reqs]
+        t0 = time.perf_counter()
+        finished = sched.process_batch_result(batch, tokens)
+        cache_s += time.perf_counter() - t0
+        for req in finished:
+            del outputs[req.rid]
+        if bar is not None and finished:
+            bar.update(len(finished))
+        report.record_step(clock, alloc.size - alloc.available_size(), tree.evictable_size(), len(sched.running))
+    if bar is not None:
+        bar.close()
+    report.evicted_tokens = sched.stats.evicted_tokens
+    report.retractions = sched.stats.retractions
+    report.cache_op_seconds = cache_s
+    report.replay_seconds = time.perf_counter() - t_start
+    return report
+
+
+def requests_arrival(requests: Sequence[TraceRequest], i: int) -> float:
+    arrivals = getattr(requests, "arrival_s", None)
+    return float(arrivals[i]) if arrivals is not None else requests[i].arrival_s
+
+
+def _arrival_order(requests: Sequence[TraceRequest], honour_arrivals: bool) -> np.ndarray:
+    if not honour_arrivals:
+        return np.arange(len(requests))
+    arrivals = getattr(requests, "arrival_s", None)
+    if arrivals is None:
+        arrivals = np.array([r.arrival_s for r in requests], dtype=np.float64)
+    return np.argsort(arrivals, kind="stable")
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)

@@ -1,0 +1,266 @@
+"""A reference scheduler loop over kvmem's pools and radix cache, small enough to embed or copy.
+
+Each `step()` returns one batch for the model runner: an extend batch when waiting requests can be admitted
+(prefill first, as SGLang does), else a decode batch of the running requests. The runner computes and hands
+the sampled token ids back through `process_batch_result`, which appends them, finishes requests into the
+radix cache and keeps chunked prefills going.
+
+Admission keeps room for the running requests' future tokens (`new_token_ratio` x remaining output tokens,
+the ratio decaying while decode goes well and jumping back after a retraction, as SGLang does), so that a
+retraction is rare and not followed at once by re-admitting what was just retracted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvmem.allocator import PagedTokenAllocator, TokenAllocator
+from kvmem.batch import ForwardMode, Req, ScheduleBatch
+from kvmem.radix_cache import RadixCache
+from kvmem.req_to_token import ReqToTokenPool
+
+SCHEDULE_POLICIES = ("lpm", "fcfs")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the loop admits work.
+
+    schedule_policy: "lpm" (longest cached prefix first) or "fcfs" (arrival order).
+    max_running_requests: cap on requests in the running batch (None: the req_to_token rows).
+    chunked_prefill_size: new tokens per extend step (None: no cap, no chunking); a request longer
+        than what is left of the step is prefilled in chunks.
+    lpm_window: how many waiting requests "lpm" matches against the tree per step (bounds its cost).
+    init_new_token_ratio / min_new_token_ratio / new_token_ratio_decay: the share of running requests'
+        remaining output tokens that admission keeps free.
+    """
+
+    schedule_policy: str = "lpm"
+    max_running_requests: int | None = None
+    chunked_prefill_size: int | None = 8192
+    lpm_window: int = 128
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001
+
+    def __post_init__(self) -> None:
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        for name in ("max_running_requests", "chunked_prefill_size"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v <= 0):
+                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
+            raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got "
+                             f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
+
+
+@dataclass
+class SchedulerStats:
+    retractions: int = 0
+    evicted_tokens: int = 0
+    prefill_batches: int = 0
+    decode_batches: int = 0
+    rejected: int = 0
+
+
+class Scheduler:
+    """Admits, prefills (chunked), decodes and finishes requests over one set of pools and one tree."""
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, token_allocator: TokenAllocator | PagedTokenAllocator,
+                 tree_cache: RadixCache, config: SchedulerConfig = SchedulerConfig()) -> None:
+        if tree_cache.page_size != token_allocator.page_size:
+            raise ValueError(f"tree_cache.page_size {tree_cache.page_size} != token_allocator.page_size "
+                             f"{token_allocator.page_size}")
+        self.req_to_token_pool = req_to_token_pool
+        self.token_allocator = token_allocator
+        self.tree_cache = tree_cache
+        self.config = config
+        self.page_size = token_allocator.page_size
+        self.max_running = min(config.max_running_requests or req_to_token_pool.size, req_to_token_pool.size)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.new_token_ratio = config.init_new_token_ratio
+        self.stats = SchedulerStats()
+        self._batch: ScheduleBatch | None = None
+
+    # ---- intake -------------------------------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        """Queues a request, or raises ValueError (nothing queued) if it can never run here."""
+        total = len(req.input_ids) + req.max_new_tokens
+        if total > self.req_to_token_pool.max_context_len:
+            self.stats.rejected += 1
+            raise ValueError(f"request {req.rid!r}: {len(req.input_ids)} prompt + {req.max_new_tokens} new tokens "
+                             f"exceed max_context_len {self.req_to_token_pool.max_context_len}")
+        if _round_up(total, self.page_size) > self.token_allocator.size:
+            self.stats.rejected += 1
+            raise ValueError(f"request {req.rid!r}: {total} tokens exceed the KV capacity "
+                             f"{self.token_allocator.size}")
+        if req.req_pool_idx is not None or req.finished():
+            raise ValueError(f"request {req.rid!r} is already running or finished")
+        self.waiting.append(req)
+
+    def is_idle(self) -> bool:
+        return not self.waiting and not self.running and self.chunked_req is None
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def step(self) -> ScheduleBatch | None:
+        """The next batch to run (extend if anything can be admitted, else decode), or None when idle.
+
+        Call `process_batch_result` with its sampled tokens before the next `step()`.
+        """
+        if self._batch is not None:
+            raise RuntimeError("step() called before process_batch_result() for the previous batch")
+        batch = self._get_extend_batch()
+        if batch is None and self.running:
+            batch = ScheduleBatch(self.running, self.req_to_token_pool, self.token_allocator, self.tree_cache)
+            batch.prepare_for_decode()
+            self.stats.decode_batches += 1
+            self.stats.evicted_tokens += batch.evicted_tokens
+            if batch.retracted:
+                self.stats.retractions += len(batch.retracted)
+                self.waiting.extendleft(reversed(batch.retracted))
+                self.new_token_ratio = self.config.init_new_token_ratio
+            else:
+                self.new_token_ratio = max(self.config.min_new_token_ratio,
+                                           self.new_token_ratio - self.config.new_token_ratio_decay)
+        self._batch = batch
+        return batch
+
+    def process_batch_result(self, batch: ScheduleBatch, next_token_ids) -> list[Req]:
+        """Appends each request's sampled token (ignored for a chunk that is not the prompt's last) and
+        returns the requests that finished, already cached in the tree with their memory released."""
+        if batch is not self._batch:
+            raise ValueError("batch is not the one the last step() returned")
+        tokens = list(next_token_ids)
+        if len(tokens) != batch.batch_size():
+            raise ValueError(f"next_token_ids has {len(tokens)} tokens for a batch of {batch.batch_size()}")
+        self._batch = None
+        finished, still_running = [], []
+        for req, tok in zip(batch.reqs, tokens):
+            if batch.forward_mode is ForwardMode.EXTEND and req.is_chunked():
+                self.tree_cache.cache_unfinished_req(req)
+                continue
+            req.output_ids.append(int(tok))
+            if req.finished():
+                self.tree_cache.cache_finished_req(req)
+                finished.append(req)
+            else:
+                still_running.append(req)
+        if batch.forward_mode is ForwardMode.EXTEND:
+            self.running.extend(still_running)
+        else:
+            self.running = still_running
+        return finished
+
+    # ---- admission ----------------------------------------------------------------------------------
+    def _get_extend_batch(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        budget = self.config.chunked_prefill_size or float("inf")
+        free_tokens = self.token_allocator.available_size() - self._reserved_tokens()
+        reqs: list[Req] = []
+        chunked, self.chunked_req = self.chunked_req, None
+        if chunked is not None:
+            # Its whole prompt was charged when it was admitted; it continues without a new check.
+            budget, free_tokens = self._plan_extend(chunked, budget, free_tokens)
+            reqs.append(chunked)
+        can_admit = len(self.running) + len(reqs) < self.max_running and budget > 0 and self.chunked_req is None
+        # Matching the waiting window costs a tree walk per request: only when someone can be admitted.
+        matched = self._sort_waiting_by_prefix() if can_admit and self.config.schedule_policy == "lpm" else set()
+        while self.waiting and len(self.running) + len(reqs) < self.max_running and budget > 0 \
+                and self.chunked_req is None:
+            req = self.waiting[0]
+            if id(req) not in matched:
+                self._match(req)
+            self.tree_cache.inc_lock_ref(req.last_node)
+            if self._charge(req, len(req.prefix_indices)) > free_tokens + self.tree_cache.evictable_size():
+                self.tree_cache.dec_lock_ref(req.last_node)
+                break
+            self.waiting.popleft()
+            budget, free_tokens = self._plan_extend(req, budget, free_tokens)
+            reqs.append(req)
+        if not reqs:
+            return None
+        batch = ScheduleBatch(reqs, self.req_to_token_pool, self.token_allocator, self.tree_cache)
+        if not batch.prepare_for_extend():
+            self._undo_admission(reqs, chunked)
+            return None
+        self.stats.prefill_batches += 1
+        self.stats.evicted_tokens += batch.evicted_tokens
+        return batch
+
+    def _undo_admission(self, reqs: list[Req], chunked: Req | None) -> None:
+        """Puts back what `_get_extend_batch` took when its allocation failed (tree and pools unchanged)."""
+        self.chunked_req = chunked
+        fresh = [r for r in reqs if r is not chunked]
+        for req in fresh:
+            self.tree_cache.dec_lock_ref(req.last_node)
+        self.waiting.extendleft(reversed(fresh))
+
+    def _plan_extend(self, req: Req, budget: float, free_tokens: int) -> tuple[float, int]:
+        """Sets how far this step prefills `req` and charges the budget and free room for it."""
+        start = req.kv_len if req.req_pool_idx is not None else len(req.prefix_indices)
+        end = min(len(req.fill_ids), start + budget)
+        req.extend_end = int(end)
+        if req.is_chunked():
+            self.chunked_req = req
+        return budget - (end - start), free_tokens - self._charge(req, start)
+
+    def _charge(self, req: Req, start: int) -> int:
+        """Room admission keeps for `req`: slots (whole pages) for the rest of its prompt from token
+        `start`, plus its share of future output tokens."""
+        prompt = _round_up(len(req.fill_ids), self.page_size) - _round_up(start, self.page_size)
+        return prompt + int((req.max_new_tokens - len(req.output_ids)) * self.new_token_ratio)
+
+    def _reserved_tokens(self) -> int:
+        reqs = self.running
+        return int(sum(r.max_new_tokens - len(r.output_ids) for r in reqs) * self.new_token_ratio)
+
+    def _match(self, req: Req) -> None:
+        # At least one token is always left to compute: the prefill must produce the next token's logits.
+        key = req.fill_ids[:-1]
+        m = self.tree_cache.match_prefix(key)
+        req.prefix_indices = m.indices
+        req.last_node = m.last_node
+        req.cache_protected_len = len(m.indices)
+
+    def _sort_waiting_by_prefix(self) -> set[int]:
+        """Matches the first `lpm_window` waiting requests and puts the longest cached prefixes first;
+        returns the ids of the requests matched (their match stays valid for this step)."""
+        window = [self.waiting.popleft() for _ in range(min(self.config.lpm_window, len(self.waiting)))]
+        for req in window:
+            self._match(req)
+        window.sort(key=lambda r: -len(r.prefix_indices))  # stable: arrival order among equals
+        self.waiting.extendleft(reversed(window))
+        return {id(r) for r in window}
+
+    # ---- checks -------------------------------------------------------------------------------------
+    def held_by_requests(self) -> int:
+        """Slots held by running or chunked requests and not by the tree (whole pages)."""
+        reqs = list(self.running)
+        if self.chunked_req is not None and self.chunked_req not in reqs:
+            reqs.append(self.chunked_req)
+        if self._batch is not None:
+            reqs += [r for r in self._batch.reqs if r not in reqs]
+        return sum(_round_up(r.kv_len, self.page_size) - r.cache_protected_len
+                   for r in reqs if r.req_pool_idx is not None)
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError unless free + evictable + protected + held by requests == total,
+        and the tree's own invariants hold."""
+        self.tree_cache.check_invariants()
+        free = self.token_allocator.available_size()
+        evictable = self.tree_cache.evictable_size()
+        protected = self.tree_cache.protected_size()
+        held = self.held_by_requests()
+        total = self.token_allocator.size
+        if free + evictable + protected + held != total:
+            raise AssertionError(f"memory leak or double count: free {free} + evictable {evictable} + protected "
+                                 f"{protected} + held by requests {held} != total {total}")
+
+
+def _round_up(n: int, page_size: int) -> int:
+    return -(-n // page_size) * page_size

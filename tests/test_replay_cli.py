@@ -1,0 +1,231 @@
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from kvmem.replay.cli import DEFAULT_CAPACITY_TOKENS, main
+from kvmem.replay.config import ReplayConfig
+from kvmem.replay.report import ReplayReport
+from kvmem.replay.traces import default_trace_path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def fake_replay(monkeypatch):
+    """Stands in for kvmem.replay.simulator.replay: admits every request with half its prompt cached."""
+    calls = []
+
+    def replay(requests, config, progress=False):
+        calls.append((requests, config, progress))
+        report = ReplayReport(config.capacity_tokens)
+        for step, req in enumerate(requests):
+            report.record_admission(req.input_ids.size, req.input_ids.size // 2)
+            report.record_step(float(step), min(req.input_ids.size, config.capacity_tokens), 0, 1)
+        return report
+
+    monkeypatch.setitem(sys.modules, "kvmem.replay.simulator", types.SimpleNamespace(replay=replay))
+    return calls
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, out, err, *fragments):
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("kvmem-replay: error: ") and "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err
+
+
+def write_trace(tmp_path, lines):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+GOOD = '{"input_ids": [1, 2, 3, 4], "output_len": 2}'
+
+
+# ---- the report on stdout ---------------------------------------------------------------------------------
+
+def test_no_trace_replays_the_embedded_default_and_prints_the_json_report_last(capsys, fake_replay):
+    code, out, err = run(capsys, "--no-progress")
+    assert code == 0
+    report = json.loads(out)  # the whole of stdout is the one JSON document
+    assert out.endswith("}\n")
+    assert report["trace"] == str(default_trace_path()) and report["format"] == "mooncake"
+    for key in ("requests", "prompt_tokens", "cached_tokens", "hit_rate", "evicted_tokens", "retractions",
+                "peak_tokens_used", "mean_tokens_used", "capacity_tokens", "cache_op_seconds", "replay_seconds"):
+        assert key in report
+    assert report["requests"] == 400 and report["capacity_tokens"] == DEFAULT_CAPACITY_TOKENS
+    (requests, config, progress), = fake_replay
+    assert len(requests) == 400 and progress is False
+
+
+def test_options_reach_the_replay_config(capsys, fake_replay, tmp_path):
+    path = write_trace(tmp_path, [GOOD, '{"input_ids": [1, 2], "output_len": 9}'])
+    code, out, _ = run(capsys, str(path), "--capacity-tokens", "4096", "--page-size", "16", "--eviction-policy",
+                       "lfu", "--schedule-policy", "fcfs", "--max-running", "8", "--chunked-prefill-size", "0",
+                       "--arrivals", "all-at-once", "--seed", "7")
+    assert code == 0
+    config = fake_replay[0][1]
+    assert config == ReplayConfig(capacity_tokens=4096, max_context_len=11, page_size=16, eviction_policy="lfu",
+                                  schedule_policy="fcfs", max_running=8, chunked_prefill_size=None,
+                                  honour_arrivals=False, seed=7)
+    assert json.loads(out)["config"]["eviction_policy"] == "lfu"
+
+
+def test_gpu_memory_and_model_size_the_capacity(capsys, fake_replay):
+    sizing = pytest.importorskip("kvmem.sizing")
+    code, out, _ = run(capsys, "--gpu-mem-gb", "2", "--model", "llama-3-8b", "--page-size", "16", "--limit", "3")
+    assert code == 0
+    expected = sizing.tokens_for_budget(sizing.get_model_config("llama-3-8b"), gpu_mem_gb=2.0, page_size=16)
+    assert json.loads(out)["capacity_tokens"] == expected == fake_replay[0][1].capacity_tokens
+
+
+def test_sweep_replays_each_capacity_and_reports_the_curve(capsys, fake_replay):
+    code, out, _ = run(capsys, "--limit", "5", "--sweep", "30000,10000,20000")
+    assert code == 0
+    sweep = json.loads(out)["sweep"]
+    assert [r["capacity_tokens"] for r in sweep] == [10000, 20000, 30000]
+    assert [c.capacity_tokens for _, c, _ in fake_replay] == [10000, 20000, 30000]
+
+
+def test_sweep_without_a_list_scales_the_capacity(capsys, fake_replay):
+    code, out, _ = run(capsys, "--limit", "2", "--capacity-tokens", "8000", "--sweep")
+    assert code == 0
+    assert [r["capacity_tokens"] for r in json.loads(out)["sweep"]] == [1000, 2000, 4000, 8000, 16000, 32000]
+
+
+@pytest.mark.parametrize("fmt", ["synthetic-system", "synthetic-chat", "synthetic-agent"])
+def test_synthetic_formats_generate_limit_requests(capsys, fake_replay, fmt):
+    code, out, _ = run(capsys, "--format", fmt, "--limit", "12", "--seed", "3")
+    assert code == 0
+    report = json.loads(out)
+    assert report["requests"] == 12 and report["format"] == fmt and report["trace"] == fmt
+
+
+def test_skip_mode_warns_on_stderr_naming_each_bad_line(capsys, fake_replay, tmp_path):
+    path = write_trace(tmp_path, [GOOD, "{oops", GOOD])
+    code, out, err = run(capsys, str(path), "--on-error", "skip")
+    assert code == 0
+    assert f"{path}:2:" in err and "skipped" in err
+    report = json.loads(out)
+    assert report["skipped_lines"] == 1 and report["requests"] == 2
+
+
+# ---- user errors: one line on stderr, exit 2 --------------------------------------------------------------
+
+def test_a_malformed_line_stops_the_run_naming_the_line(capsys, fake_replay, tmp_path):
+    path = write_trace(tmp_path, [GOOD, '{"input_ids": [1], "output_len": -3}'])
+    assert_one_line_error(*run(capsys, str(path)), f"{path}:2:", "output_len", "--on-error skip")
+    assert fake_replay == []
+
+
+def test_a_missing_trace_file_exits_2(capsys, fake_replay, tmp_path):
+    assert_one_line_error(*run(capsys, str(tmp_path / "missing.jsonl")), "missing.jsonl", "cannot open")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--format", "csv"], "invalid choice"),
+    (["--capacity-tokens", "100", "--gpu-mem-gb", "8"], "not allowed with"),
+    (["--gpu-mem-gb", "8"], "needs --model"),
+    (["--model", "llama-3-8b"], "--model only"),
+    (["--capacity-tokens", "100", "--kv-cache-dtype", "int8"], "--kv-cache-dtype only"),
+    (["--capacity-tokens", "0"], "positive int"),
+    (["--page-size", "16", "--capacity-tokens", "8"], "less than one page"),
+    (["--sweep", "100,x"], "comma-separated"),
+    (["--format", "jsonl"], "needs a TRACE"),
+    (["--format", "synthetic-chat", "some.jsonl"], "drop TRACE"),
+    (["--limit", "-1"], "positive int"),
+    (["--bogus"], "unrecognized arguments"),
+])
+def test_bad_arguments_exit_2_with_one_line(capsys, fake_replay, argv, fragment):
+    assert_one_line_error(*run(capsys, *argv), fragment)
+    assert fake_replay == []
+
+
+def test_a_file_in_no_known_format_exits_2(capsys, fake_replay, tmp_path):
+    path = write_trace(tmp_path, ['{"prompt": "hello"}'])
+    assert_one_line_error(*run(capsys, str(path)), "unknown trace format")
+
+
+def test_an_unknown_model_exits_2(capsys, fake_replay):
+    pytest.importorskip("kvmem.sizing")
+    assert_one_line_error(*run(capsys, "--gpu-mem-gb", "8", "--model", "gpt-17"), "gpt-17")
+
+
+def test_plotting_without_matplotlib_fails_before_the_replay(capsys, fake_replay, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib...` raise ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    assert_one_line_error(*run(capsys, "--plot", str(tmp_path)), "pip install matplotlib")
+    assert fake_replay == []
+
+
+def test_an_unwritable_plot_directory_fails_before_the_replay(capsys, fake_replay, tmp_path):
+    pytest.importorskip("matplotlib")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert_one_line_error(*run(capsys, "--plot", str(blocker / "plots")), "cannot write plots")
+    assert fake_replay == []
+
+
+def test_help_exits_0(capsys):
+    assert main(["--help"]) == 0
+    assert "--capacity-tokens" in capsys.readouterr().out
+
+
+def test_the_script_shim_reports_errors_without_a_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "replay.py"), str(tmp_path / "none.jsonl")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "none.jsonl" in proc.stderr
+
+
+# ---- the report itself ------------------------------------------------------------------------------------
+
+def test_hit_rate_is_cached_prefix_tokens_at_first_admission_over_prompt_tokens():
+    report = ReplayReport(capacity_tokens=100)
+    report.record_admission(40, 10)
+    report.record_step(0.5, 60, 20, 1)
+    report.record_admission(60, 30)
+    report.record_step(1.0, 90, 10, 2)
+    summary = report.to_json()
+    assert summary["hit_rate"] == 0.4 and summary["prompt_tokens"] == 100 and summary["cached_tokens"] == 40
+    assert summary["peak_tokens_used"] == 90 and summary["mean_tokens_used"] == 75.0
+    assert summary["peak_pinned_tokens"] == 80 and summary["steps"] == 2
+    assert list(report.cumulative_hit_rate) == [0.25, 0.4]
+    with pytest.raises(ValueError, match="cached_len"):
+        report.record_admission(5, 6)
+
+
+def test_plots_are_written_as_png_files(tmp_path):
+    pytest.importorskip("matplotlib")
+    from kvmem.replay.report import write_sweep_plot
+
+    reports = []
+    for capacity in (1000, 2000):
+        report = ReplayReport(capacity)
+        report.record_admission(100, capacity // 40)
+        report.record_step(0.0, 500, 100, 1)
+        report.record_step(1.0, 900, 300, 2)
+        reports.append(report)
+    paths = reports[0].write_plots(tmp_path) + [write_sweep_plot(reports, tmp_path)]
+    assert [p.name for p in paths] == ["memory_use.png", "hit_rate.png", "hit_rate_vs_capacity.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_plot_option_writes_the_plots_named_in_the_report(capsys, fake_replay, tmp_path):
+    pytest.importorskip("matplotlib")
+    code, out, _ = run(capsys, "--limit", "3", "--plot", str(tmp_path / "single"))
+    assert code == 0
+    assert [Path(p).name for p in json.loads(out)["plots"]] == ["memory_use.png", "hit_rate.png"]
+    code, out, _ = run(capsys, "--limit", "3", "--sweep", "1000,2000", "--plot", str(tmp_path / "sweep"))
+    assert code == 0 and Path(json.loads(out)["plots"][0]).exists()

@@ -1,0 +1,177 @@
+"""End-to-end scheduler loops with a fake model that writes token ids into a fake KV store."""
+
+import random
+
+import pytest
+import torch
+
+from kvmem.allocator import PagedTokenAllocator, TokenAllocator
+from kvmem.batch import ForwardMode, Req
+from kvmem.radix_cache import RadixCache
+from kvmem.req_to_token import ReqToTokenPool
+from kvmem.scheduler import Scheduler, SchedulerConfig
+
+
+def make_scheduler(capacity, page_size=1, max_context_len=4096, rows=64, **cfg):
+    pool = ReqToTokenPool(rows, max_context_len)
+    alloc = TokenAllocator(capacity) if page_size == 1 else PagedTokenAllocator(capacity, page_size)
+    tree = RadixCache(pool, alloc, page_size=page_size)
+    return Scheduler(pool, alloc, tree, SchedulerConfig(**cfg))
+
+
+def next_token(tokens):
+    """A deterministic 'model': the next token depends only on the sequence so far."""
+    return (hash(tuple(tokens[-16:])) ^ len(tokens)) % 30000 + 10
+
+
+class FakeModel:
+    """Writes each computed token id into the slot the batch assigned, then checks every row."""
+
+    def __init__(self, sched):
+        self.sched = sched
+        self.kv = torch.full((sched.token_allocator.size + sched.page_size,), -1, dtype=torch.int64)
+
+    def forward(self, batch):
+        tokens = []
+        for r, p, s in zip(batch.reqs, batch.prefix_lens.tolist(), batch.seq_lens.tolist()):
+            tokens += list(r.fill_ids[p:s])
+        assert len(tokens) == len(batch.out_cache_loc)
+        self.kv[batch.out_cache_loc] = torch.tensor(tokens, dtype=torch.int64)
+        table = self.sched.req_to_token_pool.req_to_token
+        for r, s in zip(batch.reqs, batch.seq_lens.tolist()):
+            row = table[r.req_pool_idx, :s].to(torch.int64)
+            assert self.kv[row].tolist() == list(r.fill_ids[:s]), f"{r.rid}: row slots do not hold its tokens"
+        return [next_token(list(r.fill_ids[:s])) for r, s in zip(batch.reqs, batch.seq_lens.tolist())]
+
+
+def run(sched, reqs, max_steps=100_000):
+    for r in reqs:
+        sched.add_request(r)
+    model = FakeModel(sched)
+    for _ in range(max_steps):
+        batch = sched.step()
+        if batch is None:
+            assert sched.is_idle(), "scheduler stalled with work left"
+            return model
+        sched.process_batch_result(batch, model.forward(batch))
+        sched.check_invariants()
+    raise AssertionError("did not finish")
+
+
+def shared_prefix_requests(n, seed=0, n_sys=3, sys_len=300, max_new=24):
+    rng = random.Random(seed)
+    systems = [[rng.randrange(10, 30000) for _ in range(sys_len)] for _ in range(n_sys)]
+    return [Req(i, rng.choice(systems) + [rng.randrange(10, 30000) for _ in range(rng.randint(1, 120))],
+                rng.randint(1, max_new)) for i in range(n)]
+
+
+def expected_output(req):
+    toks = list(req.input_ids)
+    out = []
+    for _ in range(req.max_new_tokens):
+        out.append(next_token(toks + out))
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("policy", ["lpm", "fcfs"])
+def test_loop_serves_shared_prefixes_and_leaves_no_leak(page_size, policy):
+    reqs = shared_prefix_requests(40)
+    sched = make_scheduler(8192, page_size, schedule_policy=policy, max_running_requests=8)
+    run(sched, reqs)
+    for r in reqs:
+        assert r.output_ids == expected_output(r)
+    # Idle: every slot is free or evictable, nothing protected or held.
+    tree, alloc = sched.tree_cache, sched.token_allocator
+    assert tree.protected_size() == 0
+    assert alloc.available_size() + tree.evictable_size() == alloc.size
+    assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
+    assert sched.stats.prefill_batches > 0 and sched.stats.decode_batches > 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_same_prefix_maps_to_same_slots_across_requests(page_size):
+    sched = make_scheduler(4096, page_size)
+    prompt = list(range(100, 180))
+    a = Req("a", prompt + [1, 2, 3], 4)
+    model = run(sched, [a])
+    b = Req("b", prompt + [7, 8], 4)
+    sched.add_request(b)
+    batch = sched.step()
+    row = sched.req_to_token_pool.req_to_token[b.req_pool_idx]
+    cached = len(b.prefix_indices)
+    assert cached == (80 // page_size) * page_size
+    m = sched.tree_cache.match_prefix(prompt)
+    assert row[:cached].tolist() == m.indices[:cached].tolist()
+    sched.process_batch_result(batch, model.forward(batch))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_retracted_requests_resume_and_finish_with_the_same_output(page_size):
+    reqs = [Req(i, [i * 7 + t for t in range(10, 60)], 200) for i in range(12)]
+    sched = make_scheduler(1024, page_size, max_running_requests=12, init_new_token_ratio=0.05,
+                           min_new_token_ratio=0.0)
+    run(sched, reqs)
+    assert sched.stats.retractions > 0
+    assert any(r.num_retractions for r in reqs)
+    for r in reqs:
+        assert r.output_ids == expected_output(r)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_chunked_prefill_caps_new_tokens_per_step(page_size):
+    reqs = [Req(i, list(range(1000 + i, 2500 + i)), 5) for i in range(3)]
+    sched = make_scheduler(16384, page_size, chunked_prefill_size=256)
+    for r in reqs:
+        sched.add_request(r)
+    model = FakeModel(sched)
+    extends = 0
+    while not sched.is_idle():
+        batch = sched.step()
+        if batch.forward_mode is ForwardMode.EXTEND:
+            extends += 1
+            assert int(batch.extend_lens.sum()) <= 256
+        sched.process_batch_result(batch, model.forward(batch))
+        sched.check_invariants()
+    assert extends >= 3 * 1500 // 256
+    for r in reqs:
+        assert r.output_ids == expected_output(r)
+
+
+def test_bad_requests_are_rejected_at_admission_and_the_loop_serves_the_rest():
+    sched = make_scheduler(2048, max_context_len=256)
+    with pytest.raises(ValueError, match="exceed max_context_len"):
+        sched.add_request(Req("long", list(range(300)), 4))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        Req("zero", [1, 2], 0)
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        Req("empty", [], 3)
+    with pytest.raises(TypeError, match="must hold ints"):
+        Req("floats", [1.5], 3)
+    ok = Req("ok", list(range(50)), 3)
+    run(sched, [ok])
+    assert ok.output_ids == expected_output(ok)
+    assert sched.stats.rejected == 1
+
+
+def test_request_larger_than_kv_capacity_is_rejected():
+    sched = make_scheduler(128, max_context_len=1024)
+    with pytest.raises(ValueError, match="KV capacity"):
+        sched.add_request(Req("big", list(range(200)), 4))
+
+
+def test_step_requires_the_previous_result_first():
+    sched = make_scheduler(1024)
+    sched.add_request(Req(0, [1, 2, 3], 2))
+    batch = sched.step()
+    with pytest.raises(RuntimeError, match="process_batch_result"):
+        sched.step()
+    with pytest.raises(ValueError, match="tokens for a batch"):
+        sched.process_batch_result(batch, [])
+
+
+def test_scheduler_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="schedule_policy"):
+        SchedulerConfig(schedule_policy="random")
+    with pytest.raises(ValueError, match="chunked_prefill_size"):
+        SchedulerConfig(chunked_prefill_size=0)
