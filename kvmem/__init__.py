@@ -1,0 +1,25 @@
+"""kvmem: KV-cache memory management for LLM serving, in SGLang's vocabulary."""
+
+from kvmem.allocator import AllocatorState, PagedTokenAllocator, TokenAllocator
+from kvmem.batch import ForwardMode, Req, ScheduleBatch
+from kvmem.kv_pool import MHAKVPool, MLAKVPool
+from kvmem.radix_cache import MatchResult, RadixCache, TreeNode
+from kvmem.req_to_token import ReqToTokenPool
+from kvmem.scheduler import Scheduler, SchedulerConfig
+
+__all__ = [
+    "AllocatorState",
+    "ForwardMode",
+    "MHAKVPool",
+    "MLAKVPool",
+    "MatchResult",
+    "PagedTokenAllocator",
+    "RadixCache",
+    "Req",
+    "ReqToTokenPool",
+    "ScheduleBatch",
+    "Scheduler",
+    "SchedulerConfig",
+    "TokenAllocator",
+    "TreeNode",
+]

@@ -1,0 +1,329 @@
+#!/usr/bin/env python3
+"""Radix cache micro-benchmarks: kvmem's RadixCache beside SGLang's, on the same calls and the same keys.
+
+Rows (page_size 1, LRU, CPU tensors; median microseconds per call):
+  match_prefix  keys of 1k, 32k and 256k tokens, cached as a path of 512-token nodes (the shape that
+                multi-turn chats and chunked prefill give the tree); the whole key matches.
+  insert        a key of 1k / 32k / 256k tokens whose first half is that cached path and whose second half
+                is new (a new leaf per call).
+  evict(64)     at 1k, 10k, 40k and 200k evictable leaves under a shared 64-token prefix, with 16-token
+                leaves (4 nodes freed a call) and 1-token leaves (64 nodes a call). Evicted leaves are
+                replaced, untimed, between calls so that the leaf count stays put.
+kvmem is given each key as an int64 `array("q")`, the same object SGLang wraps in its RadixKey; the
+`kvmem_list_key_us` column gives kvmem the key as a Python list instead (conversion included).
+
+One command measures both sides: kvmem in this process, then SGLang by running this same file with
+`--side sglang` under SGLang's venv python (`--sglang-python`, default /tmp/sglang-peer/bin/python; that
+side skipped with a note when it does not exist) and its classic Python RadixCache. The JSON report is
+printed on stdout, progress on stderr.
+
+    python scripts/bench_radix_cache.py [--sglang-python PATH] [--quick] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from array import array
+from pathlib import Path
+
+CHUNK = 512  # tokens per node on the cached path of the match/insert rows
+MATCH_LENGTHS = (1024, 32768, 262144)
+EVICT_LEAVES = (1000, 10000, 40000, 200000)
+EVICT_LEAF_TOKENS = (16, 1)
+SHARED_PREFIX = 64
+EVICT_AMOUNT = 64
+
+
+# ---- workloads (side-agnostic: a side provides alloc / insert / match / evict / match_with_indices) ----
+def path_key(length: int) -> array:
+    """Deterministic tokens (the same in both processes, no RNG involved)."""
+    return array("q", ((i * 2654435761 + length) % 50000 + 10 for i in range(length)))
+
+
+def build_path(side, key: array):
+    """Caches `key` as a path of CHUNK-token nodes: one insert, then matches of shorter and shorter
+    prefixes, each splitting the first node (growing prefixes would cost SGLang's tree cubic time)."""
+    slots = side.alloc(len(key))
+    side.insert(key, slots)
+    for end in range(len(key) - CHUNK, 0, -CHUNK):
+        side.match(key[:end])
+    return slots
+
+
+def timed(fn, reps: int, setup=None) -> list[float]:
+    """Microseconds per call of fn(arg) where arg = setup() is prepared untimed before each call."""
+    out = []
+    for _ in range(reps):
+        arg = setup() if setup else None
+        t0 = time.perf_counter_ns()
+        fn(arg)
+        out.append((time.perf_counter_ns() - t0) / 1e3)
+    return out
+
+
+def progress(message: str) -> None:
+    print(f"[bench_radix_cache] {message}", file=sys.stderr, flush=True)
+
+
+def summary(samples: list[float]) -> dict:
+    return {"median_us": round(statistics.median(samples), 2), "min_us": round(min(samples), 2),
+            "reps": len(samples)}
+
+
+def run_rows(make_side, quick: bool, with_list_key: bool) -> dict:
+    rows = {}
+    lengths = MATCH_LENGTHS[:2] if quick else MATCH_LENGTHS
+    for length in lengths:
+        reps = 200 if length <= 1024 else 40 if length <= 32768 else 10
+        ins_reps = min(reps, 10) if length > 32768 else reps // 4
+        side = make_side(length + (ins_reps + 1) * (length // 2))
+        key = path_key(length)
+        slots = build_path(side, key)
+        side.match(key)  # warm
+        rows[f"match_prefix/{length}"] = summary(timed(lambda _: side.match(key), reps))
+        rows[f"match_prefix_with_indices/{length}"] = summary(timed(lambda _: side.match_with_indices(key), reps))
+        if with_list_key:
+            as_list = key.tolist()
+            rows[f"match_prefix_list_key/{length}"] = summary(timed(lambda _: side.match(as_list), reps))
+        half = length // 2
+        fresh = iter(range(10**9, 2 * 10**9, half))
+
+        def new_insert():
+            start = next(fresh)
+            k = key[:half] + array("q", range(start, start + half))
+            return k, side.cat(slots[:half], side.alloc(half))
+
+        rows[f"insert/{length}"] = summary(timed(lambda kv: side.insert(*kv), ins_reps, new_insert))
+        progress(f"match/insert {length} tokens: done")
+        del side
+        gc.collect()
+    leaves_list = EVICT_LEAVES[:3] if quick else EVICT_LEAVES
+    for leaf_tokens in EVICT_LEAF_TOKENS:
+        for leaves in leaves_list:
+            rows[f"evict/{leaves}/{leaf_tokens}"] = evict_row(make_side, leaves, leaf_tokens)
+            progress(f"evict at {leaves} leaves of {leaf_tokens} tokens: done")
+            gc.collect()
+    return rows
+
+
+def evict_row(make_side, leaves: int, leaf_tokens: int) -> dict:
+    side = make_side(SHARED_PREFIX + (leaves + 4 * EVICT_AMOUNT) * leaf_tokens + 1024)
+    prefix = array("q", range(1, SHARED_PREFIX + 1))
+    prefix_slots = side.alloc(SHARED_PREFIX)
+    side.insert(prefix, prefix_slots)
+    next_leaf = [0]
+
+    def add_leaves(n: int) -> None:
+        for _ in range(n):
+            first = 100_000 + next_leaf[0] * leaf_tokens
+            next_leaf[0] += 1
+            side.insert(prefix + array("q", range(first, first + leaf_tokens)),
+                        side.cat(prefix_slots, side.alloc(leaf_tokens)))
+
+    t0 = time.perf_counter()
+    add_leaves(leaves)
+    build_s = time.perf_counter() - t0
+    freed = [0]
+
+    def refill():
+        add_leaves(freed[0] // leaf_tokens)
+
+    def evict(_):
+        freed[0] = side.evict(EVICT_AMOUNT)
+
+    per_call = max(1, EVICT_AMOUNT // leaf_tokens)
+    budget_s = 3.0  # per row and side: SGLang's tree takes ~0.5 s a call at 200k leaves
+    t0 = time.perf_counter()
+    evict(None)
+    first = time.perf_counter() - t0
+    reps = int(max(3, min(200, budget_s / max(first, 1e-6))))
+    refill()
+    out = summary(timed(evict, reps, refill))
+    out.update(build_s=round(build_s, 3), nodes_freed_per_call=per_call)
+    return out
+
+
+# ---- kvmem side ------------------------------------------------------------------------------------
+def kvmem_side_factory():
+    import torch
+
+    from kvmem.allocator import TokenAllocator
+    from kvmem.radix_cache import RadixCache
+    from kvmem.req_to_token import ReqToTokenPool
+
+    class KvmemSide:
+        def __init__(self, size: int) -> None:
+            self.alloc_ = TokenAllocator(size)
+            self.cache = RadixCache(ReqToTokenPool(1, 1), self.alloc_, page_size=1, eviction_policy="lru")
+
+        def alloc(self, n):
+            return self.alloc_.alloc(n)
+
+        @staticmethod
+        def cat(a, b):
+            return torch.cat((a, b))
+
+        def insert(self, key, value):
+            return self.cache.insert(key, value)
+
+        def match(self, key):
+            return self.cache.match_prefix(key)
+
+        match_with_indices = match  # kvmem's match always returns the indices
+
+        def evict(self, n):
+            return self.cache.evict(n)
+
+    return KvmemSide
+
+
+# ---- SGLang side (runs under SGLang's venv; imports nothing from kvmem) ----------------------------
+def sglang_side_factory(driver_path: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sglang_driver", driver_path)
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)
+    sg = driver.import_sglang()
+    torch = sg["torch"]
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    class SglangSide:
+        def __init__(self, size: int) -> None:
+            rtp = sg["ReqToTokenPool"](size=1, max_context_len=8, device="cpu", enable_memory_saver=False)
+            kv = sg["MHATokenToKVPool"](size=size, page_size=1, dtype=torch.float16, head_num=1, head_dim=8,
+                                        layer_num=1, device="cpu", enable_memory_saver=False)
+            self.alloc_ = sg["TokenToKVPoolAllocator"](size=size, dtype=torch.float16, device="cpu", kvcache=kv,
+                                                       need_sort=False)
+            common = dict(disable=False, req_to_token_pool=rtp, token_to_kv_pool_allocator=self.alloc_,
+                          page_size=1, eviction_policy="lru")
+            self.cache = sg["RadixCache"](sg["CacheInitParams"](**common))
+
+        def alloc(self, n):
+            return self.alloc_.alloc(n)
+
+        @staticmethod
+        def cat(a, b):
+            return torch.cat((a, b))
+
+        def insert(self, key, value):
+            return self.cache.insert(InsertParams(key=RadixKey(key), value=value)).prefix_len
+
+        def match(self, key):
+            return self.cache.match_prefix(MatchPrefixParams(key=RadixKey(key)))
+
+        def match_with_indices(self, key):
+            m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(key)))
+            return self.cache.path_device_indices(m.last_device_node)
+
+        def evict(self, n):
+            return self.cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted
+
+    return SglangSide, getattr(__import__("sglang"), "__version__", "?")
+
+
+def sglang_main(args) -> None:
+    gc.disable()
+    factory, version = sglang_side_factory(args.sglang_driver)
+    print(json.dumps({"version": version, "radix": run_rows(factory, args.quick, with_list_key=False)}))
+
+
+# ---- report --------------------------------------------------------------------------------------
+def run_sglang(args) -> dict:
+    if not os.path.exists(args.sglang_python):
+        return {"error": f"{args.sglang_python} not found: SGLang side skipped"}
+    cmd = [args.sglang_python, __file__, "--side", "sglang", "--sglang-driver", args.sglang_driver]
+    if args.quick:
+        cmd.append("--quick")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": f"SGLang side failed (exit {proc.returncode}): {proc.stderr[-2000:]}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def report(kv: dict, sg: dict) -> dict:
+    radix = sg.get("radix", {})
+    rows = []
+    for name, res in kv.items():
+        if name.startswith(("match_prefix_with_indices/", "match_prefix_list_key/")):
+            continue
+        parts = name.split("/")
+        row = {"op": parts[0]}
+        if parts[0] == "evict":
+            row.update(op=f"evict({EVICT_AMOUNT})", leaves=int(parts[1]), leaf_tokens=int(parts[2]),
+                       nodes_freed_per_call=res["nodes_freed_per_call"])
+        else:
+            row["key_tokens"] = int(parts[1])
+            if parts[0] == "match_prefix":
+                row["path_nodes"] = int(parts[1]) // CHUNK
+            else:
+                row["new_tokens"] = int(parts[1]) // 2
+        row["kvmem_us"] = res["median_us"]
+        if parts[0] == "match_prefix":
+            row["kvmem_list_key_us"] = kv[f"match_prefix_list_key/{parts[1]}"]["median_us"]
+        if name in radix:
+            row["sglang_us"] = radix[name]["median_us"]
+            if parts[0] == "match_prefix":
+                row["sglang_with_indices_us"] = radix[f"match_prefix_with_indices/{parts[1]}"]["median_us"]
+        if "sglang_us" in row:
+            row["speedup_vs_sglang"] = round(row["sglang_us"] / row["kvmem_us"], 1)
+        row["kvmem_min_us"] = res["min_us"]
+        row["reps"] = res["reps"]
+        rows.append(row)
+    return {"rows": rows, "goals": goals(rows), "raw": {"kvmem": kv, "sglang": sg}}
+
+
+def goals(rows: list[dict]) -> dict:
+    evict40 = [r["kvmem_us"] for r in rows if r["op"].startswith("evict") and r["leaves"] == 40000]
+    compared = [r for r in rows if "sglang_us" in r]
+    match = {r["key_tokens"]: r["kvmem_us"] for r in rows if r["op"] == "match_prefix"}
+    return {
+        "evict_40k_leaves_us": evict40,
+        "evict_40k_leaves_under_100us": bool(evict40) and max(evict40) < 100,
+        "every_row_faster_than_sglang_python": bool(compared) and all(r["kvmem_us"] < r["sglang_us"] for r in compared),
+        "match_ns_per_token": {n: round(us * 1e3 / n, 2) for n, us in match.items()},
+    }
+
+
+def main() -> None:
+    default_driver = Path(__file__).resolve().parents[2] / "shared" / "peers" / "sglang_driver.py"
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sglang-python", default="/tmp/sglang-peer/bin/python",
+                    help="python of a venv with SGLang installed (the SGLang side is skipped if missing)")
+    ap.add_argument("--sglang-driver", default=str(default_driver),
+                    help="the peer harness whose import_sglang() loads SGLang on CPU")
+    ap.add_argument("--quick", action="store_true", help="smaller rows only (no 256k keys, no 200k leaves)")
+    ap.add_argument("--out", help="also write the JSON report here")
+    ap.add_argument("--side", choices=["kvmem", "sglang"], default="kvmem", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.side == "sglang":
+        sglang_main(args)
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    gc.disable()  # both sides: a collection of a 200k-node tree would land inside some timed call
+    kv = run_rows(kvmem_side_factory(), args.quick, with_list_key=True)
+    gc.enable()
+    sg = run_sglang(args)
+    import torch
+
+    out = report(kv, sg)
+    out["meta"] = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
+                   "cpus": os.cpu_count(), "sglang": sg.get("version", sg.get("error")), "page_size": 1,
+                   "eviction_policy": "lru", "node_tokens_on_match_path": CHUNK}
+    text = json.dumps(out, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

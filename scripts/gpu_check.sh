@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# GPU checks for kernels/ and kvmem/attention.py, run from anywhere on a CUDA machine:
+#   1. installs the carried FlashInfer wheels from .whl/ (if any) into /tmp/site,
+#   2. runs the CUDA tests (Triton == torch fallback on CUDA tensors, FlashInfer == reference attention)
+#      and the kernel / attention tests without TRITON_INTERPRET, i.e. on CUDA tensors,
+#   3. runs the kv_indices benchmark (JSON; also saved to $OUT/bench_kv_indices.json when OUT is set).
+# The first FlashInfer test JIT-compiles its kernels (minutes); later runs on the same machine reuse them.
+# Exit status: 0 when the tests pass.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+unset TRITON_INTERPRET
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
+      torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA')"
+python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" \
+    || echo "flashinfer is not importable: its tests will be skipped"
+
+status=0
+python3 -m pytest -q -rs tests/test_flashinfer_cuda.py tests/test_kernels_kv_indices.py \
+    tests/test_kernels_req_to_token.py tests/test_kernels_paged_alloc.py tests/test_attention.py || status=1
+
+if [ -n "${OUT:-}" ]; then
+    python3 scripts/bench_kv_indices.py --device cuda | tee "$OUT/bench_kv_indices.json" || status=1
+else
+    python3 scripts/bench_kv_indices.py --device cuda || status=1
+fi
+exit $status

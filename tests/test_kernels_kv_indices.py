@@ -1,0 +1,159 @@
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from kernels._dispatch import use_triton
+from kernels.kv_indices import (
+    _create_kv_indices_kernel, create_kv_indices, create_kv_indptr, kv_last_page_len)
+
+# On a GPU box the same tests run the kernels on CUDA tensors; on the CPU through the interpreter.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TRITON_RUNS = use_triton(_create_kv_indices_kernel, DEVICE, None)
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_RUNS, reason="no Triton here"))]
+
+
+def make_table(num_rows=6, max_context_len=2200, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 1 << 20, (num_rows, max_context_len), generator=g, dtype=torch.int32).to(DEVICE)
+
+
+def expected_indices(req_to_token, rows, lens, starts, page_size):
+    out = []
+    for r, n, s in zip(rows.tolist(), lens.tolist(), starts.tolist()):
+        num_pages = -(-n // page_size)
+        out += [req_to_token[r, s + p * page_size].item() // page_size for p in range(num_pages)]
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def run(req_to_token, rows, lens, starts=None, page_size=1, backend=None):
+    rows = torch.tensor(rows, dtype=torch.int64, device=DEVICE)
+    lens = torch.tensor(lens, dtype=torch.int64, device=DEVICE)
+    starts = None if starts is None else torch.tensor(starts, dtype=torch.int64, device=DEVICE)
+    kv_indptr = create_kv_indptr(lens, page_size)
+    return create_kv_indices(req_to_token, rows, lens, kv_indptr, starts, page_size, backend=backend).cpu()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("length", [1, 511, 512, 513, 1023, 1024, 1025, 2049])
+def test_token_indices_cross_block_boundaries_intact(backend, length):
+    table = make_table()
+    got = run(table, [4, 1], [length, 7], backend=backend)
+    want = expected_indices(table.cpu(), torch.tensor([4, 1]), torch.tensor([length, 7]), torch.tensor([0, 0]), 1)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_page_indices_are_the_page_of_each_page_start(backend, page_size):
+    table = make_table()
+    lens, starts = [1, page_size, page_size + 1, 600 * page_size // 16 + 3], [0, page_size, 3 * page_size, 0]
+    got = run(table, [0, 2, 5, 3], lens, starts, page_size, backend)
+    want = expected_indices(table.cpu(), torch.tensor([0, 2, 5, 3]), torch.tensor(lens), torch.tensor(starts),
+                            page_size)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kv_start_idx_offsets_each_requests_range(backend):
+    table = make_table()
+    got = run(table, [1, 1], [5, 3], [10, 0], backend=backend)
+    row = table[1].cpu()
+    assert torch.equal(got, torch.cat([row[10:15], row[0:3]]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_length_request_takes_no_entries(backend):
+    table = make_table()
+    got = run(table, [0, 3, 2], [4, 0, 2], backend=backend)
+    assert torch.equal(got, torch.cat([table[0, :4], table[2, :2]]).cpu())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch_gives_empty_indices(backend):
+    got = run(make_table(), [], [], backend=backend)
+    assert got.shape == (0,) and got.dtype == torch.int32
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_given_output_buffer_is_filled_at_kv_indptr_and_returned(backend):
+    table = make_table()
+    lens = torch.tensor([3, 2], device=DEVICE)
+    kv_indptr = torch.tensor([5, 8, 10], dtype=torch.int32, device=DEVICE)
+    buf = torch.full((12,), -7, dtype=torch.int32, device=DEVICE)
+    out = create_kv_indices(table, torch.tensor([2, 0], device=DEVICE), lens, kv_indptr, kv_indices=buf,
+                            backend=backend)
+    assert out is buf
+    want = torch.cat([torch.full((5,), -7), table[2, :3].cpu(), table[0, :2].cpu(), torch.full((2,), -7)])
+    assert torch.equal(buf.cpu(), want.to(torch.int32))
+
+
+@pytest.mark.skipif(not TRITON_RUNS, reason="no Triton here")
+@settings(max_examples=20, deadline=None)
+@given(data=st.data(), page_size=st.sampled_from([1, 2, 16]), with_start=st.booleans())
+def test_triton_and_torch_agree_on_random_batches(data, page_size, with_start):
+    table = make_table(num_rows=5, max_context_len=1600, seed=data.draw(st.integers(0, 100)))
+    bs = data.draw(st.integers(1, 5))
+    rows = data.draw(st.lists(st.integers(0, 4), min_size=bs, max_size=bs))
+    starts = [page_size * data.draw(st.integers(0, 20)) if with_start else 0 for _ in range(bs)]
+    lens = [data.draw(st.integers(0, 1600 - s)) for s in starts]
+    args = (table, rows, lens, starts if with_start else None, page_size)
+    assert torch.equal(run(*args, backend="triton"), run(*args, backend="torch"))
+
+
+def test_triton_is_the_default_where_it_runs():
+    assert use_triton(_create_kv_indices_kernel, DEVICE, None) == TRITON_RUNS
+    assert not use_triton(_create_kv_indices_kernel, DEVICE, "torch")
+
+
+def test_forcing_triton_where_it_cannot_run_raises():
+    with pytest.raises(RuntimeError, match="backend='triton' cannot run"):
+        use_triton(None, torch.device("cpu"), "triton")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        use_triton(_create_kv_indices_kernel, DEVICE, "cuda")
+
+
+def test_kv_indptr_counts_pages_per_request():
+    lens = torch.tensor([0, 1, 16, 17, 40])
+    assert create_kv_indptr(lens, 16).tolist() == [0, 0, 1, 2, 4, 7]
+    assert create_kv_indptr(lens).tolist() == [0, 0, 1, 17, 34, 74]
+    assert create_kv_indptr(lens).dtype == torch.int32
+
+
+def test_last_page_len_is_between_1_and_page_size_and_0_for_empty_requests():
+    lens = torch.tensor([0, 1, 15, 16, 17, 32])
+    assert kv_last_page_len(lens, 16).tolist() == [0, 1, 15, 16, 1, 16]
+    assert kv_last_page_len(lens, 1).tolist() == [0, 1, 1, 1, 1, 1]
+    assert kv_last_page_len(lens, 16).dtype == torch.int32
+
+
+def bad_call(**overrides):
+    args = dict(req_to_token=torch.zeros(4, 64, dtype=torch.int32), req_pool_indices=torch.tensor([0, 1]),
+                kv_lens=torch.tensor([3, 5]), kv_indptr=torch.tensor([0, 3, 8], dtype=torch.int32),
+                kv_start_idx=None, page_size=1)
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("overrides, error, message", [
+    (dict(kv_lens=torch.tensor([3])), ValueError, "kv_lens must have"),
+    (dict(kv_indptr=torch.tensor([0, 3], dtype=torch.int32)), ValueError, "kv_indptr must have"),
+    (dict(kv_lens=torch.tensor([3.0, 5.0])), TypeError, "kv_lens must have dtype"),
+    (dict(req_to_token=torch.zeros(4, 64)), TypeError, "req_to_token must have dtype"),
+    (dict(req_to_token=torch.zeros(64, dtype=torch.int32)), ValueError, "req_to_token must be 2-D"),
+    (dict(page_size=0), ValueError, "page_size must be a positive int"),
+    (dict(page_size=-4), ValueError, "page_size must be a positive int"),
+    (dict(page_size=True), ValueError, "page_size must be a positive int"),
+    (dict(page_size=4, kv_indptr=torch.tensor([0, 1, 3]), kv_start_idx=torch.tensor([4, 2])), ValueError,
+     r"kv_start_idx\[1\] = 2 is not a multiple of page_size 4"),
+    (dict(req_pool_indices=torch.tensor([0, 4])), IndexError, r"req_pool_indices\[1\] = 4 is out of range"),
+    (dict(req_pool_indices=torch.tensor([-1, 0])), IndexError, r"req_pool_indices\[0\] = -1 is out of range"),
+    (dict(kv_start_idx=torch.tensor([0, 60])), IndexError, "exceed req_to_token's max_context_len 64"),
+    (dict(kv_lens=torch.tensor([-1, 5]), kv_indptr=torch.tensor([0, 0, 5])), ValueError, "negative"),
+    (dict(kv_indptr=torch.tensor([0, 4, 8])), ValueError, "must equal the request's page count"),
+    (dict(kv_indices=torch.zeros(8, dtype=torch.int64)), TypeError, "kv_indices must have dtype int32"),
+    (dict(kv_indices=torch.zeros(7, dtype=torch.int32)), ValueError, "kv_indptr\\[-1\\] needs 8"),
+])
+def test_bad_arguments_raise_naming_the_argument(backend, overrides, error, message):
+    with pytest.raises(error, match=message):
+        create_kv_indices(**bad_call(**overrides), backend=backend)

@@ -1,0 +1,132 @@
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from kernels._dispatch import use_triton
+from kernels.req_to_token import _write_req_to_token_kernel, write_req_to_token
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TRITON_RUNS = use_triton(_write_req_to_token_kernel, DEVICE, None)
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_RUNS, reason="no Triton here"))]
+
+
+def t(values):
+    return torch.tensor(values, dtype=torch.int64, device=DEVICE)
+
+
+def expected_table(table, rows, prefix_lens, seq_lens, out_cache_loc, prefix_indices=None, prefix_indptr=None):
+    table = table.clone().cpu()
+    e = 0
+    for i, (r, p, s) in enumerate(zip(rows, prefix_lens, seq_lens)):
+        if prefix_indptr is not None:
+            segment = prefix_indices[prefix_indptr[i]:prefix_indptr[i + 1]]
+            table[r, :len(segment)] = torch.tensor(segment, dtype=table.dtype)
+        table[r, p:s] = torch.tensor(out_cache_loc[e:e + s - p], dtype=table.dtype)
+        e += s - p
+    return table
+
+
+def write(table, rows, prefix_lens, seq_lens, out_cache_loc, prefix_indices=None, prefix_indptr=None,
+          backend=None):
+    table = table.clone()
+    prefix = None if prefix_indptr is None else (t(prefix_indices), t(prefix_indptr))
+    write_req_to_token(table, t(rows), t(prefix_lens), t(seq_lens), t(out_cache_loc), *(prefix or ()),
+                       backend=backend)
+    return table.cpu()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_extend_slots_land_after_each_prefix(backend):
+    table = torch.zeros(4, 16, dtype=torch.int32, device=DEVICE)
+    got = write(table, [2, 0], [3, 0], [5, 4], [11, 12, 21, 22, 23, 24], backend=backend)
+    assert got[2].tolist()[:6] == [0, 0, 0, 11, 12, 0]
+    assert got[0].tolist()[:5] == [21, 22, 23, 24, 0]
+    assert got[1].count_nonzero() == 0 and got[3].count_nonzero() == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefix_slots_fill_the_front_of_each_row(backend):
+    table = torch.full((3, 12), -1, dtype=torch.int32, device=DEVICE)
+    # Request 0 brings a 2-token prefix; request 1 is a chunked request whose prefix is already in row 1.
+    got = write(table, [0, 1], [2, 3], [4, 5], [7, 8, 9, 10], prefix_indices=[5, 6], prefix_indptr=[0, 2, 2],
+                backend=backend)
+    assert got[0].tolist()[:5] == [5, 6, 7, 8, -1]
+    assert got[1].tolist()[:6] == [-1, -1, -1, 9, 10, -1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("extend", [511, 1024, 1025, 2100])
+def test_long_extends_are_written_whole(backend, extend):
+    table = torch.zeros(3, 2200, dtype=torch.int32, device=DEVICE)
+    slots = list(range(1, extend + 4))
+    got = write(table, [1, 2], [0, 50], [3, 50 + extend], slots, prefix_indices=list(range(100, 150)),
+                prefix_indptr=[0, 0, 50], backend=backend)
+    assert torch.equal(got, expected_table(table, [1, 2], [0, 50], [3, 50 + extend], slots,
+                                           list(range(100, 150)), [0, 0, 50]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch_and_empty_extends_write_nothing(backend):
+    table = torch.zeros(2, 8, dtype=torch.int32, device=DEVICE)
+    assert write(table, [], [], [], [], backend=backend).count_nonzero() == 0
+    assert write(table, [1], [3], [3], [], backend=backend).count_nonzero() == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int64_table_and_int32_inputs_are_accepted(backend):
+    table = torch.zeros(2, 8, dtype=torch.int64, device=DEVICE)
+    write_req_to_token(table, t([1]).int(), t([0]).int(), t([2]).int(), t([9, 8]).int(), backend=backend)
+    assert table[1, :3].tolist() == [9, 8, 0]
+
+
+@pytest.mark.skipif(not TRITON_RUNS, reason="no Triton here")
+@settings(max_examples=20, deadline=None)
+@given(data=st.data(), with_prefix=st.booleans())
+def test_triton_and_torch_agree_on_random_batches(data, with_prefix):
+    bs = data.draw(st.integers(1, 5))
+    rows = data.draw(st.lists(st.integers(0, 5), min_size=bs, max_size=bs, unique=True))
+    seq_lens = data.draw(st.lists(st.integers(0, 1300), min_size=bs, max_size=bs))
+    prefix_lens = [data.draw(st.integers(0, s)) for s in seq_lens]
+    out_cache_loc = list(range(1, 1 + sum(seq_lens) - sum(prefix_lens)))
+    prefix_indices = prefix_indptr = None
+    if with_prefix:
+        counts = [data.draw(st.sampled_from([0, p])) for p in prefix_lens]
+        prefix_indptr = [0]
+        for c in counts:
+            prefix_indptr.append(prefix_indptr[-1] + c)
+        prefix_indices = list(range(5000, 5000 + prefix_indptr[-1]))
+    table = torch.zeros(6, 1300, dtype=torch.int32, device=DEVICE)
+    args = (table, rows, prefix_lens, seq_lens, out_cache_loc, prefix_indices, prefix_indptr)
+    got = write(*args, backend="triton")
+    assert torch.equal(got, write(*args, backend="torch"))
+    assert torch.equal(got, expected_table(*args))
+
+
+def bad_call(**overrides):
+    args = dict(req_to_token=torch.zeros(4, 8, dtype=torch.int32), req_pool_indices=torch.tensor([0, 1]),
+                prefix_lens=torch.tensor([0, 2]), seq_lens=torch.tensor([3, 4]),
+                out_cache_loc=torch.arange(1, 6))
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("overrides, error, message", [
+    (dict(seq_lens=torch.tensor([3])), ValueError, "seq_lens must have"),
+    (dict(prefix_lens=torch.tensor([0.0, 2.0])), TypeError, "prefix_lens must have dtype"),
+    (dict(req_pool_indices=torch.tensor([0, 4])), IndexError, r"req_pool_indices\[1\] = 4 is out of range"),
+    (dict(req_pool_indices=torch.tensor([1, 1])), ValueError, "names row 1 more than once"),
+    (dict(prefix_lens=torch.tensor([4, 2])), ValueError, "need 0 <= prefix_lens <= seq_lens"),
+    (dict(seq_lens=torch.tensor([3, 9]), out_cache_loc=torch.arange(10)), IndexError, "max_context_len 8"),
+    (dict(out_cache_loc=torch.arange(4)), ValueError, r"out_cache_loc has 4 slots, sum\(seq_lens - prefix_lens\) = 5"),
+    (dict(prefix_indices=torch.arange(3)), ValueError, "must be given together"),
+    (dict(prefix_indices=torch.arange(3), prefix_indptr=torch.tensor([0, 3])), ValueError, "prefix_indptr must have"),
+    (dict(prefix_indices=torch.arange(3), prefix_indptr=torch.tensor([0, 1, 3])), ValueError,
+     "request 0: prefix_indptr gives 1 prefix slots"),
+    (dict(prefix_indices=torch.arange(1), prefix_indptr=torch.tensor([0, 0, 2])), ValueError, "outside prefix_indices"),
+])
+def test_bad_arguments_raise_and_write_nothing(backend, overrides, error, message):
+    args = bad_call(**overrides)
+    with pytest.raises(error, match=message):
+        write_req_to_token(**args, backend=backend)
+    assert args["req_to_token"].count_nonzero() == 0

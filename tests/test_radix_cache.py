@@ -1,0 +1,588 @@
+"""Unit tests of the radix prefix cache: matching, splits, locks, eviction order, paging, requests, bad input."""
+
+from array import array
+
+import numpy as np
+import pytest
+import torch
+
+from kvmem.allocator import PagedTokenAllocator, TokenAllocator
+from kvmem.batch import Req
+from kvmem.eviction import EvictionPolicy
+from kvmem.radix_cache import RadixCache
+from kvmem.req_to_token import ReqToTokenPool
+
+
+def make_cache(size=64, page_size=1, policy="lru"):
+    alloc = TokenAllocator(size) if page_size == 1 else PagedTokenAllocator(size, page_size)
+    return RadixCache(ReqToTokenPool(4, 64), alloc, page_size=page_size, eviction_policy=policy), alloc
+
+
+def put(cache, tokens, priority=0):
+    """Caches `tokens` as a finished request would: fresh slots, insert, free the duplicates. Returns the
+    slots allocated for it (the tree keeps those past what was already cached)."""
+    slots = cache.token_allocator.alloc(len(tokens))
+    n = cache.insert(tokens, slots, priority=priority)
+    if n:
+        cache.token_allocator.free(slots[:n])
+    return slots
+
+
+def path_tokens(cache, node):
+    parts = []
+    while node is not cache.root_node:
+        parts.append(node.token_ids())
+        node = node.parent
+    return [t for part in reversed(parts) for t in part]
+
+
+def cached_sequences(cache):
+    """Every root-to-leaf token sequence in the tree, as tuples."""
+    out, stack = set(), [(cache.root_node, ())]
+    while stack:
+        node, prefix = stack.pop()
+        prefix += tuple(node.token_ids())
+        if not node.children and node is not cache.root_node:
+            out.add(prefix)
+        stack.extend((c, prefix) for c in node.children.values())
+    return out
+
+
+def snapshot(cache):
+    return (cache.evictable_size(), cache.protected_size(), cache.token_allocator.available_size(),
+            cached_sequences(cache), len(cache._evictable))
+
+
+def sizes_add_up(cache):
+    alloc = cache.token_allocator
+    cache.check_invariants()
+    return alloc.available_size() + cache.total_size() == alloc.size
+
+
+# ---- match and insert -------------------------------------------------------------------------------
+def test_match_on_an_empty_tree_returns_the_root_and_no_indices():
+    cache, _ = make_cache()
+    m = cache.match_prefix([1, 2, 3])
+    assert m.last_node is cache.root_node
+    assert m.indices.dtype == torch.int64 and len(m.indices) == 0
+
+
+def test_insert_returns_how_many_leading_tokens_were_already_cached():
+    cache, _ = make_cache()
+    assert cache.insert([1, 2, 3], cache.token_allocator.alloc(3)) == 0
+    dup = cache.token_allocator.alloc(5)
+    assert cache.insert([1, 2, 3, 4, 5], dup) == 3
+    cache.token_allocator.free(dup[:3])
+    assert cache.total_size() == 5 and sizes_add_up(cache)
+
+
+def test_match_returns_the_slots_of_the_longest_cached_prefix():
+    cache, _ = make_cache()
+    slots = put(cache, [1, 2, 3, 4])
+    m = cache.match_prefix([1, 2, 3, 4, 9, 9])
+    assert m.indices.tolist() == slots.tolist()
+    assert path_tokens(cache, m.last_node) == [1, 2, 3, 4]
+
+
+def test_insert_of_a_diverging_key_splits_the_shared_edge():
+    cache, _ = make_cache()
+    a = put(cache, [1, 2, 3, 4])
+    b = put(cache, [1, 2, 7, 8])
+    assert len(cache.root_node.children) == 1
+    shared = next(iter(cache.root_node.children.values()))
+    assert shared.token_ids() == [1, 2]
+    assert sorted(c.token_ids() for c in shared.children.values()) == [[3, 4], [7, 8]]
+    assert cache.match_prefix([1, 2, 7, 8]).indices.tolist() == a[:2].tolist() + b[2:].tolist()
+    assert sizes_add_up(cache)
+
+
+def test_match_inside_an_edge_splits_it_so_last_node_covers_exactly_the_prefix():
+    cache, _ = make_cache()
+    slots = put(cache, [1, 2, 3, 4, 5, 6])
+    m = cache.match_prefix([1, 2, 3, 9])
+    assert m.indices.tolist() == slots[:3].tolist()
+    assert path_tokens(cache, m.last_node) == [1, 2, 3]
+    assert [c.token_ids() for c in m.last_node.children.values()] == [[4, 5, 6]]
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6]).indices.tolist() == slots.tolist()
+    assert sizes_add_up(cache)
+
+
+def test_match_of_a_key_shorter_than_an_edge_splits_at_the_key_end():
+    cache, _ = make_cache()
+    slots = put(cache, [5, 6, 7, 8])
+    m = cache.match_prefix([5, 6])
+    assert m.indices.tolist() == slots[:2].tolist() and path_tokens(cache, m.last_node) == [5, 6]
+
+
+def test_match_of_an_empty_key_matches_nothing():
+    cache, _ = make_cache()
+    put(cache, [1, 2])
+    m = cache.match_prefix([])
+    assert m.last_node is cache.root_node and len(m.indices) == 0
+
+
+def test_match_across_many_nodes_concatenates_their_slots():
+    cache, _ = make_cache(size=256)
+    key = list(range(100, 200))
+    slots = put(cache, key)
+    for end in range(90, 0, -10):
+        cache.match_prefix(key[:end])  # split into ten 10-token nodes
+    m = cache.match_prefix(key + [1, 2])
+    assert m.indices.tolist() == slots.tolist()
+    assert path_tokens(cache, m.last_node) == key
+
+
+@pytest.mark.parametrize("as_key", [list, tuple, lambda k: array("q", k), lambda k: array("i", k),
+                                    torch.tensor, lambda k: torch.tensor(k, dtype=torch.int32), np.array])
+def test_keys_may_be_lists_tuples_arrays_or_integer_tensors(as_key):
+    cache, _ = make_cache()
+    slots = put(cache, as_key([3, 1, 4, 1, 5]))
+    assert cache.match_prefix(as_key([3, 1, 4, 1, 5, 9])).indices.tolist() == slots.tolist()
+
+
+def test_large_token_ids_are_matched_exactly():
+    cache, _ = make_cache()
+    big = [2**40 + 1, 2**40 + 2]
+    put(cache, big)
+    assert len(cache.match_prefix([2**40 + 1, 2**40 + 3]).indices) == 1
+
+
+def test_match_returns_indices_on_the_allocator_device_as_int64():
+    cache, _ = make_cache()
+    put(cache, [1, 2])
+    put(cache, [1, 2, 3])
+    m = cache.match_prefix([1, 2, 3])
+    assert m.indices.dtype == torch.int64 and m.indices.device == cache.device
+
+
+# ---- locks --------------------------------------------------------------------------------------
+def test_locking_moves_the_path_from_evictable_to_protected():
+    cache, _ = make_cache()
+    put(cache, [1, 2, 3, 4])
+    put(cache, [1, 2, 8])
+    m = cache.match_prefix([1, 2, 3, 4])
+    cache.inc_lock_ref(m.last_node)
+    assert cache.protected_size() == 4 and cache.evictable_size() == 1
+    cache.dec_lock_ref(m.last_node)
+    assert cache.protected_size() == 0 and cache.evictable_size() == 5
+    assert sizes_add_up(cache)
+
+
+def test_a_shared_prefix_stays_protected_until_its_last_lock_is_released():
+    cache, _ = make_cache()
+    put(cache, [1, 2, 3])
+    put(cache, [1, 2, 4])
+    a, b = cache.match_prefix([1, 2, 3]).last_node, cache.match_prefix([1, 2, 4]).last_node
+    cache.inc_lock_ref(a)
+    cache.inc_lock_ref(b)
+    cache.dec_lock_ref(a)
+    assert cache.protected_size() == 3  # [1, 2] and [4]
+    assert cache.evict(100) == 1  # only [3] can go
+    cache.dec_lock_ref(b)
+    assert cache.protected_size() == 0 and cache.evict(100) == 3
+
+
+def test_locking_the_root_is_a_no_op():
+    cache, _ = make_cache()
+    put(cache, [1, 2])
+    root = cache.match_prefix([7]).last_node
+    cache.inc_lock_ref(root)
+    cache.dec_lock_ref(root)
+    assert cache.protected_size() == 0 and cache.evictable_size() == 2
+
+
+def test_a_locked_leaf_becomes_evictable_again_when_unlocked():
+    cache, _ = make_cache()
+    put(cache, [1, 2])
+    node = cache.match_prefix([1, 2]).last_node
+    cache.inc_lock_ref(node)
+    assert cache.evict(10) == 0
+    cache.dec_lock_ref(node)
+    assert cache.evict(10) == 2
+
+
+# ---- eviction -------------------------------------------------------------------------------------
+def test_evict_skips_locked_nodes():
+    cache, _ = make_cache()
+    put(cache, [1, 2, 3])
+    put(cache, [4, 5, 6])
+    cache.inc_lock_ref(cache.match_prefix([1, 2, 3]).last_node)
+    assert cache.evict(100) == 3
+    assert cached_sequences(cache) == {(1, 2, 3)}
+    assert sizes_add_up(cache)
+
+
+def test_evict_gives_slots_back_to_the_allocator():
+    cache, alloc = make_cache(size=16)
+    slots = put(cache, [1, 2, 3, 4])
+    assert alloc.available_size() == 12
+    assert cache.evict(4) == 4
+    assert alloc.available_size() == 16 and not alloc.is_allocated(slots).any()
+
+
+def test_evict_frees_whole_nodes_until_at_least_num_tokens():
+    cache, _ = make_cache()
+    put(cache, [1, 2, 3])
+    put(cache, [4, 5, 6])
+    assert cache.evict(1) == 3
+    assert cache.total_size() == 3
+
+
+def test_evict_reaches_a_parent_once_its_last_child_is_gone():
+    cache, _ = make_cache()
+    put(cache, [1, 2, 3])
+    put(cache, [1, 2, 4])
+    assert cache.evict(2) == 2  # both leaves; [1, 2] becomes a leaf only after the second
+    assert cached_sequences(cache) == {(1, 2)}
+    assert cache.evict(1) == 2
+    assert cache.total_size() == 0 and sizes_add_up(cache)
+
+
+def test_evict_of_more_than_cached_frees_everything_evictable():
+    cache, alloc = make_cache()
+    put(cache, [1, 2, 3])
+    put(cache, [1, 5])
+    assert cache.evict(1000) == 4
+    assert cache.total_size() == 0 and alloc.available_size() == alloc.size
+
+
+def test_evict_of_zero_frees_nothing():
+    cache, _ = make_cache()
+    put(cache, [1])
+    assert cache.evict(0) == 0 and cache.total_size() == 1
+
+
+def test_lru_evicts_the_least_recently_matched_leaf_first():
+    cache, _ = make_cache(policy="lru")
+    put(cache, [1, 1])
+    put(cache, [2, 2])
+    put(cache, [3, 3])
+    cache.match_prefix([1, 1])
+    cache.evict(1)
+    assert cached_sequences(cache) == {(1, 1), (3, 3)}
+
+
+def test_lfu_evicts_the_least_hit_leaf_first():
+    cache, _ = make_cache(policy="lfu")
+    put(cache, [1, 1])
+    put(cache, [2, 2])
+    for _ in range(3):
+        cache.match_prefix([1, 1])
+    cache.match_prefix([2, 2])  # more recent, but fewer hits
+    cache.evict(1)
+    assert cached_sequences(cache) == {(1, 1)}
+
+
+def test_fifo_evicts_the_oldest_insert_first_however_recently_used():
+    cache, _ = make_cache(policy="fifo")
+    put(cache, [1, 1])
+    put(cache, [2, 2])
+    cache.match_prefix([1, 1])
+    cache.evict(1)
+    assert cached_sequences(cache) == {(2, 2)}
+
+
+def test_priority_evicts_the_lowest_priority_first():
+    cache, _ = make_cache(policy="priority")
+    put(cache, [1, 1], priority=5)
+    put(cache, [2, 2], priority=1)
+    put(cache, [3, 3], priority=3)
+    cache.match_prefix([2, 2])  # recency does not beat priority
+    cache.evict(1)
+    assert cached_sequences(cache) == {(1, 1), (3, 3)}
+
+
+def test_a_shared_prefix_keeps_the_highest_priority_inserted_through_it():
+    cache, _ = make_cache(policy="priority")
+    put(cache, [1, 2, 3], priority=0)
+    put(cache, [1, 2, 4], priority=9)
+    cache.evict(2)  # [3], then [4]: [1, 2] is a leaf now, with the 9 that [1, 2, 4] brought
+    put(cache, [6], priority=5)
+    cache.evict(1)
+    assert cached_sequences(cache) == {(1, 2)}
+
+
+def test_a_custom_policy_object_orders_eviction():
+    class LongestFirst(EvictionPolicy):
+        name = "longest"
+
+        def sort_key(self, node):
+            return -node.num_tokens
+
+    cache, _ = make_cache(policy=LongestFirst())
+    put(cache, [1])
+    put(cache, [2, 2, 2])
+    cache.evict(1)
+    assert cached_sequences(cache) == {(1,)}
+
+
+def test_an_unknown_eviction_policy_is_rejected():
+    with pytest.raises(ValueError, match="eviction_policy"):
+        make_cache(policy="random")
+
+
+# ---- pages ----------------------------------------------------------------------------------------
+def test_paged_match_is_truncated_down_to_whole_pages():
+    cache, _ = make_cache(size=64, page_size=4)
+    slots = put(cache, list(range(10, 18)))
+    m = cache.match_prefix(list(range(10, 17)))  # 7 tokens: one whole page
+    assert m.indices.tolist() == slots[:4].tolist()
+    assert cache.match_prefix([10, 11, 12]).last_node is cache.root_node  # shorter than a page
+
+
+def test_paged_keys_diverging_mid_page_share_only_whole_pages():
+    cache, _ = make_cache(size=64, page_size=4)
+    a = put(cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    b = put(cache, [1, 2, 3, 4, 5, 6, 0, 0])
+    shared = next(iter(cache.root_node.children.values()))
+    assert shared.token_ids() == [1, 2, 3, 4]
+    assert sorted(c.token_ids() for c in shared.children.values()) == [[5, 6, 0, 0], [5, 6, 7, 8]]
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7]).indices.tolist() == a[:4].tolist()
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6, 0, 0]).indices.tolist() == a[:4].tolist() + b[4:].tolist()
+    assert sizes_add_up(cache)
+
+
+def test_paged_insert_rejects_a_key_that_is_not_whole_pages():
+    cache, alloc = make_cache(size=64, page_size=4)
+    slots = alloc.alloc(8)
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        cache.insert([1, 2, 3, 4, 5, 6], slots[:6])
+    assert cache.total_size() == 0
+
+
+def test_paged_insert_rejects_slots_that_are_not_whole_pages():
+    cache, alloc = make_cache(size=64, page_size=4)
+    slots = alloc.alloc(8)
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match="whole pages"):
+        cache.insert([1, 2, 3, 4], slots[2:6])
+    assert snapshot(cache) == before
+
+
+def test_paged_evict_gives_whole_pages_back():
+    cache, alloc = make_cache(size=32, page_size=4)
+    put(cache, list(range(8)))
+    put(cache, list(range(4)) + [9, 9, 9, 9])
+    assert alloc.available_size() == 32 - 12
+    assert cache.evict(1) == 4
+    assert cache.evict(100) == 8 and alloc.available_size() == 32
+
+
+# ---- requests -------------------------------------------------------------------------------------
+def admit(cache, req, num_own):
+    """What a scheduler does before a prefill: match, lock, take a row, write prefix + own slots."""
+    m = cache.match_prefix(req.input_ids)
+    cache.inc_lock_ref(m.last_node)
+    req.prefix_indices, req.last_node, req.cache_protected_len = m.indices, m.last_node, len(m.indices)
+    req.req_pool_idx = cache.req_to_token_pool.alloc(1)[0]
+    own = cache.token_allocator.alloc(num_own)
+    row = cache.req_to_token_pool.req_to_token[req.req_pool_idx]
+    row[:len(m.indices)] = m.indices.to(torch.int32)
+    row[len(m.indices):len(m.indices) + num_own] = own.to(torch.int32)
+    return own
+
+
+def test_cache_finished_req_caches_its_tokens_and_releases_its_memory():
+    cache, alloc = make_cache(size=32)
+    prefix = put(cache, [1, 2, 3])
+    req = Req("a", [1, 2, 3, 4, 5], max_new_tokens=2)
+    own = admit(cache, req, 3)  # tokens 4, 5 and the first output
+    req.output_ids = [6, 7]
+    req.kv_len = 6  # the last output has no KV yet
+    row = req.req_pool_idx
+    cache.cache_finished_req(req)
+    m = cache.match_prefix([1, 2, 3, 4, 5, 6, 7])
+    assert m.indices.tolist() == prefix.tolist() + own.tolist()
+    assert req.req_pool_idx is None and cache.protected_size() == 0
+    assert cache.req_to_token_pool.alloc(4) is not None and row is not None  # every row is free again
+    assert alloc.available_size() == 32 - 6 and sizes_add_up(cache)
+
+
+def test_cache_finished_req_frees_its_slots_that_duplicate_the_tree():
+    cache, alloc = make_cache(size=32)
+    put(cache, [1, 2])
+    req = Req("a", [1, 2, 3, 4], max_new_tokens=1)
+    admit(cache, req, 2)
+    other = put(cache, [1, 2, 3, 4])  # another request cached the same tokens meanwhile
+    req.output_ids, req.kv_len = [5], 4
+    cache.cache_finished_req(req)
+    assert cache.match_prefix([1, 2, 3, 4]).indices[2:].tolist() == other[2:].tolist()
+    assert alloc.available_size() == 32 - 4 and sizes_add_up(cache)
+
+
+def test_cache_finished_req_with_pages_frees_the_partial_tail_page():
+    cache, alloc = make_cache(size=32, page_size=4)
+    req = Req("a", list(range(10, 16)), max_new_tokens=1)
+    admit(cache, req, 8)  # 6 prompt tokens + output in two pages
+    req.output_ids, req.kv_len = [99], 6
+    cache.cache_finished_req(req)
+    assert cache.total_size() == 4 and alloc.available_size() == 28
+    assert len(cache.match_prefix(list(range(10, 16))).indices) == 4 and sizes_add_up(cache)
+
+
+def test_cache_unfinished_req_points_its_row_at_the_tree_and_moves_its_lock():
+    cache, alloc = make_cache(size=32)
+    put(cache, [1, 2])
+    req = Req("a", [1, 2, 3, 4, 5, 6, 7, 8], max_new_tokens=1)
+    old_node = cache.match_prefix([1, 2]).last_node
+    admit(cache, req, 3)  # first chunk: tokens 3, 4, 5
+    other = put(cache, [1, 2, 3, 4])  # tokens 3, 4 got cached by someone else meanwhile
+    req.kv_len = 5
+    cache.cache_unfinished_req(req)
+    row = cache.req_to_token_pool.req_to_token[req.req_pool_idx, :5].tolist()
+    tree = cache.match_prefix([1, 2, 3, 4, 5]).indices.tolist()
+    assert row == tree and tree[2:4] == other[2:4].tolist()
+    assert req.cache_protected_len == 5 and req.prefix_indices.tolist() == tree
+    assert path_tokens(cache, req.last_node) == [1, 2, 3, 4, 5]
+    assert req.last_node.lock_ref == 1 and old_node.lock_ref == 1  # through the new node only
+    assert cache.protected_size() == 5
+    assert alloc.available_size() + cache.total_size() == 32  # the duplicates went back
+    cache.check_invariants()
+
+
+def test_cache_unfinished_req_keeps_the_partial_page_with_the_request():
+    cache, alloc = make_cache(size=32, page_size=4)
+    req = Req("a", list(range(10, 20)), max_new_tokens=1)
+    own = admit(cache, req, 8)
+    req.kv_len = 6
+    cache.cache_unfinished_req(req)
+    assert req.cache_protected_len == 4 and cache.protected_size() == 4
+    row = cache.req_to_token_pool.req_to_token[req.req_pool_idx, :6].tolist()
+    assert row[4:6] == own[4:6].tolist() and alloc.is_allocated(own[4:]).all()
+    cache.check_invariants()
+
+
+def test_cache_finished_req_after_an_unfinished_one_releases_everything():
+    cache, alloc = make_cache(size=32)
+    req = Req("a", [1, 2, 3, 4, 5, 6], max_new_tokens=1)
+    admit(cache, req, 6)
+    req.kv_len = 3
+    cache.cache_unfinished_req(req)
+    req.output_ids, req.kv_len = [7], 6
+    cache.cache_finished_req(req)
+    assert cache.protected_size() == 0 and cache.total_size() == 6
+    assert alloc.available_size() == 26 and sizes_add_up(cache)
+
+
+def test_cache_finished_req_without_a_row_is_rejected():
+    cache, _ = make_cache()
+    req = Req("a", [1, 2], max_new_tokens=1)
+    with pytest.raises(ValueError, match="no req_to_token row"):
+        cache.cache_finished_req(req)
+
+
+# ---- whole tree -----------------------------------------------------------------------------------
+def test_reset_frees_every_cached_slot():
+    cache, alloc = make_cache(size=16)
+    put(cache, [1, 2, 3])
+    put(cache, [1, 4])
+    cache.reset()
+    assert cache.total_size() == 0 and alloc.available_size() == 16
+    assert cache.match_prefix([1, 2, 3]).last_node is cache.root_node
+    put(cache, [1, 2])
+    assert sizes_add_up(cache)
+
+
+def test_reset_refuses_while_a_request_holds_a_lock():
+    cache, _ = make_cache()
+    put(cache, [1, 2])
+    cache.inc_lock_ref(cache.match_prefix([1, 2]).last_node)
+    before = snapshot(cache)
+    with pytest.raises(RuntimeError, match="lock"):
+        cache.reset()
+    assert snapshot(cache) == before
+
+
+def test_nodes_from_before_a_reset_cannot_be_locked():
+    cache, _ = make_cache()
+    put(cache, [1, 2])
+    node = cache.match_prefix([1, 2]).last_node
+    cache.reset()
+    with pytest.raises(ValueError, match="no longer in the tree"):
+        cache.inc_lock_ref(node)
+    assert cache.protected_size() == 0
+
+
+def test_check_invariants_detects_a_wrong_size_counter():
+    cache, _ = make_cache()
+    put(cache, [1, 2])
+    cache._evictable_size += 1
+    with pytest.raises(AssertionError, match="counters"):
+        cache.check_invariants()
+
+
+def test_check_invariants_detects_a_slot_freed_behind_the_trees_back():
+    cache, alloc = make_cache()
+    slots = put(cache, [1, 2])
+    alloc.free(slots[:1])
+    with pytest.raises(AssertionError, match="considers free"):
+        cache.check_invariants()
+
+
+def test_repr_summarises_the_sizes():
+    cache, _ = make_cache()
+    put(cache, [1, 2])
+    assert "total=2" in repr(cache) and "evictable=2" in repr(cache)
+
+
+# ---- bad input: a clear error and no state change -------------------------------------------------------
+def bad_calls():
+    """(name, call(cache, alloc), exception, message) for each kind of bad argument."""
+    return [
+        ("empty key", lambda c, a: c.insert([], torch.empty(0, dtype=torch.int64)), ValueError, "empty"),
+        ("length mismatch", lambda c, a: c.insert([7, 8, 9], a.alloc(2)), ValueError, r"shape \[len\(key\)\]"),
+        ("slot 0", lambda c, a: c.insert([7, 8], torch.tensor([0, int(a.alloc(1))])), ValueError, "padding"),
+        ("free slots", lambda c, a: c.insert([7, 8], torch.tensor([60, 61])), ValueError, "not handed out"),
+        ("out of range slot", lambda c, a: c.insert([7], torch.tensor([10**6])), ValueError, "not handed out"),
+        ("slots the tree holds", lambda c, a: c.insert([9, 9], c.match_prefix([1, 2]).indices),
+         ValueError, "already caches"),
+        ("float value", lambda c, a: c.insert([7], torch.tensor([3.0])), TypeError, "integer"),
+        ("list value", lambda c, a: c.insert([7], [3]), TypeError, "torch.Tensor"),
+        ("2-D value", lambda c, a: c.insert([7, 8], a.alloc(2).reshape(1, 2)), ValueError, "1-D"),
+        ("string key", lambda c, a: c.insert("ab", a.alloc(2)), TypeError, "sequence of int"),
+        ("float tokens", lambda c, a: c.match_prefix([1.5, 2.0]), TypeError, "sequence of int"),
+        ("token beyond int64", lambda c, a: c.match_prefix([2**70]), ValueError, "int64"),
+        ("unlocking an unlocked node", lambda c, a: c.dec_lock_ref(c.match_prefix([1, 2]).last_node),
+         ValueError, "not locked"),
+        ("negative evict", lambda c, a: c.evict(-1), ValueError, "non-negative"),
+        ("float evict", lambda c, a: c.evict(2.0), ValueError, "non-negative"),
+        ("bool priority", lambda c, a: c.insert([7], a.alloc(1), priority=True), TypeError, "priority"),
+    ]
+
+
+@pytest.mark.parametrize("name,call,exc,msg", bad_calls(), ids=[b[0] for b in bad_calls()])
+def test_bad_input_raises_a_clear_error_and_changes_nothing(name, call, exc, msg):
+    cache, alloc = make_cache()
+    put(cache, [1, 2, 3])
+    put(cache, [1, 2, 4])
+    before_tree = (cache.evictable_size(), cache.protected_size(), cached_sequences(cache), len(cache._evictable))
+    with pytest.raises(exc, match=msg):
+        call(cache, alloc)
+    assert (cache.evictable_size(), cache.protected_size(), cached_sequences(cache),
+            len(cache._evictable)) == before_tree
+    cache.check_invariants()
+
+
+def test_a_rejected_insert_that_ends_mid_edge_does_not_split_it():
+    cache, alloc = make_cache()
+    put(cache, [1, 2, 3, 4])
+    with pytest.raises(ValueError, match="padding"):
+        cache.insert([1, 2, 9], torch.tensor([5, 6, 0]))
+    assert [c.token_ids() for c in cache.root_node.children.values()] == [[1, 2, 3, 4]]
+
+
+def test_locking_an_evicted_node_raises():
+    cache, _ = make_cache()
+    put(cache, [1, 2])
+    node = cache.match_prefix([1, 2]).last_node
+    cache.evict(2)
+    with pytest.raises(ValueError, match="no longer in the tree"):
+        cache.inc_lock_ref(node)
+    with pytest.raises(ValueError, match="no longer in the tree"):
+        cache.dec_lock_ref(node)
+    assert cache.protected_size() == 0 and cache.evictable_size() == 0
+
+
+def test_page_size_must_match_the_allocator():
+    with pytest.raises(ValueError, match="page_size"):
+        RadixCache(ReqToTokenPool(1, 8), PagedTokenAllocator(16, 4), page_size=2)
