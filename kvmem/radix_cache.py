@@ -179,6 +179,14 @@ class RadixCache:
             self._rekey(last)
         return MatchResult(self._path_indices(last), last)
 
+    def prefix_len(self, key) -> int:
+        """How many leading tokens of `key` `match_prefix` would return (whole pages), without changing the
+        tree: no split, no access-time or hit-count update, no index gather. A scheduler ranks its waiting
+        queue with this and matches for real only the requests it admits."""
+        view = _key_bytes("key", key)
+        _, off, _, part = self._descend(view, len(view) - len(view) % self._page_bytes)
+        return (off + part) // _TOKEN_BYTES
+
     def insert(self, key, value: torch.Tensor, priority: int = 0) -> int:
         """Caches slots `value` ([len(key)] integer tensor, any device; a numpy array works too) for tokens
         `key` (a non-empty sequence of int token ids, whole pages). Returns how many leading tokens were
@@ -555,10 +563,13 @@ def request_token_ids(req, num_tokens: int) -> array:
 
 
 def _key_bytes(name: str, key) -> memoryview:
-    """A byte view of `key` as native int64 token ids: zero-copy for an `array("q")`, one C-speed conversion
+    """A byte view of `key` as native int64 token ids: zero-copy for an `array("q")` or a memoryview of one,
+    one C-speed conversion
     for a list or tuple, a cast for an integer tensor or numpy array."""
     if isinstance(key, array) and key.typecode == "q":
         buf = key
+    elif isinstance(key, memoryview) and key.format == "q" and key.ndim == 1:
+        buf = key  # a slice of an int64 array: zero-copy, unlike slicing the array itself
     elif isinstance(key, (torch.Tensor, np.ndarray)):
         buf = np.ascontiguousarray(as_index_array(name, key))
     else:

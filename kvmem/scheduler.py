@@ -168,13 +168,13 @@ class Scheduler:
             budget, free_tokens = self._plan_extend(chunked, budget, free_tokens)
             reqs.append(chunked)
         can_admit = len(self.running) + len(reqs) < self.max_running and budget > 0 and self.chunked_req is None
-        # Matching the waiting window costs a tree walk per request: only when someone can be admitted.
-        matched = self._sort_waiting_by_prefix() if can_admit and self.config.schedule_policy == "lpm" else set()
+        # Ranking the waiting window costs a tree walk per request: only when someone can be admitted.
+        if can_admit and self.config.schedule_policy == "lpm":
+            self._sort_waiting_by_prefix()
         while self.waiting and len(self.running) + len(reqs) < self.max_running and budget > 0 \
                 and self.chunked_req is None:
             req = self.waiting[0]
-            if id(req) not in matched:
-                self._match(req)
+            self._match(req)
             self.tree_cache.inc_lock_ref(req.last_node)
             if self._charge(req, len(req.prefix_indices)) > free_tokens + self.tree_cache.evictable_size():
                 self.tree_cache.dec_lock_ref(req.last_node)
@@ -220,22 +220,19 @@ class Scheduler:
         return int(sum(r.max_new_tokens - len(r.output_ids) for r in reqs) * self.new_token_ratio)
 
     def _match(self, req: Req) -> None:
-        # At least one token is always left to compute: the prefill must produce the next token's logits.
-        key = req.fill_ids[:-1]
-        m = self.tree_cache.match_prefix(key)
+        m = self.tree_cache.match_prefix(_match_key(req))
         req.prefix_indices = m.indices
         req.last_node = m.last_node
         req.cache_protected_len = len(m.indices)
 
-    def _sort_waiting_by_prefix(self) -> set[int]:
-        """Matches the first `lpm_window` waiting requests and puts the longest cached prefixes first;
-        returns the ids of the requests matched (their match stays valid for this step)."""
+    def _sort_waiting_by_prefix(self) -> None:
+        """Puts the first `lpm_window` waiting requests with the longest cached prefixes first. Ranking
+        uses the tree's read-only `prefix_len`: at saturation the window is ranked every step while few
+        are admitted, and a full match (split, index gather) for each would dominate the loop."""
         window = [self.waiting.popleft() for _ in range(min(self.config.lpm_window, len(self.waiting)))]
-        for req in window:
-            self._match(req)
-        window.sort(key=lambda r: -len(r.prefix_indices))  # stable: arrival order among equals
+        prefix_len = self.tree_cache.prefix_len
+        window.sort(key=lambda r: -prefix_len(_match_key(r)))  # stable: arrival order among equals
         self.waiting.extendleft(reversed(window))
-        return {id(r) for r in window}
 
     # ---- checks -------------------------------------------------------------------------------------
     def held_by_requests(self) -> int:
@@ -260,6 +257,11 @@ class Scheduler:
         if free + evictable + protected + held != total:
             raise AssertionError(f"memory leak or double count: free {free} + evictable {evictable} + protected "
                                  f"{protected} + held by requests {held} != total {total}")
+
+
+def _match_key(req: Req) -> memoryview:
+    # At least one token is always left to compute: the prefill must produce the next token's logits.
+    return memoryview(req.fill_ids)[:-1]
 
 
 def _round_up(n: int, page_size: int) -> int:

@@ -586,3 +586,24 @@ def test_locking_an_evicted_node_raises():
 def test_page_size_must_match_the_allocator():
     with pytest.raises(ValueError, match="page_size"):
         RadixCache(ReqToTokenPool(1, 8), PagedTokenAllocator(16, 4), page_size=2)
+
+
+def test_prefix_len_equals_the_match_length_and_changes_nothing():
+    cache, _ = make_cache(page_size=2)
+    put(cache, [1, 2, 3, 4, 5, 6])
+    leaf = next(iter(cache.root_node.children.values()))
+    before = snapshot(cache), leaf.last_access, leaf.hit_count
+    assert cache.prefix_len([1, 2, 3, 4, 9]) == 4
+    assert cache.prefix_len([1, 2, 3]) == 2
+    assert cache.prefix_len([7, 8]) == 0
+    assert (snapshot(cache), leaf.last_access, leaf.hit_count) == before
+    assert leaf.parent is cache.root_node  # not split
+    assert len(cache.match_prefix([1, 2, 3, 4, 9]).indices) == 4
+
+
+def test_a_memoryview_of_an_int64_array_is_a_key():
+    cache, _ = make_cache()
+    put(cache, [1, 2, 3, 4])
+    key = memoryview(array("q", [1, 2, 3, 9]))[:-1]
+    assert cache.prefix_len(key) == 3
+    assert len(cache.match_prefix(key).indices) == 3
