@@ -2,7 +2,7 @@
 
 Pure Python (no torch), so a scheduler or a command line can size a pool before any tensor exists:
 
-    $ python -m kvmem.sizing llama-3-70b --kv-cache-dtype int8 --gpu-mem-gb 40
+    $ kvmem-sizing llama-3-70b --kv-cache-dtype int8 --gpu-mem-gb 40
     {"model": "llama-3-70b", "kv_cache_dtype": "int8", "bytes_per_token": 168960, ...}
 
 Storage per token, the same numbers `MHAKVPool` / `MLAKVPool` allocate (their `bytes_per_token`):
@@ -177,8 +177,8 @@ def _element_bits(config: ModelConfig, kv_cache_dtype: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m kvmem.sizing MODEL [--kv-cache-dtype D] [--gpu-mem-gb G] [--page-size P]`: prints JSON."""
-    parser = argparse.ArgumentParser(prog="python -m kvmem.sizing", description=main.__doc__)
+    """`kvmem-sizing MODEL [--kv-cache-dtype D] [--gpu-mem-gb G] [--page-size P]`: prints JSON."""
+    parser = argparse.ArgumentParser(prog="kvmem-sizing", description=main.__doc__)
     parser.add_argument("model", choices=list(MODEL_CONFIGS))
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--quant-group", type=int, default=None)
