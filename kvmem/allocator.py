@@ -183,7 +183,8 @@ class _SlotAllocator:
     def is_allocated(self, slots: torch.Tensor) -> torch.Tensor:
         """[n] bool: True where the slot is currently handed out (out-of-range and slot 0 are False)."""
         slots_np = as_index_array("slots", slots)
-        return torch.from_numpy(self._pages.is_allocated(slots_np // self.page_size))
+        pages = slots_np if self.page_size == 1 else slots_np // self.page_size
+        return torch.from_numpy(self._pages.is_allocated(pages))
 
     def backup_state(self) -> AllocatorState:
         """A snapshot to roll back to with `restore_state` (e.g. after a speculative step)."""

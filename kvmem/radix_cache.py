@@ -323,7 +323,7 @@ class RadixCache:
             bad = s[~held][0]
             raise ValueError(f"value holds slot {bad}, " + ("the padding slot" if bad == 0 else
                                                             "which token_allocator has not handed out"))
-        cached = self._in_tree[s]
+        cached = self._in_tree.take(s)
         if np.count_nonzero(cached):
             raise ValueError(f"value holds slot {s[cached][0]}, which the tree already caches for another prefix")
         ps = self.page_size
