@@ -97,6 +97,12 @@ def _write_req_to_token_kernel(
 
 def _write_req_to_token_torch(req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cache_loc,
                               prefix_indices, prefix_indptr):
+    if req_to_token.device.type == "cpu":
+        _write_req_to_token_host(req_to_token.numpy(), host_values(req_pool_indices), host_values(prefix_lens),
+                                 host_values(seq_lens), out_cache_loc.numpy(),
+                                 None if prefix_indices is None else prefix_indices.numpy(),
+                                 None if prefix_indptr is None else host_values(prefix_indptr))
+        return
     device = req_to_token.device
     bs = len(req_pool_indices)
     rows = req_pool_indices.long()
@@ -112,6 +118,25 @@ def _write_req_to_token_torch(req_to_token, req_pool_indices, prefix_lens, seq_l
     req = torch.repeat_interleave(arange_bs, ext, output_size=len(out_cache_loc))
     cols = torch.arange(len(out_cache_loc), device=device) - exclusive_cumsum(ext)[req] + prefix_lens.long()[req]
     req_to_token[rows[req], cols] = out_cache_loc.to(req_to_token.dtype)
+
+
+def _write_req_to_token_host(table: np.ndarray, rows: np.ndarray, prefix: np.ndarray, seq: np.ndarray,
+                             out_cache_loc: np.ndarray, prefix_indices: np.ndarray | None,
+                             prefix_indptr: np.ndarray | None) -> None:
+    # On the host a slice copy per request into a numpy view of the table beats both the vectorized torch
+    # scatter (several token-sized index temporaries) and per-request torch slices (a few us of dispatch
+    # each): 32 requests x (1k prefix + 1k new tokens) took 65 us this way, checks included, against
+    # 862 us scattered and 231 us with torch slices. Numpy's assignment narrows int64 to the table's dtype
+    # by wrapping, as the kernel's stores do.
+    ends = np.cumsum(seq - prefix).tolist()
+    starts = [0] + ends[:-1]
+    for row, p, s, e0, e1 in zip(rows.tolist(), prefix.tolist(), seq.tolist(), starts, ends):
+        table[row, p:s] = out_cache_loc[e0:e1]
+    if prefix_indptr is not None:
+        indptr = prefix_indptr.tolist()
+        for row, i0, i1 in zip(rows.tolist(), indptr[:-1], indptr[1:]):
+            if i1 > i0:
+                table[row, :i1 - i0] = prefix_indices[i0:i1]
 
 
 def _check_args(req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cache_loc, prefix_indices,
@@ -147,10 +172,10 @@ def _check_values(req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cac
     if bad.any():
         i = first_bad(bad)
         raise IndexError(f"req_pool_indices[{i}] = {rows[i]} is out of range [0, {num_rows})")
-    seen = np.zeros(num_rows, dtype=np.int64)
-    np.add.at(seen, rows, 1)
-    if (seen > 1).any():
-        raise ValueError(f"req_pool_indices names row {first_bad(seen > 1)} more than once")
+    seen = np.zeros(num_rows, dtype=bool)
+    seen[rows] = True
+    if np.count_nonzero(seen) != len(rows):  # a third of np.add.at's cost on the extend path
+        raise ValueError(f"req_pool_indices names row {first_bad(np.bincount(rows) > 1)} more than once")
     bad = (prefix < 0) | (seq < prefix)
     if bad.any():
         i = first_bad(bad)

@@ -11,11 +11,14 @@ from __future__ import annotations
 import enum
 from array import array
 from collections.abc import Sequence
+from itertools import compress
 
 import numpy as np
 import torch
 
+from kernels.req_to_token import write_req_to_token
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
+from kvmem.attention import PagedKVMetadata, build_decode_metadata, build_extend_metadata
 from kvmem.radix_cache import RadixCache
 from kvmem.req_to_token import ReqToTokenPool
 
@@ -116,7 +119,8 @@ class ScheduleBatch:
     """The requests of one forward step and the tensors a model runner needs.
 
     After `prepare_for_extend()` / `prepare_for_decode()`: `req_pool_indices`, `seq_lens`, `prefix_lens`,
-    `extend_lens` ([bs] int64) and `out_cache_loc` ([num new tokens] int64, the slots this step writes).
+    `extend_lens` ([bs] int64, on the CPU) and `out_cache_loc` ([num new tokens] int64, the slots this step
+    writes, on the allocator's device); `attention_metadata()` gives FlashInfer's paged-KV arrays.
     """
 
     def __init__(self, reqs: list[Req], req_to_token_pool: ReqToTokenPool,
@@ -144,9 +148,10 @@ class ScheduleBatch:
         """
         self.forward_mode = ForwardMode.EXTEND
         reqs = self.reqs
-        new = [r for r in reqs if r.req_pool_idx is None]
+        is_new = [r.req_pool_idx is None for r in reqs]
+        new = list(compress(reqs, is_new))
         for r in new:
-            r.kv_len = len(r.prefix_indices)
+            r.kv_len = r.prefix_indices.numel()
         prefix = np.fromiter((r.kv_len for r in reqs), dtype=np.int64, count=len(reqs))
         seq = np.fromiter((r.extend_end for r in reqs), dtype=np.int64, count=len(reqs))
         if (seq <= prefix).any():
@@ -166,10 +171,10 @@ class ScheduleBatch:
             if rows:
                 self.req_to_token_pool.free(rows)
             return False
-        self._write_extend(new, prefix, seq, out)
+        self._set_lens(prefix, seq, out)
+        self._write_extend(is_new)
         for r, s in zip(reqs, seq.tolist()):
             r.kv_len = s
-        self._set_lens(prefix, seq, out)
         return True
 
     def prepare_for_decode(self) -> None:
@@ -179,24 +184,43 @@ class ScheduleBatch:
         `retract_decode`) until the rest fit; retracted requests are in `self.retracted`.
         """
         self.forward_mode = ForwardMode.DECODE
-        if self._decode_need() > self.token_allocator.available_size() + self.tree_cache.evictable_size():
+        prefix = self._kv_lens()
+        need = self._decode_need(prefix)
+        if need > self.token_allocator.available_size() + self.tree_cache.evictable_size():
             self.retracted = self.retract_decode()
-        short = self._decode_need() - self.token_allocator.available_size()
+            prefix = self._kv_lens()
+            need = self._decode_need(prefix)
+        short = need - self.token_allocator.available_size()
         if short > 0:
             self.evicted_tokens += self.tree_cache.evict(short)
         reqs = self.reqs
-        prefix = np.fromiter((r.kv_len for r in reqs), dtype=np.int64, count=len(reqs))
         seq = prefix + 1
+        rows = np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=len(reqs))
         if not reqs:
-            self._set_lens(prefix, seq, _EMPTY)
+            self._set_lens(prefix, seq, _EMPTY, rows)
             return
-        out = self._alloc_extend(prefix, seq, self._last_loc(prefix))
+        out = self._alloc_extend(prefix, seq, self._last_loc(prefix, rows))
         assert out is not None, "decode allocation failed after eviction and retraction"
-        rows = torch.from_numpy(np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=len(reqs)))
-        self.req_to_token_pool.req_to_token[rows, torch.from_numpy(prefix)] = out.to(torch.int32)
+        self.req_to_token_pool.req_to_token[torch.from_numpy(rows), torch.from_numpy(prefix)] = out.to(torch.int32)
         for r in reqs:
             r.kv_len += 1
-        self._set_lens(prefix, seq, out)
+        self._set_lens(prefix, seq, out, rows)
+
+    def attention_metadata(self) -> PagedKVMetadata:
+        """FlashInfer's paged-KV arrays for this step (see `kvmem.attention`), on req_to_token's device.
+
+        Decode: one query per request over its seq_lens tokens. Extend: queries are each request's tokens
+        prefix_lens..seq_lens-1 (qo_indptr = cumsum of extend_lens), keys all seq_lens tokens. kv_indices
+        lists each request's slots (page_size 1) or page ids, read from its req_to_token row. Raises
+        RuntimeError before `prepare_for_extend()` / `prepare_for_decode()`.
+        """
+        table = self.req_to_token_pool.req_to_token
+        rows, seq = self.req_pool_indices.to(table.device), self.seq_lens.to(table.device)
+        if self.forward_mode is ForwardMode.DECODE:
+            return build_decode_metadata(table, rows, seq, self.page_size)
+        if self.forward_mode is ForwardMode.EXTEND:
+            return build_extend_metadata(table, rows, self.prefix_lens.to(table.device), seq, self.page_size)
+        raise RuntimeError("attention_metadata() needs prepare_for_extend() or prepare_for_decode() first")
 
     def retract_decode(self) -> list[Req]:
         """Releases requests' memory until the remaining ones can decode one more token, counting the
@@ -231,10 +255,18 @@ class ScheduleBatch:
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         return row[req.cache_protected_len:req.kv_len].to(torch.int64)
 
-    def _decode_need(self) -> int:
+    def _kv_lens(self) -> np.ndarray:
+        reqs = self.reqs
+        return np.fromiter((r.kv_len for r in reqs), dtype=np.int64, count=len(reqs))
+
+    def _decode_need(self, kv_lens: np.ndarray | None = None) -> int:
+        """Slots one more decode token takes: one per request at page_size 1, else a page for every request
+        whose pages are full."""
         if self.page_size == 1:
             return len(self.reqs)
-        return sum(self.page_size for r in self.reqs if r.kv_len % self.page_size == 0)
+        if kv_lens is None:
+            kv_lens = self._kv_lens()
+        return int(np.count_nonzero(kv_lens % self.page_size == 0)) * self.page_size
 
     def _extend_need(self, prefix: np.ndarray, seq: np.ndarray) -> int:
         ps = self.page_size
@@ -253,31 +285,41 @@ class ScheduleBatch:
             return self.token_allocator.alloc(int((seq - prefix).sum()))
         return self.token_allocator.alloc_extend(prefix, seq, last_loc)
 
-    def _last_loc(self, prefix: np.ndarray) -> np.ndarray:
+    def _last_loc(self, prefix: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         """Slot of each request's token prefix-1 where that token ends a partial page (else -1): paged
         allocation continues that page. A new request's prefix comes from the tree in whole pages, so
-        only rows already written (chunked and decoding requests) are read."""
+        only rows already written (chunked and decoding requests) are read. `rows`: the requests'
+        req_to_token rows, when the caller has them."""
         last = np.full(len(prefix), -1, dtype=np.int64)
         partial = np.flatnonzero(prefix % self.page_size)
         if len(partial):
-            rows = torch.tensor([self.reqs[i].req_pool_idx for i in partial.tolist()], dtype=torch.int64)
-            cols = torch.from_numpy(prefix[partial] - 1)
-            last[partial] = self.req_to_token_pool.req_to_token[rows, cols].numpy()
+            if rows is None:
+                rows = np.fromiter((self.reqs[i].req_pool_idx for i in partial.tolist()), np.int64, len(partial))
+            else:
+                rows = rows[partial]
+            last[partial] = self.req_to_token_pool.req_to_token[torch.from_numpy(rows),
+                                                                torch.from_numpy(prefix[partial] - 1)].cpu().numpy()
         return last
 
-    def _write_extend(self, new: list[Req], prefix: np.ndarray, seq: np.ndarray, out: torch.Tensor) -> None:
+    def _write_extend(self, is_new: list[bool]) -> None:
+        """Writes every request's `out_cache_loc` slots and the new requests' cached prefixes (a chunked
+        request's prefix is in its row already) into req_to_token, in one kernel launch."""
         table = self.req_to_token_pool.req_to_token
-        for r in new:
-            if len(r.prefix_indices):
-                table[r.req_pool_idx, :len(r.prefix_indices)] = r.prefix_indices.to(torch.int32)
-        out32 = out.to(torch.int32)
-        off = 0
-        for r, p, s in zip(self.reqs, prefix.tolist(), seq.tolist()):
-            table[r.req_pool_idx, p:s] = out32[off:off + s - p]
-            off += s - p
+        counts = np.fromiter((r.prefix_indices.numel() if n else 0 for r, n in zip(self.reqs, is_new)),
+                             dtype=np.int64, count=len(is_new))
+        prefix = ()
+        if counts.any():
+            indptr = np.zeros(len(counts) + 1, dtype=np.int64)
+            np.cumsum(counts, out=indptr[1:])
+            prefix = (torch.cat([r.prefix_indices for r, n in zip(self.reqs, is_new) if n]).to(table.device),
+                      torch.from_numpy(indptr).to(table.device))
+        write_req_to_token(table, self.req_pool_indices.to(table.device), self.prefix_lens.to(table.device),
+                           self.seq_lens.to(table.device), self.out_cache_loc.to(table.device), *prefix)
 
-    def _set_lens(self, prefix: np.ndarray, seq: np.ndarray, out: torch.Tensor) -> None:
-        self.req_pool_indices = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
+    def _set_lens(self, prefix: np.ndarray, seq: np.ndarray, out: torch.Tensor, rows: np.ndarray | None = None) -> None:
+        if rows is None:
+            rows = np.fromiter((r.req_pool_idx for r in self.reqs), dtype=np.int64, count=len(self.reqs))
+        self.req_pool_indices = torch.from_numpy(rows)
         self.prefix_lens = torch.from_numpy(prefix)
         self.seq_lens = torch.from_numpy(seq)
         self.extend_lens = self.seq_lens - self.prefix_lens

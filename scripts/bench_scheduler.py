@@ -5,13 +5,13 @@ Two step shapes, each at page_size 1 and 16 (CPU tensors, torch single-threaded;
 step over repeats, after warm-up steps):
   decode  256 running requests with 1024..2048-token prompts. kvmem: one real `Scheduler.step()` (a decode
           batch, `ScheduleBatch.prepare_for_decode` timed inside it) and `process_batch_result`; then, in
-          a second block of steps, `build_decode_metadata` between the two (`batch_level` = prepare +
-          metadata, `full` = step + metadata + process).
+          a second block of steps, `ScheduleBatch.attention_metadata()` between the two (`batch_level` =
+          prepare + metadata, `full` = step + metadata + process).
   extend  32 new requests of 2048 tokens whose first 1024 tokens are cached (32 prefixes run to completion
           first, then every round brings fresh 1024-token suffixes). kvmem: `step()` (fcfs admission with
           match_prefix + prepare_for_extend) and `process_batch_result`, which caches the finished requests
           (max_new_tokens 1) in the tree; a second block times the matches inside step(), a third adds
-          `build_extend_metadata`.
+          `attention_metadata()`.
 The steps compared with SGLang come from the blocks without metadata: building it walks every row and
 leaves the next step cold host caches (`prepare_after_metadata_us` shows by how much).
 
@@ -216,7 +216,6 @@ def kvmem_decode(page_size: int, seed: int, repeats: int) -> dict:
     """A block of plain steps (step + process, the loop the SGLang side runs), then a block with the
     metadata built between them: the metadata walks every row and evicts the host caches the next step
     would find warm, so the compared rows come from the plain block."""
-    from kvmem.attention import build_decode_metadata
     from kvmem.batch import ForwardMode, Req
 
     steps = WARMUP + 2 * repeats + PROFILE_STEPS
@@ -228,14 +227,13 @@ def kvmem_decode(page_size: int, seed: int, repeats: int) -> dict:
         batch = sched.step()
         sched.process_batch_result(batch, [TOKEN] * batch.batch_size())
     assert len(sched.running) == DECODE_BS, "all 256 requests must be running before decode is timed"
-    table, tokens, pc = sched.req_to_token_pool.req_to_token, [TOKEN] * DECODE_BS, time.perf_counter
+    tokens, pc = [TOKEN] * DECODE_BS, time.perf_counter
 
     def one_step(with_metadata: bool):
         t0 = pc()
         batch = sched.step()
         t1 = pc()
-        md = build_decode_metadata(table, batch.req_pool_indices, batch.seq_lens, page_size) if with_metadata \
-            else None
+        md = batch.attention_metadata() if with_metadata else None
         t2 = pc()
         sched.process_batch_result(batch, tokens)
         t3 = pc()
@@ -276,14 +274,13 @@ def kvmem_decode(page_size: int, seed: int, repeats: int) -> dict:
 def kvmem_extend(page_size: int, seed: int, repeats: int) -> dict:
     """Three blocks of rounds, as for decode: plain (step + process), matches timed inside step(), and
     with the metadata built between step and process."""
-    from kvmem.attention import build_extend_metadata
     from kvmem.batch import ForwardMode, Req
 
     rounds = WARMUP + 3 * repeats + PROFILE_STEPS
     prefixes, prompts = extend_prompts(seed, rounds)
     sched = make_kvmem_scheduler(page_size, EXTEND_BS + 4, PROMPT_LEN + 2 * page_size,
                                  (rounds + 4) * EXTEND_BS * PREFIX_LEN, EXTEND_BS)
-    tree, table, pc = sched.tree_cache, sched.req_to_token_pool.req_to_token, time.perf_counter
+    tree, pc = sched.tree_cache, time.perf_counter
     for i, p in enumerate(prefixes):
         sched.add_request(Req(f"prefix{i}", p, 1))
     batch = sched.step()
@@ -300,7 +297,7 @@ def kvmem_extend(page_size: int, seed: int, repeats: int) -> dict:
         batch = sched.step()
         t1 = pc()
         if with_metadata:
-            md = build_extend_metadata(table, batch.req_pool_indices, batch.prefix_lens, batch.seq_lens, page_size)
+            md = batch.attention_metadata()
             assert len(md.qo_indptr) == EXTEND_BS + 1
         t2 = pc()
         finished = sched.process_batch_result(batch, tokens)

@@ -3,13 +3,16 @@
 #   1. installs the carried FlashInfer wheels from .whl/ (if any) into /tmp/site,
 #   2. runs the CUDA tests (Triton == torch fallback on CUDA tensors, FlashInfer == reference attention)
 #      and the kernel / attention tests without TRITON_INTERPRET, i.e. on CUDA tensors,
-#   3. runs the kv_indices benchmark (JSON; also saved to $OUT/bench_kv_indices.json when OUT is set).
+#   3. runs the kv_indices benchmark (JSON; also saved to $OUT/bench_kv_indices.json when OUT is set),
+#      beside SGLang's own create_flashinfer_kv_indices_triton when a copy of its source is carried in
+#      .peer/sglang/ (ignored by git: SGLang's code is never committed here).
 # The first FlashInfer test JIT-compiles its kernels (minutes); later runs on the same machine reuse them.
 # Exit status: 0 when the tests pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 unset TRITON_INTERPRET
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+[ -d .peer ] && export PYTHONPATH="$PYTHONPATH:$PWD/.peer"
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \

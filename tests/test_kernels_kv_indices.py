@@ -100,6 +100,26 @@ def test_triton_and_torch_agree_on_random_batches(data, page_size, with_start):
     assert torch.equal(run(*args, backend="triton"), run(*args, backend="torch"))
 
 
+def as_int32(v):
+    return (v + (1 << 31)) % (1 << 32) - (1 << 31)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("page_size", [1, 2, 16])
+def test_page_ids_truncate_toward_zero_and_wrap_to_int32_like_the_kernel(backend, dtype, page_size):
+    # Real slots are small and non-negative; these values pin the exact integer semantics the fallback
+    # shares with the kernel: division truncates, and int64 entries are narrowed after dividing.
+    values = [-33, -1, 5, 17, (1 << 33) + 48, -(1 << 40) - 7, 64, 3] * 6
+    table = torch.tensor([values, values[::-1]], dtype=torch.int64).to(dtype).to(DEVICE)
+    got = run(table, [1, 0], [len(values), 21], page_size=page_size, backend=backend)
+    want = []
+    for row, n in ((1, len(values)), (0, 21)):
+        for v in table[row, :n:page_size].tolist():
+            want.append(as_int32(-(-v // page_size) if v < 0 else v // page_size))
+    assert got.tolist() == want
+
+
 def test_triton_is_the_default_where_it_runs():
     assert use_triton(_create_kv_indices_kernel, DEVICE, None) == TRITON_RUNS
     assert not use_triton(_create_kv_indices_kernel, DEVICE, "torch")

@@ -79,6 +79,14 @@ def test_int64_table_and_int32_inputs_are_accepted(backend):
     assert table[1, :3].tolist() == [9, 8, 0]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int64_slots_wrap_into_an_int32_table_like_the_kernel(backend):
+    table = torch.zeros(2, 6, dtype=torch.int32, device=DEVICE)
+    got = write(table, [1], [1], [3], [(1 << 33) + 5, -(1 << 35) - 3], prefix_indices=[(1 << 32) + 1],
+                prefix_indptr=[0, 1], backend=backend)
+    assert got[1].tolist() == [1, 5, -3, 0, 0, 0]
+
+
 @pytest.mark.skipif(not TRITON_RUNS, reason="no Triton here")
 @settings(max_examples=20, deadline=None)
 @given(data=st.data(), with_prefix=st.booleans())

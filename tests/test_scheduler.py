@@ -2,11 +2,12 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
-from kvmem.batch import ForwardMode, Req
+from kvmem.batch import ForwardMode, Req, ScheduleBatch
 from kvmem.radix_cache import RadixCache
 from kvmem.req_to_token import ReqToTokenPool
 from kvmem.scheduler import Scheduler, SchedulerConfig
@@ -136,6 +137,99 @@ def test_chunked_prefill_caps_new_tokens_per_step(page_size):
     assert extends >= 3 * 1500 // 256
     for r in reqs:
         assert r.output_ids == expected_output(r)
+
+
+class MetadataCheckingModel(FakeModel):
+    """Also checks each batch's FlashInfer metadata against the request rows before computing."""
+
+    def __init__(self, sched):
+        super().__init__(sched)
+        self.chunked_batches = self.prefix_hit_batches = 0
+
+    def forward(self, batch):
+        check_attention_metadata(batch, self.sched.req_to_token_pool.req_to_token)
+        if batch.forward_mode is ForwardMode.EXTEND:
+            self.chunked_batches += any(r.is_chunked() for r in batch.reqs)
+            self.prefix_hit_batches += bool((batch.prefix_lens > 0).any())
+        return super().forward(batch)
+
+
+def check_attention_metadata(batch, table):
+    md = batch.attention_metadata()
+    ps, bs = batch.page_size, batch.batch_size()
+    for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"):
+        assert getattr(md, name).dtype == torch.int32, name
+    assert md.page_size == ps
+    if batch.forward_mode is ForwardMode.EXTEND:
+        assert md.qo_indptr.tolist() == [0] + torch.cumsum(batch.extend_lens, 0).tolist()
+    else:
+        assert md.qo_indptr.tolist() == list(range(bs + 1))
+    kv_indptr, kv_indices = md.kv_indptr.tolist(), md.kv_indices.tolist()
+    assert len(kv_indptr) == bs + 1 and kv_indptr[-1] == len(kv_indices)
+    for i, (r, seq_len) in enumerate(zip(batch.reqs, batch.seq_lens.tolist())):
+        row = table[r.req_pool_idx, :seq_len].tolist()
+        pages = kv_indices[kv_indptr[i]:kv_indptr[i + 1]]
+        if ps == 1:
+            assert pages == row, f"{r.rid}: kv_indices are not its row's slots"
+        else:
+            assert pages == list(dict.fromkeys(slot // ps for slot in row)), f"{r.rid}: not its row's pages"
+        last = md.kv_last_page_len[i].item()
+        assert 1 <= last <= ps and (len(pages) - 1) * ps + last == seq_len
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_attention_metadata_lists_each_requests_slots_from_its_row(page_size):
+    # Shared prefixes (new requests with cached prefixes), chunked prefill and decode all in one loop.
+    reqs = shared_prefix_requests(24, seed=3)
+    sched = make_scheduler(8192, page_size, max_running_requests=6, chunked_prefill_size=160)
+    model = MetadataCheckingModel(sched)
+    for r in reqs:
+        sched.add_request(r)
+    modes = set()
+    while not sched.is_idle():
+        batch = sched.step()
+        modes.add(batch.forward_mode)
+        sched.process_batch_result(batch, model.forward(batch))
+    assert modes == {ForwardMode.EXTEND, ForwardMode.DECODE}
+    assert model.chunked_batches > 0 and model.prefix_hit_batches > 0
+    for r in reqs:
+        assert r.output_ids == expected_output(r)
+
+
+def test_attention_metadata_needs_a_prepared_batch():
+    sched = make_scheduler(1024)
+    batch = ScheduleBatch([], sched.req_to_token_pool, sched.token_allocator, sched.tree_cache)
+    with pytest.raises(RuntimeError, match="prepare_for_extend"):
+        batch.attention_metadata()
+
+
+@pytest.mark.parametrize("as_tensor", [torch.tensor, np.array])
+def test_sampled_tokens_may_come_as_a_tensor_or_array(as_tensor):
+    reqs = [Req(i, list(range(10 + i, 60 + i)), 5) for i in range(4)]
+    sched = make_scheduler(2048)
+    for r in reqs:
+        sched.add_request(r)
+    model = FakeModel(sched)
+    while not sched.is_idle():
+        batch = sched.step()
+        sched.process_batch_result(batch, as_tensor(model.forward(batch)))
+    for r in reqs:
+        assert r.output_ids == expected_output(r)
+        assert all(type(t) is int for t in r.output_ids)
+
+
+def test_non_integer_tokens_are_rejected_and_the_batch_can_be_reported_again():
+    sched = make_scheduler(1024)
+    req = Req(0, [1, 2, 3], 2)
+    sched.add_request(req)
+    batch = sched.step()
+    with pytest.raises(TypeError, match="next_token_ids"):
+        sched.process_batch_result(batch, [1.5])
+    with pytest.raises(ValueError, match="1-D"):
+        sched.process_batch_result(batch, torch.tensor([[5]]))
+    assert req.output_ids == []
+    sched.process_batch_result(batch, [5])
+    assert req.output_ids == [5]
 
 
 def test_bad_requests_are_rejected_at_admission_and_the_loop_serves_the_rest():
