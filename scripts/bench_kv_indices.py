@@ -9,7 +9,10 @@ counting 4 bytes read and 4 written per token plus the kv_indptr read, for:
   kvmem_kernel      the same Triton kernel launched directly
   sglang_style      the classic shape of SGLang's create_flashinfer_kv_indices_triton, rewritten here:
                     one program per request looping over fixed 512-token blocks
-  sglang            SGLang's own kernel, when sglang is importable
+  sglang            SGLang's own kernel, when sglang is importable, launched as its FlashInfer backend does
+                    (one program per request)
+  sglang_block_parallel  the same kernel with its TOKEN_BLOCK_PARALLEL 2-D grid (SGLang 0.5.23+), sized by
+                    its own kv_indices_num_token_blocks
   torch_fallback    the vectorized torch path on the GPU
   copy              a device-to-device copy_ of the same number of int32s (the bandwidth ceiling)
 Prints one JSON object.
@@ -89,19 +92,21 @@ def _sglang_style_kernel():
 
 
 def _sglang_kernel():
+    """SGLang's kernel and its block-count helper (None where this SGLang has no block-parallel grid)."""
     name = "create_flashinfer_kv_indices_triton"
     for module in ("sglang.kernels.ops.attention.kv_indices", "sglang.srt.layers.attention.utils"):
         try:
-            return getattr(__import__(module, fromlist=[name]), name)
+            mod = __import__(module, fromlist=[name])
         except Exception:  # absent, or present but needing a server config: either way no comparison
             continue
-    return None
+        return getattr(mod, name), getattr(mod, "kv_indices_num_token_blocks", None)
+    return None, None
 
 
 def bench_cuda(batch_sizes, tokens_list) -> list[dict]:
     from triton.testing import do_bench
 
-    baseline, sglang = _sglang_style_kernel(), _sglang_kernel()
+    baseline, (sglang, sglang_blocks) = _sglang_style_kernel(), _sglang_kernel()
     rows = []
     for bs in batch_sizes:
         for tokens in tokens_list:
@@ -121,9 +126,14 @@ def bench_cuda(batch_sizes, tokens_list) -> list[dict]:
             if sglang is not None:
                 fns["sglang"] = lambda: sglang[(bs,)](req_to_token, req_rows, kv_lens, kv_indptr, None, kv_indices,
                                                       stride)
+            if sglang_blocks is not None:
+                grid = (bs, sglang_blocks(stride, bs))
+                fns["sglang_block_parallel"] = lambda: sglang[grid](
+                    req_to_token, req_rows, kv_lens, kv_indptr, None, kv_indices, stride, TOKEN_BLOCK_PARALLEL=True)
             want = create_kv_indices(req_to_token, req_rows, kv_lens, kv_indptr, backend="torch")
             row = {"bs": bs, "tokens_per_request": tokens}
             for name, fn in fns.items():
+                kv_indices.fill_(-1)  # so that the check below sees what this fn wrote
                 us = do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
                 if name != "copy":
                     assert torch.equal(kv_indices, want), f"{name} gathered wrong indices"
