@@ -269,3 +269,78 @@ def test_scheduler_config_rejects_bad_values():
         SchedulerConfig(schedule_policy="random")
     with pytest.raises(ValueError, match="chunked_prefill_size"):
         SchedulerConfig(chunked_prefill_size=0)
+
+
+def count_evictions(tree):
+    """Wraps tree.evict to record each call's request; returns the list it fills."""
+    calls, evict = [], tree.evict
+
+    def recording(num_tokens):
+        calls.append(num_tokens)
+        return evict(num_tokens)
+
+    tree.evict = recording
+    return calls
+
+
+def fill_tree(sched, n_prefixes, length):
+    """Caches n_prefixes distinct prompts (evictable once they finish)."""
+    run(sched, [Req(f"c{i}", [10_000 + i * length + t for t in range(length)], 1) for i in range(n_prefixes)])
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_shortage_evicts_the_shortfall_in_one_call(page_size):
+    sched = make_scheduler(1024, page_size, max_running_requests=8)
+    fill_tree(sched, 12, 64)
+    reqs = [Req(i, [i * 5 + t for t in range(1, 17)], 50) for i in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    model = FakeModel(sched)
+    batch = sched.step()  # all four prefilled
+    sched.process_batch_result(batch, model.forward(batch))
+    # Take every free slot, so that the next decode step must evict.
+    hoard = sched.token_allocator.alloc(sched.token_allocator.available_size())
+    calls = count_evictions(sched.tree_cache)
+    batch = sched.step()
+    assert batch.forward_mode is ForwardMode.DECODE and not batch.retracted
+    assert len(calls) == 1 and calls[0] > 0
+    sched.process_batch_result(batch, model.forward(batch))
+    sched.token_allocator.free(hoard)
+    sched.check_invariants()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_retract_decode_releases_the_least_advanced_request_first_and_only_as_many_as_needed(page_size):
+    sched = make_scheduler(256, page_size, max_running_requests=4)
+    reqs = [Req(i, [i * 9 + t for t in range(1, 33)], 20) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    model = FakeModel(sched)
+    batch = sched.step()
+    sched.process_batch_result(batch, model.forward(batch))
+    reqs[2].output_ids += [5] * 3  # the most advanced: kept
+    free_before = sched.token_allocator.available_size()
+    hoard = sched.token_allocator.alloc(free_before)  # nothing free, nothing evictable
+    batch = ScheduleBatch(list(sched.running), sched.req_to_token_pool, sched.token_allocator, sched.tree_cache)
+    retracted = batch.retract_decode()
+    # Each 32-token request needs a new slot (page) for its next token; freeing one request's 32 slots
+    # covers the other two. Among the two least advanced, arrival order decides.
+    assert retracted == [reqs[0]]
+    assert batch.reqs == [reqs[1], reqs[2]]
+    assert reqs[0].req_pool_idx is None and reqs[0].num_retractions == 1
+    assert sched.token_allocator.available_size() == 32
+    sched.token_allocator.free(hoard)
+
+
+def test_prepare_for_extend_when_short_returns_false_and_changes_nothing():
+    sched = make_scheduler(256, 1)
+    pool, alloc = sched.req_to_token_pool, sched.token_allocator
+    hoard = alloc.alloc(alloc.available_size() - 10)
+    req = Req("r", list(range(1, 41)), 4)
+    req.extend_end = len(req.input_ids)
+    rows_before, free_before = pool.available_size(), alloc.available_size()
+    batch = ScheduleBatch([req], pool, alloc, sched.tree_cache)
+    assert batch.prepare_for_extend() is False
+    assert (pool.available_size(), alloc.available_size()) == (rows_before, free_before)
+    assert req.req_pool_idx is None
+    alloc.free(hoard)
