@@ -30,19 +30,19 @@ side is skipped with a note when it does not exist). The JSON report is printed 
 
 from __future__ import annotations
 
-import argparse
 import gc
 import hashlib
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+import _peer  # scripts/_peer.py: the script's own folder is on sys.path
 
 POOL_TOKENS = 1 << 20
 PAGE_SIZE = 16
@@ -258,12 +258,7 @@ class SglangSide:
 
 
 def sglang_main(args) -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sglang_driver", args.sglang_driver)
-    driver = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(driver)
-    sg = driver.import_sglang()
+    sg = _peer.load_driver(args.sglang_driver).import_sglang()
     import sglang
 
     gc.disable()
@@ -275,17 +270,6 @@ def sglang_main(args) -> None:
 
 
 # ---- report ------------------------------------------------------------------------------------------------
-def run_sglang(args) -> dict:
-    if not os.path.exists(args.sglang_python):
-        return {"error": f"{args.sglang_python} not found: SGLang side skipped"}
-    cmd = [args.sglang_python, __file__, "--peer", "sglang", "--sglang-driver", args.sglang_driver,
-           "--seed", str(args.seed)] + (["--quick"] if args.quick else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"error": f"SGLang side failed (exit {proc.returncode}): {proc.stderr[-2000:]}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def report(kv: dict, sg: dict) -> dict:
     rows, slower = [], []
     for name, res in kv["rows"].items():
@@ -309,18 +293,10 @@ def report(kv: dict, sg: dict) -> dict:
 
 
 def main() -> None:
-    default_driver = Path(__file__).resolve().parents[2] / "shared" / "peers" / "sglang_driver.py"
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sglang-python", default="/tmp/sglang-peer/bin/python",
-                    help="python of a venv with SGLang installed (the SGLang side is skipped if missing)")
-    ap.add_argument("--sglang-driver", default=str(default_driver),
-                    help="the peer harness whose import_sglang() loads SGLang on CPU")
-    ap.add_argument("--quick", action="store_true", help="a short run (fewer repeats per row)")
+    ap = _peer.parser(__doc__, "a short run (fewer repeats per row)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", help="also write the JSON report here")
     ap.add_argument("--allocator-module", metavar="PATH",
                     help="time this copy of kvmem/allocator.py instead of the installed one (to try a change)")
-    ap.add_argument("--peer", choices=["sglang"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.peer == "sglang":
         sglang_main(args)
@@ -332,7 +308,7 @@ def main() -> None:
     gc.disable()  # a collection would land inside some timed call
     kv = run_rows(KvmemSide(args.allocator_module), torch, args.seed, args.quick)
     gc.enable()
-    sg = run_sglang(args)
+    sg = _peer.run_peer(__file__, args, "--seed", str(args.seed))
     out = report(kv, sg)
     out["meta"] = {"cpus": os.cpu_count(), "torch": torch.__version__, "numpy": np.__version__,
                    "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
@@ -341,10 +317,7 @@ def main() -> None:
                    "pool_tokens": POOL_TOKENS, "page_size": PAGE_SIZE, "batch": BATCH, "seed": args.seed,
                    "quick": args.quick, "kvmem_allocator": args.allocator_module or "kvmem.allocator",
                    "wall_s": round(time.perf_counter() - t0, 1)}
-    text = json.dumps(out, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    _peer.emit(out, args.out)
 
 
 if __name__ == "__main__":

@@ -22,17 +22,17 @@ printed on stdout, progress on stderr.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from array import array
 from pathlib import Path
+
+import _peer  # scripts/_peer.py: the script's own folder is on sys.path
 
 CHUNK = 512  # tokens per node on the cached path of the match/insert rows
 MATCH_LENGTHS = (1024, 32768, 262144)
@@ -187,12 +187,7 @@ def kvmem_side_factory():
 
 # ---- SGLang side (runs under SGLang's venv; imports nothing from kvmem) ----------------------------
 def sglang_side_factory(driver_path: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sglang_driver", driver_path)
-    driver = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(driver)
-    sg = driver.import_sglang()
+    sg = _peer.load_driver(driver_path).import_sglang()
     torch = sg["torch"]
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -238,18 +233,6 @@ def sglang_main(args) -> None:
 
 
 # ---- report --------------------------------------------------------------------------------------
-def run_sglang(args) -> dict:
-    if not os.path.exists(args.sglang_python):
-        return {"error": f"{args.sglang_python} not found: SGLang side skipped"}
-    cmd = [args.sglang_python, __file__, "--side", "sglang", "--sglang-driver", args.sglang_driver]
-    if args.quick:
-        cmd.append("--quick")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"error": f"SGLang side failed (exit {proc.returncode}): {proc.stderr[-2000:]}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def report(kv: dict, sg: dict) -> dict:
     radix = sg.get("radix", {})
     rows = []
@@ -295,34 +278,22 @@ def goals(rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    default_driver = Path(__file__).resolve().parents[2] / "shared" / "peers" / "sglang_driver.py"
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sglang-python", default="/tmp/sglang-peer/bin/python",
-                    help="python of a venv with SGLang installed (the SGLang side is skipped if missing)")
-    ap.add_argument("--sglang-driver", default=str(default_driver),
-                    help="the peer harness whose import_sglang() loads SGLang on CPU")
-    ap.add_argument("--quick", action="store_true", help="smaller rows only (no 256k keys, no 200k leaves)")
-    ap.add_argument("--out", help="also write the JSON report here")
-    ap.add_argument("--side", choices=["kvmem", "sglang"], default="kvmem", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.side == "sglang":
+    args = _peer.parser(__doc__, "smaller rows only (no 256k keys, no 200k leaves)").parse_args()
+    if args.peer == "sglang":
         sglang_main(args)
         return
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     gc.disable()  # both sides: a collection of a 200k-node tree would land inside some timed call
     kv = run_rows(kvmem_side_factory(), args.quick, with_list_key=True)
     gc.enable()
-    sg = run_sglang(args)
+    sg = _peer.run_peer(__file__, args)
     import torch
 
     out = report(kv, sg)
     out["meta"] = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
                    "cpus": os.cpu_count(), "sglang": sg.get("version", sg.get("error")), "page_size": 1,
                    "eviction_policy": "lru", "node_tokens_on_match_path": CHUNK}
-    text = json.dumps(out, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    _peer.emit(out, args.out)
 
 
 if __name__ == "__main__":

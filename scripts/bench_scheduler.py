@@ -44,7 +44,6 @@ import os
 import platform
 import pstats
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +52,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+
+import _peer  # scripts/_peer.py: the script's own folder is on sys.path
 
 PAGE_SIZES = (1, 16)
 DECODE_BS = 256
@@ -344,15 +345,6 @@ def kvmem_extend(page_size: int, seed: int, repeats: int) -> dict:
 
 
 # ---- SGLang side (runs under SGLang's venv; imports nothing from kvmem) ---------------------------------------
-def load_driver(path: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sglang_driver", path)
-    driver = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(driver)
-    return driver
-
-
 class SglangLoop:
     """SGLang's pools, allocator and RadixCache, stepped with the helper calls sglang_driver.py makes."""
 
@@ -583,7 +575,7 @@ def run_driver(driver, sg: dict, workloads: dict, page_size: int, quick: bool) -
 
 
 def sglang_main(args) -> None:
-    driver = load_driver(args.sglang_driver)
+    driver = _peer.load_driver(args.sglang_driver)
     sg = driver.import_sglang()
     sg["torch"].set_num_threads(TORCH_THREADS)
     import sglang
@@ -600,17 +592,6 @@ def sglang_main(args) -> None:
 
 
 # ---- report --------------------------------------------------------------------------------------------------
-def run_sglang(args, workloads: dict) -> dict:
-    if not os.path.exists(args.sglang_python):
-        return {"error": f"{args.sglang_python} not found: SGLang side skipped"}
-    cmd = [args.sglang_python, __file__, "--peer", "sglang", "--sglang-driver", args.sglang_driver,
-           "--seed", str(args.seed), "--workloads", json.dumps(workloads)] + (["--quick"] if args.quick else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"error": f"SGLang side failed (exit {proc.returncode}): {proc.stderr[-3000:]}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 NO_METADATA = "cache work only, no metadata"
 # (row, kvmem key, SGLang key or None, what the SGLang figure covers)
 DECODE_ROWS = (
@@ -660,16 +641,8 @@ def report(kv: dict, sg: dict) -> dict:
 
 
 def main() -> None:
-    default_driver = Path(__file__).resolve().parents[2] / "shared" / "peers" / "sglang_driver.py"
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sglang-python", default="/tmp/sglang-peer/bin/python",
-                    help="python of a venv with SGLang installed (the SGLang side is skipped if missing)")
-    ap.add_argument("--sglang-driver", default=str(default_driver),
-                    help="the peer harness whose import_sglang() and run_one() are used")
-    ap.add_argument("--quick", action="store_true", help=f"{REPEATS[True]} repeats instead of {REPEATS[False]}")
+    ap = _peer.parser(__doc__, f"{REPEATS[True]} repeats instead of {REPEATS[False]}")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", help="also write the JSON report here")
-    ap.add_argument("--peer", choices=["sglang"], help=argparse.SUPPRESS)
     ap.add_argument("--workloads", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.peer == "sglang":
@@ -684,17 +657,15 @@ def main() -> None:
     kv = {f"page_size={ps}": {"decode": kvmem_decode(ps, args.seed, repeats),
                               "extend": kvmem_extend(ps, args.seed, repeats)} for ps in PAGE_SIZES}
     with tempfile.TemporaryDirectory(prefix="bench_scheduler_") as workdir:
-        sg = run_sglang(args, write_driver_workloads(Path(workdir), args.seed, args.quick))
+        workloads = write_driver_workloads(Path(workdir), args.seed, args.quick)
+        sg = _peer.run_peer(__file__, args, "--seed", str(args.seed), "--workloads", json.dumps(workloads))
     out = report(kv, sg)
     out["meta"] = {"cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2), "torch": torch.__version__,
                    "numpy": np.__version__, "torch_threads": torch.get_num_threads(),
                    "python": platform.python_version(), "sglang": sg.get("version", sg.get("error")),
                    "seed": args.seed, "quick": args.quick, "repeats": repeats, "warmup": WARMUP,
                    "wall_s": round(time.perf_counter() - t0, 1)}
-    text = json.dumps(out, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    _peer.emit(out, args.out)
 
 
 if __name__ == "__main__":
