@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority")
-SCHEDULE_POLICIES = ("lpm", "fcfs")
+from kvmem.eviction import EVICTION_POLICIES as _POLICY_CLASSES
+from kvmem.scheduler import SCHEDULE_POLICIES
+
+# The names the radix cache accepts, in its order; the replay offers exactly those.
+EVICTION_POLICIES = tuple(_POLICY_CLASSES)
 
 
 @dataclass(frozen=True)
