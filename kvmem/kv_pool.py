@@ -125,9 +125,10 @@ class _KVPool:
             raise ValueError(f"loc must be 1-D, got shape {tuple(loc.shape)}")
         if loc.device != self.device:
             raise ValueError(f"loc is on {loc.device}, the pool on {self.device}")
-        # The range check reads loc on the host (a sync: 54 us per call on an H100, measured); a CUDA graph
-        # cannot sync, so captured writes skip it. Negative slots would otherwise wrap around silently.
-        if loc.numel() and not (loc.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # Slot values are checked on host tensors only, as kernels/ does: on CUDA the check would read loc
+        # back (a sync: 54 us per call on an H100, measured, i.e. per layer per step) and a CUDA graph cannot
+        # sync at all. On the host a negative slot would otherwise wrap around silently.
+        if loc.numel() and not loc.is_cuda:
             low, high = torch.stack(torch.aminmax(loc)).tolist()
             if low < 0 or high >= self.num_slots:
                 bad = low if low < 0 else high
@@ -221,7 +222,8 @@ class MHAKVPool(_KVPool):
 
         loc: [n] int64 (or int32) slots in [0, num_slots). cache_k: [n, head_num, head_dim], cache_v:
         [n, head_num, v_head_dim], both in the model dtype. Raises before writing anything if an argument
-        is bad; a slot repeated in loc ends up holding one of its rows.
+        is bad (slot values are range-checked on CPU pools only; on CUDA that would sync every layer);
+        a slot repeated in loc ends up holding one of its rows.
         """
         self._check_layer(layer_id)
         loc = self._check_loc(loc)
