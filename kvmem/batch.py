@@ -232,13 +232,19 @@ class ScheduleBatch:
         request is kept.
         """
         order = sorted(self.reqs, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
+        need, ps = self._decode_need(), self.page_size
         retracted = []
-        while len(self.reqs) > 1 and self._decode_need() > self.token_allocator.available_size() \
-                + self.tree_cache.evictable_size():
-            victim = order.pop(0)
-            self.reqs.remove(victim)
+        # The need shrinks by each victim's own share, so one pass over the victims suffices.
+        for victim in order[:-1]:
+            if need <= self.token_allocator.available_size() + self.tree_cache.evictable_size():
+                break
+            if ps == 1 or victim.kv_len % ps == 0:
+                need -= ps
             self._release(victim)
             retracted.append(victim)
+        if retracted:
+            gone = set(map(id, retracted))
+            self.reqs[:] = [r for r in self.reqs if id(r) not in gone]
         return retracted
 
     def _release(self, req: Req) -> None:
