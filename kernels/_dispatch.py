@@ -82,6 +82,16 @@ def first_bad(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
+def check_rows(req_pool_indices: torch.Tensor, num_rows: int) -> np.ndarray:
+    """The host values of req_pool_indices, each checked to be a row of a table with num_rows rows."""
+    rows = host_values(req_pool_indices)
+    bad = (rows < 0) | (rows >= num_rows)
+    if bad.any():
+        i = first_bad(bad)
+        raise IndexError(f"req_pool_indices[{i}] = {rows[i]} is out of range [0, {num_rows})")
+    return rows
+
+
 def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     """[n] -> [n] int64 with out[i] = sum(x[:i])."""
     return torch.cumsum(x, 0, dtype=torch.int64) - x

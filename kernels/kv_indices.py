@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from kernels._dispatch import (
-    check_index_tensor, check_length, check_page_size, check_same_device, first_bad, host_values, tl, triton_jit,
-    use_triton)
+    check_index_tensor, check_length, check_page_size, check_rows, check_same_device, first_bad, host_values, tl,
+    triton_jit, use_triton)
 
 # Entries gathered per loop iteration of one program.
 BLOCK = 1024
@@ -195,11 +195,8 @@ def _check_args(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_start_idx
 
 def _check_values(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_start_idx, page_size, kv_indices):
     num_rows, max_context_len = req_to_token.shape
-    rows, lens, indptr = host_values(req_pool_indices), host_values(kv_lens), host_values(kv_indptr)
-    bad = (rows < 0) | (rows >= num_rows)
-    if bad.any():
-        i = first_bad(bad)
-        raise IndexError(f"req_pool_indices[{i}] = {rows[i]} is out of range [0, {num_rows})")
+    check_rows(req_pool_indices, num_rows)
+    lens, indptr = host_values(kv_lens), host_values(kv_indptr)
     if (lens < 0).any():
         i = first_bad(lens < 0)
         raise ValueError(f"kv_lens[{i}] = {lens[i]} is negative")

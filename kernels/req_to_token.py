@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from kernels._dispatch import (
-    check_index_tensor, check_length, check_same_device, exclusive_cumsum, first_bad, host_values, tl, triton_jit,
-    use_triton)
+    check_index_tensor, check_length, check_rows, check_same_device, exclusive_cumsum, first_bad, host_values, tl,
+    triton_jit, use_triton)
 
 BLOCK = 1024
 
@@ -167,11 +167,8 @@ def _check_args(req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cache
 def _check_values(req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cache_loc, prefix_indices,
                   prefix_indptr):
     num_rows, max_context_len = req_to_token.shape
-    rows, prefix, seq = host_values(req_pool_indices), host_values(prefix_lens), host_values(seq_lens)
-    bad = (rows < 0) | (rows >= num_rows)
-    if bad.any():
-        i = first_bad(bad)
-        raise IndexError(f"req_pool_indices[{i}] = {rows[i]} is out of range [0, {num_rows})")
+    rows = check_rows(req_pool_indices, num_rows)
+    prefix, seq = host_values(prefix_lens), host_values(seq_lens)
     seen = np.zeros(num_rows, dtype=bool)
     seen[rows] = True
     if np.count_nonzero(seen) != len(rows):  # a third of np.add.at's cost on the extend path
