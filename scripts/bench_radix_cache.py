@@ -13,9 +13,13 @@ kvmem is given each key as an int64 `array("q")`, the same object SGLang wraps i
 `kvmem_list_key_us` column gives kvmem the key as a Python list instead (conversion included).
 
 One command measures both sides: kvmem in this process, then SGLang by running this same file with
-`--side sglang` under SGLang's venv python (`--sglang-python`, default /tmp/sglang-peer/bin/python; that
-side skipped with a note when it does not exist) and its classic Python RadixCache. The JSON report is
-printed on stdout, progress on stderr.
+`--peer sglang` under SGLang's venv python (`--sglang-python`, default /tmp/sglang-peer/bin/python; that
+side skipped with a note when it does not exist). SGLang is timed twice: its classic Python RadixCache
+(`sglang_us`) and its UnifiedRadixCache on the Rust tree core (`sglang_rust_us`). SGLang's match returns
+a length and a node, kvmem's the slot indices too: `*_with_indices_us` add SGLang's path_device_indices.
+The unified cache's insert frees the already-cached part of the value itself, so that side's insert
+includes that free (and is given fresh slots there). The JSON report is printed on stdout, progress on
+stderr.
 
     python scripts/bench_radix_cache.py [--sglang-python PATH] [--quick] [--out FILE]
 """
@@ -82,7 +86,9 @@ def run_rows(make_side, quick: bool, with_list_key: bool) -> dict:
     rows = {}
     lengths = MATCH_LENGTHS[:2] if quick else MATCH_LENGTHS
     for length in lengths:
-        reps = 200 if length <= 1024 else 40 if length <= 32768 else 10
+        # Enough calls that a row spans tens of milliseconds: a burst of noise on a shared VM then moves
+        # the median of one row less.
+        reps = 1000 if length <= 1024 else 400 if length <= 32768 else 100
         ins_reps = min(reps, 10) if length > 32768 else reps // 4
         side = make_side(length + (ins_reps + 1) * (length // 2))
         key = path_key(length)
@@ -186,13 +192,15 @@ def kvmem_side_factory():
 
 
 # ---- SGLang side (runs under SGLang's venv; imports nothing from kvmem) ----------------------------
-def sglang_side_factory(driver_path: str):
-    sg = _peer.load_driver(driver_path).import_sglang()
+def sglang_side_factory(sg: dict, rust: bool):
+    """SGLang's classic Python RadixCache, or (rust=True) its UnifiedRadixCache on the Rust tree core."""
     torch = sg["torch"]
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     class SglangSide:
+        tree_core = "rust" if rust else None
+
         def __init__(self, size: int) -> None:
             rtp = sg["ReqToTokenPool"](size=1, max_context_len=8, device="cpu", enable_memory_saver=False)
             kv = sg["MHATokenToKVPool"](size=size, page_size=1, dtype=torch.float16, head_num=1, head_dim=8,
@@ -201,14 +209,22 @@ def sglang_side_factory(driver_path: str):
                                                        need_sort=False)
             common = dict(disable=False, req_to_token_pool=rtp, token_to_kv_pool_allocator=self.alloc_,
                           page_size=1, eviction_policy="lru")
-            self.cache = sg["RadixCache"](sg["CacheInitParams"](**common))
+            if rust:
+                self.cache = sg["UnifiedRadixCache"](sg["CacheInitParams"](
+                    **common, tree_components=(sg["ComponentType"].FULL,), tree_core_backend="rust"))
+                core = type(self.cache.tree_core).__name__
+                if core != "RustUnifiedTreeCore":
+                    raise RuntimeError(f"SGLang fell back to {core} instead of its Rust tree core")
+            else:
+                self.cache = sg["RadixCache"](sg["CacheInitParams"](**common))
 
         def alloc(self, n):
             return self.alloc_.alloc(n)
 
-        @staticmethod
-        def cat(a, b):
-            return torch.cat((a, b))
+        def cat(self, cached, new):
+            # UnifiedRadixCache.insert frees the part of a value that the tree already holds (a finished
+            # request's duplicate KV), so that part must be fresh slots: the tree's own would be freed twice.
+            return torch.cat((self.alloc(len(cached)) if rust else cached, new))
 
         def insert(self, key, value):
             return self.cache.insert(InsertParams(key=RadixKey(key), value=value)).prefix_len
@@ -223,18 +239,25 @@ def sglang_side_factory(driver_path: str):
         def evict(self, n):
             return self.cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted
 
-    return SglangSide, getattr(__import__("sglang"), "__version__", "?")
+    return SglangSide
 
 
 def sglang_main(args) -> None:
+    sg = _peer.load_driver(args.sglang_driver).import_sglang()
     gc.disable()
-    factory, version = sglang_side_factory(args.sglang_driver)
-    print(json.dumps({"version": version, "radix": run_rows(factory, args.quick, with_list_key=False)}))
+    out = {"version": getattr(__import__("sglang"), "__version__", "?")}
+    for label, rust in (("radix", False), ("rust", True)):
+        progress(f"SGLang {'UnifiedRadixCache/Rust core' if rust else 'RadixCache (Python)'}")
+        try:
+            out[label] = run_rows(sglang_side_factory(sg, rust), args.quick, with_list_key=False)
+        except Exception as exc:  # the Rust core is optional in SGLang builds: report, keep the Python rows
+            out[label] = {"error": f"{type(exc).__name__}: {exc}"}
+    print(json.dumps(out))
 
 
 # ---- report --------------------------------------------------------------------------------------
 def report(kv: dict, sg: dict) -> dict:
-    radix = sg.get("radix", {})
+    radix, rust = sg.get("radix", {}), sg.get("rust", {})
     rows = []
     for name, res in kv.items():
         if name.startswith(("match_prefix_with_indices/", "match_prefix_list_key/")):
@@ -259,6 +282,11 @@ def report(kv: dict, sg: dict) -> dict:
                 row["sglang_with_indices_us"] = radix[f"match_prefix_with_indices/{parts[1]}"]["median_us"]
         if "sglang_us" in row:
             row["speedup_vs_sglang"] = round(row["sglang_us"] / row["kvmem_us"], 1)
+        if name in rust:
+            row["sglang_rust_us"] = rust[name]["median_us"]
+            if parts[0] == "match_prefix":
+                row["sglang_rust_with_indices_us"] = rust[f"match_prefix_with_indices/{parts[1]}"]["median_us"]
+            row["speedup_vs_sglang_rust"] = round(row["sglang_rust_us"] / row["kvmem_us"], 1)
         row["kvmem_min_us"] = res["min_us"]
         row["reps"] = res["reps"]
         rows.append(row)
@@ -268,11 +296,17 @@ def report(kv: dict, sg: dict) -> dict:
 def goals(rows: list[dict]) -> dict:
     evict40 = [r["kvmem_us"] for r in rows if r["op"].startswith("evict") and r["leaves"] == 40000]
     compared = [r for r in rows if "sglang_us" in r]
+    compared_rust = [r for r in rows if "sglang_rust_us" in r]
     match = {r["key_tokens"]: r["kvmem_us"] for r in rows if r["op"] == "match_prefix"}
     return {
         "evict_40k_leaves_us": evict40,
         "evict_40k_leaves_under_100us": bool(evict40) and max(evict40) < 100,
         "every_row_faster_than_sglang_python": bool(compared) and all(r["kvmem_us"] < r["sglang_us"] for r in compared),
+        # kvmem's match_prefix always gathers the slot indices; SGLang's returns only the length and a node,
+        # so its like-for-like match figure is the one with path_device_indices.
+        "rows_slower_than_sglang_rust": [
+            f"{r['op']} {r.get('key_tokens') or r.get('leaves')}" for r in compared_rust
+            if r["kvmem_us"] >= r.get("sglang_rust_with_indices_us", r["sglang_rust_us"])],
         "match_ns_per_token": {n: round(us * 1e3 / n, 2) for n, us in match.items()},
     }
 
