@@ -70,7 +70,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Admits, prefills (chunked), decodes and finishes requests over one set of pools and one tree."""
+    """Admits, prefills (chunked), decodes and finishes requests over one set of pools and one tree.
+
+    A request's prompt enters the tree as soon as it is prefilled (`cache_unfinished_req`, as SGLang
+    checkpoints it), so requests admitted while it decodes share it; its outputs enter when it finishes.
+    """
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_allocator: TokenAllocator | PagedTokenAllocator,
                  tree_cache: RadixCache, config: SchedulerConfig = SchedulerConfig()) -> None:
@@ -154,6 +158,10 @@ class Scheduler:
             out = req.output_ids
             out.append(tok)
             if len(out) < req.max_new_tokens:  # not req.finished(), inlined: this runs once per decoded token
+                if extend:
+                    # Publish the prompt now, as SGLang checkpoints every prefilled request: requests admitted
+                    # while this one decodes can then reuse it instead of waiting for it to finish.
+                    self.tree_cache.cache_unfinished_req(req)
                 still_running.append(req)
             else:
                 self.tree_cache.cache_finished_req(req)

@@ -1,4 +1,9 @@
+import hashlib
+import importlib.util
 import json
+import random
+from array import array
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,6 +13,8 @@ from hypothesis import strategies as st
 from kvmem.replay.synthetic import agentic_tool_loops, multi_turn_chat, shared_system_prompts
 from kvmem.replay.traces import (BLOCK_SIZE, MooncakeTrace, TokenTrace, TraceError, TraceRequest, block_token_ids,
                                  default_trace_path, detect_format, read_trace, synthetic_output_ids, write_jsonl)
+
+PEER_DRIVER = Path(__file__).resolve().parents[2] / "shared" / "peers" / "sglang_driver.py"
 
 
 def write_lines(tmp_path, lines, name="t.jsonl"):
@@ -226,6 +233,22 @@ def test_trace_request_holds_a_read_only_int32_prompt():
 def test_trace_request_rejects_bad_fields(args, match):
     with pytest.raises((ValueError, TypeError), match=match):
         TraceRequest(*args)
+
+
+def test_synthetic_outputs_are_the_peers_drivers_outputs():
+    prompt = [5, 70000, 3, 2**31 - 1]
+    seed = int.from_bytes(hashlib.blake2b(array("q", prompt).tobytes(), digest_size=8).digest(), "little")
+    rng = random.Random(seed)
+    assert synthetic_output_ids(prompt, 40).tolist() == [rng.randrange(10, 32000) for _ in range(40)]
+
+
+@pytest.mark.skipif(not PEER_DRIVER.exists(), reason="../shared/peers is not beside the checkout")
+def test_a_jsonl_workload_generates_what_the_sglang_driver_generates():
+    spec = importlib.util.spec_from_file_location("sglang_driver", PEER_DRIVER)
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)  # its module level imports only the standard library
+    for prompt, n in (([1, 2, 3], 8), (list(range(10, 600)), 64), ([31999], 1)):
+        assert synthetic_output_ids(prompt, n).tolist() == driver._synthetic_output(prompt, n)
 
 
 def test_synthetic_outputs_depend_only_on_the_prompt_and_extend_consistently():

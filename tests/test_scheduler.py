@@ -328,7 +328,8 @@ def test_retract_decode_releases_the_least_advanced_request_first_and_only_as_ma
     assert retracted == [reqs[0]]
     assert batch.reqs == [reqs[1], reqs[2]]
     assert reqs[0].req_pool_idx is None and reqs[0].num_retractions == 1
-    assert sched.token_allocator.available_size() == 32
+    # Its prompt was published to the tree after prefill, so retraction leaves those 32 slots evictable.
+    assert sched.token_allocator.available_size() + sched.tree_cache.evictable_size() == 32
     sched.token_allocator.free(hoard)
 
 
@@ -344,3 +345,24 @@ def test_prepare_for_extend_when_short_returns_false_and_changes_nothing():
     assert (pool.available_size(), alloc.available_size()) == (rows_before, free_before)
     assert req.req_pool_idx is None
     alloc.free(hoard)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_prefilled_prompt_is_shared_while_its_request_still_decodes(page_size):
+    sched = make_scheduler(4096, page_size)
+    model = FakeModel(sched)
+    first = Req("a", list(range(100, 164)), 50)
+    sched.add_request(first)
+    for _ in range(3):  # the prefill, then two decode steps: "a" is running, not finished
+        batch = sched.step()
+        sched.process_batch_result(batch, model.forward(batch))
+    assert first in sched.running and sched.tree_cache.protected_size() == 64
+    second = Req("b", list(range(100, 164)) + [7] * 20, 4)
+    sched.add_request(second)
+    batch = sched.step()
+    assert batch.forward_mode is ForwardMode.EXTEND and batch.reqs == [second]
+    assert batch.prefix_lens.tolist() == [64]
+    table = sched.req_to_token_pool.req_to_token
+    assert torch.equal(table[second.req_pool_idx, :64], table[first.req_pool_idx, :64])
+    sched.process_batch_result(batch, model.forward(batch))
+    sched.check_invariants()
