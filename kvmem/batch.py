@@ -146,17 +146,25 @@ class ScheduleBatch:
         continue in the row they have. Returns False, with nothing changed, if rows or slots are short
         even after evicting the shortfall from the tree.
         """
-        self.forward_mode = ForwardMode.EXTEND
         reqs = self.reqs
         is_new = [r.req_pool_idx is None for r in reqs]
         new = list(compress(reqs, is_new))
-        for r in new:
-            r.kv_len = r.prefix_indices.numel()
-        prefix = np.fromiter((r.kv_len for r in reqs), dtype=np.int64, count=len(reqs))
+        # Everything that can raise is checked before any request, row or slot changes.
+        prefix = np.fromiter((r.prefix_indices.numel() if n else r.kv_len for r, n in zip(reqs, is_new)),
+                             dtype=np.int64, count=len(reqs))
         seq = np.fromiter((r.extend_end for r in reqs), dtype=np.int64, count=len(reqs))
         if (seq <= prefix).any():
             i = int(np.flatnonzero(seq <= prefix)[0])
             raise ValueError(f"request {reqs[i].rid!r}: nothing to extend (kv_len {prefix[i]}, extend_end {seq[i]})")
+        max_len = self.req_to_token_pool.max_context_len
+        if (seq > max_len).any():
+            i = int(np.flatnonzero(seq > max_len)[0])
+            raise ValueError(f"request {reqs[i].rid!r}: extend_end {seq[i]} exceeds max_context_len {max_len}")
+        if len(set(map(id, reqs))) != len(reqs):
+            raise ValueError("the batch holds a request more than once")
+        self.forward_mode = ForwardMode.EXTEND
+        for r in new:
+            r.kv_len = r.cache_protected_len = r.prefix_indices.numel()
         rows = self.req_to_token_pool.alloc(len(new)) if new else []
         if rows is None:
             return False
@@ -183,8 +191,12 @@ class ScheduleBatch:
         When slots are short it evicts the shortfall from the tree, then retracts requests (see
         `retract_decode`) until the rest fit; retracted requests are in `self.retracted`.
         """
-        self.forward_mode = ForwardMode.DECODE
         prefix = self._kv_lens()
+        max_len = self.req_to_token_pool.max_context_len
+        if len(prefix) and prefix.max() >= max_len:
+            i = int(np.argmax(prefix))
+            raise ValueError(f"request {self.reqs[i].rid!r} holds max_context_len {max_len} tokens: no room to decode")
+        self.forward_mode = ForwardMode.DECODE
         need = self._decode_need(prefix)
         if need > self.token_allocator.available_size() + self.tree_cache.evictable_size():
             self.retracted = self.retract_decode()

@@ -55,9 +55,13 @@ class SchedulerConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v <= 0):
                 raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        if isinstance(self.lpm_window, bool) or not isinstance(self.lpm_window, int) or self.lpm_window <= 0:
+            raise ValueError(f"lpm_window must be a positive int, got {self.lpm_window!r}")
         if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
             raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got "
                              f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
+        if not self.new_token_ratio_decay >= 0:
+            raise ValueError(f"new_token_ratio_decay must be >= 0, got {self.new_token_ratio_decay!r}")
 
 
 @dataclass
@@ -93,6 +97,7 @@ class Scheduler:
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = SchedulerStats()
         self._batch: ScheduleBatch | None = None
+        self._live: set[int] = set()  # id() of every request queued or running, to refuse it a second time
 
     # ---- intake -------------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -106,9 +111,10 @@ class Scheduler:
             self.stats.rejected += 1
             raise ValueError(f"request {req.rid!r}: {total} tokens exceed the KV capacity "
                              f"{self.token_allocator.size}")
-        if req.req_pool_idx is not None or req.finished():
-            raise ValueError(f"request {req.rid!r} is already running or finished")
+        if req.req_pool_idx is not None or req.finished() or id(req) in self._live:
+            raise ValueError(f"request {req.rid!r} is already queued, running or finished")
         self.waiting.append(req)
+        self._live.add(id(req))
 
     def is_idle(self) -> bool:
         return not self.waiting and not self.running and self.chunked_req is None
@@ -165,6 +171,7 @@ class Scheduler:
                 still_running.append(req)
             else:
                 self.tree_cache.cache_finished_req(req)
+                self._live.discard(id(req))
                 finished.append(req)
         if extend:
             self.running.extend(still_running)
@@ -228,9 +235,11 @@ class Scheduler:
 
     def _charge(self, req: Req, start: int) -> int:
         """Room admission keeps for `req`: slots (whole pages) for the rest of its prompt from token
-        `start`, plus its share of future output tokens."""
-        prompt = _round_up(len(req.fill_ids), self.page_size) - _round_up(start, self.page_size)
-        return prompt + int((req.max_new_tokens - len(req.output_ids)) * self.new_token_ratio)
+        `start`, plus its share of future output tokens; never more than the request can ever take
+        (which `add_request` checked fits the pool), so an idle scheduler always admits its queue's head."""
+        ps, fill, left = self.page_size, len(req.fill_ids), req.max_new_tokens - len(req.output_ids)
+        done = _round_up(start, ps)
+        return min(_round_up(fill, ps) - done + int(left * self.new_token_ratio), _round_up(fill + left, ps) - done)
 
     def _reserved_tokens(self) -> int:
         reqs = self.running

@@ -366,3 +366,93 @@ def test_a_prefilled_prompt_is_shared_while_its_request_still_decodes(page_size)
     assert torch.equal(table[second.req_pool_idx, :64], table[first.req_pool_idx, :64])
     sched.process_batch_result(batch, model.forward(batch))
     sched.check_invariants()
+
+
+def test_an_idle_scheduler_admits_a_request_that_fills_the_pool_at_page_16():
+    # 33 prompt + 30 new tokens fit 64 slots, but the prompt rounded up to pages (48) plus the 0.7 output
+    # reservation (21) would not: admission must never ask for more than the request can take.
+    sched = make_scheduler(64, page_size=16)
+    req = Req("a", list(range(100, 133)), 30)
+    run(sched, [req])
+    assert req.output_ids == expected_output(req)
+
+
+def test_a_request_queued_twice_is_refused_and_the_first_copy_still_runs():
+    sched = make_scheduler(256)
+    req = Req("a", list(range(100, 140)), 4)
+    sched.add_request(req)
+    with pytest.raises(ValueError, match="already queued"):
+        sched.add_request(req)
+    assert list(sched.waiting) == [req]
+    run(sched, [])
+    assert req.output_ids == expected_output(req)
+    with pytest.raises(ValueError, match="finished"):
+        sched.add_request(req)
+
+
+@pytest.mark.parametrize("bad", [{"lpm_window": 0}, {"lpm_window": 2.5}, {"new_token_ratio_decay": -0.1}])
+def test_scheduler_config_rejects_bad_values(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SchedulerConfig(**bad)
+
+
+def _snapshot(pool, alloc, reqs):
+    return (pool.available_size(), alloc.available_size(),
+            [(r.req_pool_idx, r.kv_len, r.cache_protected_len) for r in reqs])
+
+
+def test_prepare_for_extend_past_max_context_len_raises_and_changes_nothing():
+    pool, alloc = ReqToTokenPool(4, 64), TokenAllocator(256)
+    tree = RadixCache(pool, alloc)
+    req = Req("a", list(range(100)), 1)
+    req.extend_end = 100
+    before = _snapshot(pool, alloc, [req])
+    with pytest.raises(ValueError, match="max_context_len"):
+        ScheduleBatch([req], pool, alloc, tree).prepare_for_extend()
+    assert _snapshot(pool, alloc, [req]) == before
+
+
+def test_prepare_for_extend_refuses_a_request_twice_in_one_batch():
+    pool, alloc = ReqToTokenPool(4, 64), TokenAllocator(256)
+    req = Req("a", list(range(10, 20)), 1)
+    req.extend_end = 10
+    before = _snapshot(pool, alloc, [req])
+    with pytest.raises(ValueError, match="more than once"):
+        ScheduleBatch([req, req], pool, alloc, RadixCache(pool, alloc)).prepare_for_extend()
+    assert _snapshot(pool, alloc, [req]) == before
+
+
+def test_prepare_for_decode_at_max_context_len_raises_and_changes_nothing():
+    pool, alloc = ReqToTokenPool(4, 8), TokenAllocator(64)
+    tree = RadixCache(pool, alloc)
+    req = Req("a", list(range(10, 18)), 1)
+    req.extend_end = 8
+    assert ScheduleBatch([req], pool, alloc, tree).prepare_for_extend()
+    before = _snapshot(pool, alloc, [req])
+    with pytest.raises(ValueError, match="max_context_len"):
+        ScheduleBatch([req], pool, alloc, tree).prepare_for_decode()
+    assert _snapshot(pool, alloc, [req]) == before
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_the_documented_manual_flow_keeps_the_tree_and_the_allocator_consistent(page_size):
+    # match_prefix + inc_lock_ref + prepare_for_extend + cache_finished_req, without the Scheduler: the
+    # batch itself must record which leading slots belong to the tree.
+    pool = ReqToTokenPool(4, 64)
+    alloc = TokenAllocator(64) if page_size == 1 else PagedTokenAllocator(64, page_size)
+    tree = RadixCache(pool, alloc, page_size=page_size)
+
+    def serve(rid, ids):
+        req = Req(rid, ids, 1)
+        m = tree.match_prefix(ids[:-1])
+        tree.inc_lock_ref(m.last_node)
+        req.prefix_indices, req.last_node, req.extend_end = m.indices, m.last_node, len(ids)
+        assert ScheduleBatch([req], pool, alloc, tree).prepare_for_extend()
+        req.output_ids.append(0)
+        tree.cache_finished_req(req)
+        return m.indices.numel()
+
+    assert serve("a", list(range(10, 30))) == 0
+    assert serve("b", list(range(10, 30)) + [99]) == 20
+    tree.check_invariants()
+    assert alloc.available_size() + tree.total_size() == alloc.size
