@@ -57,6 +57,9 @@ def check_index_tensor(name: str, value, dim: int = 1) -> torch.Tensor:
         raise TypeError(f"{name} must have dtype int32 or int64, got {value.dtype}")
     if value.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(value.shape)}")
+    # The kernels index 1-D arguments densely (only req_to_token passes its strides).
+    if dim == 1 and not value.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got stride {value.stride()}; pass {name}.contiguous()")
     return value
 
 

@@ -128,7 +128,7 @@ def _launch(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_start_idx, pa
     _create_kv_indices_kernel[grid](
         req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_start_idx if has_start else kv_lens, kv_indices,
         req_to_token.stride(0), req_to_token.stride(1),
-        PAGE_SIZE=page_size, HAS_START=has_start, BLOCK=BLOCK,
+        PAGE_SIZE=int(page_size), HAS_START=has_start, BLOCK=BLOCK,
     )
 
 
@@ -195,7 +195,7 @@ def _check_args(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_start_idx
 
 def _check_values(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_start_idx, page_size, kv_indices):
     num_rows, max_context_len = req_to_token.shape
-    check_rows(req_pool_indices, num_rows)
+    rows = check_rows(req_pool_indices, num_rows)
     lens, indptr = host_values(kv_lens), host_values(kv_indptr)
     if (lens < 0).any():
         i = first_bad(lens < 0)
@@ -214,6 +214,16 @@ def _check_values(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_start_i
         i = first_bad(end > max_context_len)
         raise IndexError(f"request {i}: tokens up to {end[i]} exceed req_to_token's max_context_len "
                          f"{max_context_len}")
+    if page_size > 1:
+        # A page id is slot // page_size, right only if the slot starts its page; a row whose first slot
+        # does not would send FlashInfer to the wrong slots. Later pages follow the allocator's whole pages.
+        starts = np.zeros_like(lens) if kv_start_idx is None else start
+        used = lens > 0
+        first = req_to_token.numpy()[rows[used], starts[used]]
+        if (first % page_size != 0).any():
+            i = int(np.flatnonzero(used)[first_bad(first % page_size != 0)])
+            raise ValueError(f"request {i}: its first slot {first[first % page_size != 0][0]} does not start a "
+                             f"page of {page_size} slots, so its page id would be wrong")
     if indptr[0] < 0:
         raise ValueError(f"kv_indptr[0] = {indptr[0]} is negative")
     num = (lens + page_size - 1) // page_size

@@ -73,7 +73,7 @@ def alloc_extend_slots(
         return out_cache_loc
     if use_triton(_alloc_extend_kernel, seq_lens.device, backend):
         _alloc_extend_kernel[(len(seq_lens),)](
-            prefix_lens, seq_lens, last_loc, free_pages, out_cache_loc, PAGE_SIZE=page_size, BLOCK=BLOCK)
+            prefix_lens, seq_lens, last_loc, free_pages, out_cache_loc, PAGE_SIZE=int(page_size), BLOCK=BLOCK)
     else:
         _alloc_extend_torch(prefix_lens, seq_lens, last_loc, free_pages, page_size, out_cache_loc)
     return out_cache_loc

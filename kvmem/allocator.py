@@ -193,6 +193,9 @@ class _SlotAllocator:
         return self._pages.backup()
 
     def restore_state(self, state: AllocatorState) -> None:
+        if self._group is not None:
+            # The group's pending frees would land on top of the restored free list: slots twice.
+            raise RuntimeError("restore_state inside free_group(): the pending frees would double-free")
         if not isinstance(state, AllocatorState) or len(state.allocated) != self._pages.num_pages + 2:
             raise ValueError("state must come from backup_state() of an allocator of the same size")
         self._pages.restore(state)

@@ -125,6 +125,11 @@ class FlashInferAttention:
         """q [total_q, num_qo_heads, head_dim] -> out of the same shape, over (k_pages, v_pages) of one layer."""
         if self._planned is None:
             raise RuntimeError("FlashInferAttention.run needs plan_decode() or plan_extend() first")
+        dims = (kv_cache[0].shape[-1], kv_cache[1].shape[-1])
+        if dims != (self.head_dim, self.head_dim):
+            # The plans above pass one head_dim; a pool with its own v_head_dim would be read wrongly.
+            raise ValueError(f"kv_cache head dims (K, V) = {dims}; this wrapper plans FlashInfer for "
+                             f"head_dim {self.head_dim} on both")
         return self._planned.run(q, kv_cache)
 
 

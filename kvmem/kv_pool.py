@@ -14,7 +14,9 @@ Storage (`kv_cache_dtype`; `dtype` is always the model dtype, the dtype of what 
   backends and torch versions (pytorch#133605, pytorch#180855, torch-xpu-ops#461), byte copies work on all.
 - "int8" / "int4": symmetric per-group quantization in the style of OpenPPL's MultiHeadCacheAttention.
   The last dim splits into groups of `quant_group` elements (default: the whole head), each with
-  scale = absmax / 127 (int8) or / 7 (int4) and q = round(x / scale), so |dequant - x| <= scale / 2.
+  scale = absmax / 127 (int8) or / 7 (int4) and q = round(x / scale), so |q x scale - x| <= scale / 2;
+  the getters then round q x scale to the model dtype, which adds that dtype's rounding (up to half an
+  ulp of the value: at bfloat16, |dequant - x| reached 1.87 x scale / 2 for int8).
   int4 packs two values per uint8, element 2i in the low nibble and 2i+1 in the high one, two's
   complement so that zero bytes decode to 0. Scales are float32, one per (slot, head, group) in
   `k_scale_buffer[l]` / `v_scale_buffer[l]`: a bfloat16 scale would carry up to 2^-9 relative error

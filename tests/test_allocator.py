@@ -112,6 +112,20 @@ def test_slots_allocated_inside_a_free_group_stay_allocated_after_it():
     assert a.available_size() == 4
 
 
+def test_snapshots_are_refused_inside_a_free_group():
+    # A restore there would put the group's pending frees on top of the restored list: slots twice.
+    a = TokenAllocator(4)
+    x = a.alloc(2)
+    state = a.backup_state()
+    with a.free_group():
+        a.free(x)
+        with pytest.raises(RuntimeError, match="backup_state inside free_group"):
+            a.backup_state()
+        with pytest.raises(RuntimeError, match="restore_state inside free_group"):
+            a.restore_state(state)
+    assert a.available_size() == 4 and sorted(a.alloc(4).tolist()) == [1, 2, 3, 4]
+
+
 def test_backup_and_restore_roll_back_allocations():
     a = TokenAllocator(8)
     x = a.alloc(2)

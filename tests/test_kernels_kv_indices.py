@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -13,8 +14,9 @@ BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_
 
 
 def make_table(num_rows=6, max_context_len=2200, seed=0):
+    # Multiples of 16, so that every entry starts a page for the page sizes tested (1, 2, 4, 16).
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 1 << 20, (num_rows, max_context_len), generator=g, dtype=torch.int32).to(DEVICE)
+    return (torch.randint(0, 1 << 20, (num_rows, max_context_len), generator=g, dtype=torch.int32) * 16).to(DEVICE)
 
 
 def expected_indices(req_to_token, rows, lens, starts, page_size):
@@ -110,7 +112,8 @@ def as_int32(v):
 def test_page_ids_truncate_toward_zero_and_wrap_to_int32_like_the_kernel(backend, dtype, page_size):
     # Real slots are small and non-negative; these values pin the exact integer semantics the fallback
     # shares with the kernel: division truncates, and int64 entries are narrowed after dividing.
-    values = [-33, -1, 5, 17, (1 << 33) + 48, -(1 << 40) - 7, 64, 3] * 6
+    # Each row starts with a page-start slot (64, 0), as the value check requires.
+    values = [64, -33, -1, 5, 17, (1 << 33) + 48, -(1 << 40) - 7, 3] * 6 + [0]
     table = torch.tensor([values, values[::-1]], dtype=torch.int64).to(dtype).to(DEVICE)
     got = run(table, [1, 0], [len(values), 21], page_size=page_size, backend=backend)
     want = []
@@ -177,3 +180,31 @@ def bad_call(**overrides):
 def test_bad_arguments_raise_naming_the_argument(backend, overrides, error, message):
     with pytest.raises(error, match=message):
         create_kv_indices(**bad_call(**overrides), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_row_whose_first_slot_does_not_start_a_page_is_refused(backend):
+    table = torch.tensor([[5, 6, 7, 8, 9, 0, 0, 0], [8, 9, 10, 11, 0, 0, 0, 0]], dtype=torch.int32).to(DEVICE)
+    with pytest.raises(ValueError, match="request 1: its first slot 5 does not start a page of 4"):
+        run(table, [1, 0], [4, 5], page_size=4, backend=backend)
+    assert run(table, [1], [4], page_size=4, backend=backend).tolist() == [2]
+
+
+@pytest.mark.parametrize("name", ["req_pool_indices", "kv_lens", "kv_indptr", "kv_indices"])
+def test_strided_1d_arguments_are_refused_by_name(name):
+    # The kernels index 1-D arguments densely; a strided view would be read wrongly (and written past its end).
+    table = make_table()
+    args = {"req_pool_indices": torch.tensor([0, 1]), "kv_lens": torch.tensor([3, 2]),
+            "kv_indptr": torch.tensor([0, 3, 5]), "kv_indices": torch.empty(5, dtype=torch.int32)}
+    args[name] = torch.stack([args[name], args[name]], 1)[:, 0]
+    assert not args[name].is_contiguous()
+    with pytest.raises(ValueError, match=f"{name} must be contiguous"):
+        create_kv_indices(table.cpu(), args["req_pool_indices"], args["kv_lens"], args["kv_indptr"],
+                          kv_indices=args["kv_indices"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_numpy_integer_page_size_works_on_every_backend(backend):
+    table = make_table()
+    want = run(table, [0, 2], [5, 33], page_size=2, backend=backend)
+    assert torch.equal(run(table, [0, 2], [5, 33], page_size=np.int64(2), backend=backend), want)

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -118,3 +119,15 @@ def test_bad_arguments_raise_naming_the_argument(backend, overrides, error, mess
 def test_decode_rejects_lengths_without_the_new_token():
     with pytest.raises(ValueError, match=r"seq_lens\[1\] = 0"):
         alloc_decode_slots(torch.tensor([2, 0]), torch.tensor([5, -1]), torch.tensor([3]), 4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_numpy_integer_page_size_works_on_every_backend(backend):
+    want = alloc([0, 5], [6, 11], [-1, 28], [10, 11, 12], 4, backend)
+    assert torch.equal(alloc([0, 5], [6, 11], [-1, 28], [10, 11, 12], np.int64(4), backend), want)
+
+
+def test_a_strided_free_pages_is_refused_by_name():
+    pages = t([10, 0, 11, 0])[::2]
+    with pytest.raises(ValueError, match="free_pages must be contiguous"):
+        alloc_extend_slots(t([0]), t([6]), t([-1]), pages, 4)
