@@ -155,29 +155,34 @@ class Scheduler:
         if len(tokens) != batch.batch_size():
             raise ValueError(f"next_token_ids has {len(tokens)} tokens for a batch of {batch.batch_size()}")
         self._batch = None
-        extend = batch.forward_mode is ForwardMode.EXTEND
-        finished, still_running = [], []
-        for req, tok in zip(batch.reqs, tokens):
-            if extend and req.is_chunked():
+        finished = []
+        if batch.forward_mode is ForwardMode.EXTEND:
+            for req, tok in zip(batch.reqs, tokens):
+                if not req.is_chunked():  # a middle chunk samples nothing
+                    req.output_ids.append(tok)
+                    if req.finished():
+                        self._finish(req, finished)
+                        continue
+                    self.running.append(req)
+                # The prefilled tokens enter the tree now, as SGLang checkpoints every prefilled request:
+                # requests admitted while this one runs reuse them instead of waiting for it to finish.
                 self.tree_cache.cache_unfinished_req(req)
-                continue
+            return finished
+        still_running = []
+        for req, tok in zip(batch.reqs, tokens):
             out = req.output_ids
             out.append(tok)
             if len(out) < req.max_new_tokens:  # not req.finished(), inlined: this runs once per decoded token
-                if extend:
-                    # Publish the prompt now, as SGLang checkpoints every prefilled request: requests admitted
-                    # while this one decodes can then reuse it instead of waiting for it to finish.
-                    self.tree_cache.cache_unfinished_req(req)
                 still_running.append(req)
             else:
-                self.tree_cache.cache_finished_req(req)
-                self._live.discard(id(req))
-                finished.append(req)
-        if extend:
-            self.running.extend(still_running)
-        else:
-            self.running = still_running
+                self._finish(req, finished)
+        self.running = still_running
         return finished
+
+    def _finish(self, req: Req, finished: list[Req]) -> None:
+        self.tree_cache.cache_finished_req(req)
+        self._live.discard(id(req))
+        finished.append(req)
 
     # ---- admission ----------------------------------------------------------------------------------
     def _get_extend_batch(self) -> ScheduleBatch | None:
