@@ -177,6 +177,11 @@ def _check_values(prefix_lens, seq_lens, last_loc, free_pages, page_size, extend
     if len(free_pages) < needed:
         raise ValueError(f"free_pages has {len(free_pages)} pages, the extend needs {needed}; check "
                          "num_new_pages() before computing slots")
+    used = host_values(free_pages)[:needed]
+    if (used <= 0).any():
+        # Page 0 holds the padding slot 0; a negative page would address slots before the pool.
+        i = first_bad(used <= 0)
+        raise ValueError(f"free_pages[{i}] = {used[i]}: pages start at 1 (page 0 holds the padding slot)")
     partial = (prefix % page_size != 0) & (seq > prefix)
     bad = partial & ((last < 0) | ((last + 1) % page_size != prefix % page_size))
     if bad.any():

@@ -147,6 +147,8 @@ class ScheduleBatch:
         even after evicting the shortfall from the tree.
         """
         reqs = self.reqs
+        if not reqs:
+            raise ValueError("the batch is empty: nothing to extend")
         is_new = [r.req_pool_idx is None for r in reqs]
         new = list(compress(reqs, is_new))
         # Everything that can raise is checked before any request, row or slot changes.

@@ -214,11 +214,12 @@ class Scheduler:
         if not reqs:
             return None
         batch = ScheduleBatch(reqs, self.req_to_token_pool, self.token_allocator, self.tree_cache)
-        if not batch.prepare_for_extend():
+        ok = batch.prepare_for_extend()
+        self.stats.evicted_tokens += batch.evicted_tokens  # a failed attempt may still have evicted
+        if not ok:
             self._undo_admission(reqs, chunked)
             return None
         self.stats.prefill_batches += 1
-        self.stats.evicted_tokens += batch.evicted_tokens
         return batch
 
     def _undo_admission(self, reqs: list[Req], chunked: Req | None) -> None:

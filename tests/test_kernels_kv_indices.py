@@ -208,3 +208,8 @@ def test_a_numpy_integer_page_size_works_on_every_backend(backend):
     table = make_table()
     want = run(table, [0, 2], [5, 33], page_size=2, backend=backend)
     assert torch.equal(run(table, [0, 2], [5, 33], page_size=np.int64(2), backend=backend), want)
+
+
+def test_kv_indptr_refuses_negative_lengths():
+    with pytest.raises(ValueError, match=r"kv_lens\[1\] = -2 is negative"):
+        create_kv_indptr(torch.tensor([3, -2, 4]), 2)

@@ -131,3 +131,10 @@ def test_a_strided_free_pages_is_refused_by_name():
     pages = t([10, 0, 11, 0])[::2]
     with pytest.raises(ValueError, match="free_pages must be contiguous"):
         alloc_extend_slots(t([0]), t([6]), t([-1]), pages, 4)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="values are checked on host tensors only")
+@pytest.mark.parametrize("pages, message", [([0, 11], r"free_pages\[0\] = 0"), ([10, -3], r"free_pages\[1\] = -3")])
+def test_free_pages_must_start_at_page_one(pages, message):
+    with pytest.raises(ValueError, match=message):
+        alloc([0], [8], [-1], pages, 4)

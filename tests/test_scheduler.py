@@ -456,3 +456,9 @@ def test_the_documented_manual_flow_keeps_the_tree_and_the_allocator_consistent(
     assert serve("b", list(range(10, 30)) + [99]) == 20
     tree.check_invariants()
     assert alloc.available_size() + tree.total_size() == alloc.size
+
+
+def test_an_empty_batch_is_refused_with_a_clear_error():
+    pool, alloc = ReqToTokenPool(4, 64), TokenAllocator(64)
+    with pytest.raises(ValueError, match="the batch is empty"):
+        ScheduleBatch([], pool, alloc, RadixCache(pool, alloc)).prepare_for_extend()
