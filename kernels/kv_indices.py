@@ -33,9 +33,11 @@ def create_kv_indptr(kv_lens: torch.Tensor, page_size: int = 1) -> torch.Tensor:
     """[bs + 1] int32 CSR offsets: kv_indptr[i+1] - kv_indptr[i] = ceil(kv_lens[i] / page_size) pages."""
     check_index_tensor("kv_lens", kv_lens)
     check_page_size(page_size)
-    if kv_lens.device.type == "cpu" and (kv_lens < 0).any():  # on CUDA reading it back would sync
-        i = first_bad(host_values(kv_lens) < 0)
-        raise ValueError(f"kv_lens[{i}] = {int(kv_lens[i])} is negative")
+    if kv_lens.device.type == "cpu":  # on CUDA reading the values back would sync
+        lens = host_values(kv_lens)
+        if (lens < 0).any():
+            i = first_bad(lens < 0)
+            raise ValueError(f"kv_lens[{i}] = {lens[i]} is negative")
     kv_indptr = torch.zeros(len(kv_lens) + 1, dtype=torch.int32, device=kv_lens.device)
     kv_indptr[1:] = torch.cumsum((kv_lens + page_size - 1) // page_size, 0)
     return kv_indptr
