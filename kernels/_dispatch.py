@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvmem._checks import check_int
+
 try:  # triton is a dependency, but a broken or absent install should still leave the torch path usable
     import triton
     import triton.language as tl
@@ -44,9 +46,8 @@ def use_triton(kernel, device: torch.device, backend: str | None) -> bool:
     return runnable
 
 
-def check_page_size(page_size) -> None:
-    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size <= 0:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+def check_page_size(page_size) -> int:
+    return check_int("page_size", page_size, minimum=1)
 
 
 def check_index_tensor(name: str, value, dim: int = 1) -> torch.Tensor:

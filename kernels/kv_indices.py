@@ -11,7 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels._dispatch import (
+from kvmem._paging import pages_for
+
+from ._dispatch import (
     check_index_tensor, check_length, check_page_size, check_rows, check_same_device, first_bad, host_values, tl,
     triton_jit, use_triton)
 
@@ -38,8 +40,12 @@ def create_kv_indptr(kv_lens: torch.Tensor, page_size: int = 1) -> torch.Tensor:
         if (lens < 0).any():
             i = first_bad(lens < 0)
             raise ValueError(f"kv_lens[{i}] = {lens[i]} is negative")
+    return _create_kv_indptr(kv_lens, page_size)
+
+
+def _create_kv_indptr(kv_lens: torch.Tensor, page_size: int) -> torch.Tensor:
     kv_indptr = torch.zeros(len(kv_lens) + 1, dtype=torch.int32, device=kv_lens.device)
-    kv_indptr[1:] = torch.cumsum((kv_lens + page_size - 1) // page_size, 0)
+    kv_indptr[1:] = torch.cumsum(pages_for(kv_lens, page_size), 0)
     return kv_indptr
 
 
@@ -52,6 +58,10 @@ def kv_last_page_len(kv_lens: torch.Tensor, page_size: int) -> torch.Tensor:
     """
     check_index_tensor("kv_lens", kv_lens)
     check_page_size(page_size)
+    return _kv_last_page_len(kv_lens, page_size)
+
+
+def _kv_last_page_len(kv_lens: torch.Tensor, page_size: int) -> torch.Tensor:
     return torch.where(kv_lens > 0, (kv_lens - 1) % page_size + 1, 0).to(torch.int32)
 
 
@@ -89,6 +99,13 @@ def create_kv_indices(
     only on CPU tensors, since reading them on CUDA would cost a host sync on the decode hot path.
     """
     _check_args(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_start_idx, page_size, kv_indices)
+    return _create_kv_indices(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_start_idx, page_size,
+                              kv_indices, backend)
+
+
+def _create_kv_indices(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_start_idx=None, page_size=1,
+                       kv_indices=None, backend=None) -> torch.Tensor:
+    """create_kv_indices' body, for callers that checked its arguments (the metadata builders)."""
     if kv_indices is None:
         kv_indices = torch.empty(int(kv_indptr[-1]), dtype=torch.int32, device=req_to_token.device)
     if len(kv_lens) == 0:
@@ -176,32 +193,53 @@ def _create_kv_indices_torch(req_to_token, req_pool_indices, kv_lens, kv_indptr,
 
 
 def _check_args(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_start_idx, page_size, kv_indices):
-    check_page_size(page_size)
-    check_index_tensor("req_to_token", req_to_token, dim=2)
-    check_index_tensor("req_pool_indices", req_pool_indices)
-    check_index_tensor("kv_lens", kv_lens)
+    check_gather_args(req_to_token, req_pool_indices, kv_lens, kv_start_idx, page_size)
     check_index_tensor("kv_indptr", kv_indptr)
-    bs = len(req_pool_indices)
-    check_length("kv_lens", kv_lens, bs, "one per request, len(req_pool_indices)")
-    check_length("kv_indptr", kv_indptr, bs + 1, "batch size + 1")
-    if kv_start_idx is not None:
-        check_index_tensor("kv_start_idx", kv_start_idx)
-        check_length("kv_start_idx", kv_start_idx, bs, "one per request, len(req_pool_indices)")
+    check_length("kv_indptr", kv_indptr, len(req_pool_indices) + 1, "batch size + 1")
     if kv_indices is not None:
         check_index_tensor("kv_indices", kv_indices)
         if kv_indices.dtype != torch.int32:
             raise TypeError(f"kv_indices must have dtype int32 (FlashInfer's index type), got {kv_indices.dtype}")
+    check_same_device(req_to_token.device, kv_indptr=kv_indptr, kv_indices=kv_indices)
+    if req_to_token.device.type != "cpu":
+        return
+    indptr = host_values(kv_indptr)
+    if indptr[0] < 0:
+        raise ValueError(f"kv_indptr[0] = {indptr[0]} is negative")
+    num = pages_for(host_values(kv_lens), page_size)
+    step = indptr[1:] - indptr[:-1]
+    if (step != num).any():
+        i = first_bad(step != num)
+        raise ValueError(f"kv_indptr[{i + 1}] - kv_indptr[{i}] = {step[i]} must equal the request's "
+                         f"page count ceil(kv_lens[{i}] / page_size) = {num[i]}")
+    if kv_indices is not None and len(kv_indices) < indptr[-1]:
+        raise ValueError(f"kv_indices has {len(kv_indices)} entries, kv_indptr[-1] needs {indptr[-1]}")
+
+
+def check_gather_args(req_to_token, req_pool_indices, kv_lens, kv_start_idx, page_size) -> None:
+    """Raises unless gathering each request's kv_lens[i] slots (from column kv_start_idx[i]) out of
+    req_to_token is well defined: index tensors on one device, one length per request, rows in range,
+    lengths non-negative and within max_context_len, and (page_size > 1) each range starting a page. Values
+    are read on CPU tensors only. The metadata builders check their arguments with it."""
+    check_page_size(page_size)
+    check_index_tensor("req_to_token", req_to_token, dim=2)
+    check_index_tensor("req_pool_indices", req_pool_indices)
+    check_index_tensor("kv_lens", kv_lens)
+    bs = len(req_pool_indices)
+    check_length("kv_lens", kv_lens, bs, "one per request, len(req_pool_indices)")
+    if kv_start_idx is not None:
+        check_index_tensor("kv_start_idx", kv_start_idx)
+        check_length("kv_start_idx", kv_start_idx, bs, "one per request, len(req_pool_indices)")
     device = req_to_token.device
-    check_same_device(device, req_pool_indices=req_pool_indices, kv_lens=kv_lens, kv_indptr=kv_indptr,
-                      kv_start_idx=kv_start_idx, kv_indices=kv_indices)
+    check_same_device(device, req_pool_indices=req_pool_indices, kv_lens=kv_lens, kv_start_idx=kv_start_idx)
     if device.type == "cpu":
-        _check_values(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_start_idx, page_size, kv_indices)
+        _check_gather_values(req_to_token, req_pool_indices, kv_lens, kv_start_idx, page_size)
 
 
-def _check_values(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_start_idx, page_size, kv_indices):
+def _check_gather_values(req_to_token, req_pool_indices, kv_lens, kv_start_idx, page_size):
     num_rows, max_context_len = req_to_token.shape
     rows = check_rows(req_pool_indices, num_rows)
-    lens, indptr = host_values(kv_lens), host_values(kv_indptr)
+    lens = host_values(kv_lens)
     if (lens < 0).any():
         i = first_bad(lens < 0)
         raise ValueError(f"kv_lens[{i}] = {lens[i]} is negative")
@@ -229,13 +267,3 @@ def _check_values(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_start_i
             i = int(np.flatnonzero(used)[first_bad(first % page_size != 0)])
             raise ValueError(f"request {i}: its first slot {first[first % page_size != 0][0]} does not start a "
                              f"page of {page_size} slots, so its page id would be wrong")
-    if indptr[0] < 0:
-        raise ValueError(f"kv_indptr[0] = {indptr[0]} is negative")
-    num = (lens + page_size - 1) // page_size
-    step = indptr[1:] - indptr[:-1]
-    if (step != num).any():
-        i = first_bad(step != num)
-        raise ValueError(f"kv_indptr[{i + 1}] - kv_indptr[{i}] = {step[i]} must equal the request's "
-                         f"page count ceil(kv_lens[{i}] / page_size) = {num[i]}")
-    if kv_indices is not None and len(kv_indices) < indptr[-1]:
-        raise ValueError(f"kv_indices has {len(kv_indices)} entries, kv_indptr[-1] needs {indptr[-1]}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels._dispatch import (
+from ._dispatch import (
     check_index_tensor, check_length, check_rows, check_same_device, exclusive_cumsum, first_bad, host_values, tl,
     triton_jit, use_triton)
 
@@ -48,6 +48,13 @@ def write_req_to_token(
     """
     _check_args(req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cache_loc, prefix_indices,
                 prefix_indptr)
+    _write_req_to_token(req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cache_loc, prefix_indices,
+                        prefix_indptr, backend)
+
+
+def _write_req_to_token(req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cache_loc, prefix_indices=None,
+                        prefix_indptr=None, backend=None) -> None:
+    """write_req_to_token's body, for callers that checked its arguments (ScheduleBatch)."""
     if len(req_pool_indices) == 0:
         return
     if use_triton(_write_req_to_token_kernel, req_to_token.device, backend):

@@ -1,11 +1,12 @@
 """kvmem: KV-cache memory management for LLM serving, in SGLang's vocabulary."""
 
 from kvmem.allocator import AllocatorState, PagedTokenAllocator, TokenAllocator
-from kvmem.batch import ForwardMode, Req, ScheduleBatch
+from kvmem.batch import ForwardMode, Req, ReqStatus, ScheduleBatch
 from kvmem.kv_pool import MHAKVPool, MLAKVPool
 from kvmem.radix_cache import MatchResult, RadixCache, TreeNode
 from kvmem.req_to_token import ReqToTokenPool
 from kvmem.scheduler import Scheduler, SchedulerConfig
+from kvmem.timing import PhaseTimer
 
 __all__ = [
     "AllocatorState",
@@ -14,8 +15,10 @@ __all__ = [
     "MLAKVPool",
     "MatchResult",
     "PagedTokenAllocator",
+    "PhaseTimer",
     "RadixCache",
     "Req",
+    "ReqStatus",
     "ReqToTokenPool",
     "ScheduleBatch",
     "Scheduler",

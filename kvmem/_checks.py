@@ -1,30 +1,55 @@
-"""Argument checks shared by the pools: each raises where the bad value enters, naming it."""
+"""Argument checks at kvmem's public boundary. Torch-free, so that `kvmem.sizing` and the replay's command
+line can use them before torch is imported.
+
+Public functions check what a caller hands them, once, where it enters; the internal paths behind them
+(ScheduleBatch -> allocator -> kernels -> metadata builders) call unchecked private bodies.
+"""
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
-import torch
 
 
-def check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+class NotAnIntError(TypeError, ValueError):
+    """An integer argument that is not an int (a float, a bool, a string...).
+
+    Both a TypeError (what it is) and a ValueError (what kvmem has always raised for a bad count, and what
+    callers catch), as numpy's AxisError is both a ValueError and an IndexError.
+    """
 
 
-def as_index_array(name: str, value) -> np.ndarray:
-    """A 1-D int64 numpy view (no copy when possible) of an integer tensor, array or sequence."""
-    if isinstance(value, torch.Tensor):
-        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
-        if value.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
-        if value.device.type != "cpu":
-            value = value.cpu()
-        arr = value.numpy()
-    else:
-        arr = np.asarray(value)
-        if arr.ndim != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    return arr if arr.dtype == np.int64 else arr.astype(np.int64)
+def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    """`value` as a Python int, or raises naming `name`: NotAnIntError unless it is an int or numpy integer
+    (bool is not), ValueError below `minimum` or above `maximum`."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise NotAnIntError(f"{name} must be {_int_kind(minimum, maximum)}, got {value!r}")
+    value = int(value)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be {_int_kind(minimum, maximum)}, got {value!r}")
+    return value
+
+
+def check_number(name: str, value, minimum: float | None = None, *, allow_minimum: bool = True) -> float:
+    """A finite real number (not a bool) as a float, at least `minimum` (or above it when not
+    `allow_minimum`); raises ValueError naming `name`."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and np.isfinite(value)
+    if ok and minimum is not None:
+        ok = value >= minimum if allow_minimum else value > minimum
+    if not ok:
+        bound = "" if minimum is None else f" {'>=' if allow_minimum else '>'} {minimum}"
+        raise ValueError(f"{name} must be a finite number{bound}, got {value!r}")
+    return float(value)
+
+
+def _int_kind(minimum: int | None, maximum: int | None) -> str:
+    if maximum is not None:
+        return f"an int in [{minimum if minimum is not None else '-inf'}, {maximum}]"
+    if minimum == 1:
+        return "a positive int"
+    if minimum == 0:
+        return "a non-negative int"
+    if minimum is not None:
+        return f"an int >= {minimum}"
+    return "an int"

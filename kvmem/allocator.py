@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvmem._checks import as_index_array, check_positive_int
+from kvmem._checks import check_int
+from kvmem._index import as_index_array
+from kvmem._paging import num_new_pages
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,13 @@ class _PageStack:
     def mark_free(self, pages: np.ndarray) -> None:
         self._allocated[pages] = False
 
+    def unlisted(self, pages: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """[n] bool: True where pages[i] (each in 0..num_pages) is not among `starts`. Works in a scratch
+        array, so it allocates nothing per call."""
+        self._mark[pages] = -1
+        self._mark[starts] = 0
+        return self._mark[pages] != 0
+
     def is_allocated(self, pages: np.ndarray) -> np.ndarray:
         self._flag_popped()
         return self._allocated.take(pages, mode="clip")
@@ -129,8 +138,8 @@ class _SlotAllocator:
     """What the token-granular and paged allocators share: sizes, frees, groups and snapshots."""
 
     def __init__(self, size: int, page_size: int, device: str | torch.device) -> None:
-        check_positive_int("size", size)
-        check_positive_int("page_size", page_size)
+        size = check_int("size", size, minimum=1)
+        page_size = check_int("page_size", page_size, minimum=1)
         if size % page_size:
             raise ValueError(f"size {size} must be a multiple of page_size {page_size}")
         self.size = size
@@ -218,8 +227,7 @@ class TokenAllocator(_SlotAllocator):
         super().__init__(size, 1, device)
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        check_positive_int("n", n)
-        slots = self._pages.pop(n)
+        slots = self._pages.pop(check_int("n", n, minimum=1))
         return None if slots is None else self._to_slots_tensor(slots)
 
 
@@ -238,7 +246,7 @@ class PagedTokenAllocator(_SlotAllocator):
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """[n] int64 slots of n / page_size whole new pages; n must be a multiple of page_size."""
-        check_positive_int("n", n)
+        n = check_int("n", n, minimum=1)
         if n % self.page_size:
             raise ValueError(f"n {n} must be a multiple of page_size {self.page_size}")
         pages = self._pages.pop(n // self.page_size)
@@ -253,18 +261,12 @@ class PagedTokenAllocator(_SlotAllocator):
         prefix_lens[i]-1), then takes whole new pages. None (nothing changed) when the pages are short.
         """
         prefix, seq, last = self._check_extend_args(prefix_lens, seq_lens, last_loc)
-        ps = self.page_size
-        new_pages = (seq + ps - 1) // ps - (prefix + ps - 1) // ps
-        pages = self._pages.pop(int(new_pages.sum()))
-        if pages is None:
-            return None
-        return self._to_slots_tensor(_extend_slots(prefix, seq, last, pages, new_pages, ps))
+        return self._alloc_extend(prefix, seq, last)
 
     def alloc_decode(self, seq_lens, last_loc) -> torch.Tensor | None:
         """One slot per request for its token seq_lens[i]-1 (seq_lens count the new token): [bs] int64, or None.
 
-        The same slots as alloc_extend(seq_lens - 1, seq_lens, last_loc), in a dozen vector ops: a decode step
-        runs every iteration, so it skips the extend path's per-token bookkeeping.
+        The same slots as alloc_extend(seq_lens - 1, seq_lens, last_loc).
         """
         seq = as_index_array("seq_lens", seq_lens)
         last = as_index_array("last_loc", last_loc)
@@ -273,23 +275,18 @@ class PagedTokenAllocator(_SlotAllocator):
                 f"seq_lens and last_loc must have one entry per request, got lengths {len(seq)}, {len(last)}")
         if len(seq) == 0:
             raise ValueError("seq_lens is empty: nothing to allocate")
-        ps = self.page_size
-        offset = (seq - 1) % ps
-        new_page = offset == 0
-        out = last + 1
-        # A request that stays in its page must give the slot just before the new one, in an allocated page.
-        bad = (seq < 1) | (~new_page & ((out % ps != offset) | ~self._pages.is_allocated(last // ps)))
-        if np.count_nonzero(bad):
-            i = int(np.flatnonzero(bad)[0])
-            if seq[i] < 1:
-                raise ValueError(f"request {i}: seq_lens must be >= 1, got {seq[i]}")
-            raise ValueError(
-                f"request {i}: last_loc {last[i]} is not the slot of token {seq[i] - 2} in an allocated page")
-        pages = self._pages.pop(int(np.count_nonzero(new_page)))
+        if np.count_nonzero(seq < 1):
+            i = int(np.flatnonzero(seq < 1)[0])
+            raise ValueError(f"request {i}: seq_lens must be >= 1, got {seq[i]}")
+        self._check_last_loc(seq - 1, last)
+        return self._alloc_extend(seq - 1, seq, last)
+
+    def _alloc_extend(self, prefix: np.ndarray, seq: np.ndarray, last: np.ndarray) -> torch.Tensor | None:
+        """alloc_extend's body, for callers that checked its arguments (ScheduleBatch): int64 arrays."""
+        pages = self._pages.pop(int(num_new_pages(prefix, seq, self.page_size).sum()))
         if pages is None:
             return None
-        out[new_page] = pages * ps
-        return self._to_slots_tensor(out)
+        return self._to_slots_tensor(_paged_slots(prefix, seq, last, pages, self.page_size))
 
     def _pages_of(self, name: str, slots: np.ndarray) -> np.ndarray:
         ps = self.page_size
@@ -304,14 +301,11 @@ class PagedTokenAllocator(_SlotAllocator):
         starts = pages[is_start]
         if len(starts) == 0:
             raise ValueError(f"{name} must list pages from their first slot; slot {slots[0]} starts mid-page")
-        # Every slot must belong to a page whose first slot is listed; `_mark` is free scratch here.
-        mark = self._pages._mark
+        # Every slot must belong to a page whose first slot is listed.
         inside = (pages >= 0) & (pages <= self._pages.num_pages)
         if not inside.all():
             raise IndexError(f"{name}: slot {slots[~inside][0]} out of range [{ps}, {self.size + ps})")
-        mark[pages] = -1
-        mark[starts] = 0
-        orphans = mark[pages] != 0
+        orphans = self._pages.unlisted(pages, starts)
         if orphans.any():
             raise ValueError(f"{name} must list pages from their first slot; slot {slots[orphans][0]} starts mid-page")
         return starts
@@ -329,35 +323,49 @@ class PagedTokenAllocator(_SlotAllocator):
         if (prefix < 0).any() or (seq <= prefix).any():
             i = int(np.flatnonzero((prefix < 0) | (seq <= prefix))[0])
             raise ValueError(f"request {i}: need 0 <= prefix_lens < seq_lens, got {prefix[i]} and {seq[i]}")
+        self._check_last_loc(prefix, last)
+        return prefix, seq, last
+
+    def _check_last_loc(self, prefix: np.ndarray, last: np.ndarray) -> None:
+        """A request that continues a partial page must give the slot of its token prefix-1, in an
+        allocated page."""
         ps = self.page_size
         partial = prefix % ps != 0
-        if ((last[partial] + 1) % ps != prefix[partial] % ps).any():
-            i = int(np.flatnonzero(partial & ((last + 1) % ps != prefix % ps))[0])
+        bad = partial & ((last + 1) % ps != prefix % ps)
+        if np.count_nonzero(bad):
+            i = int(np.flatnonzero(bad)[0])
             raise ValueError(
                 f"request {i}: last_loc {last[i]} is not the slot of token {prefix[i] - 1} "
                 f"(offset {last[i] % ps} in its page, expected {(prefix[i] - 1) % ps})")
-        if partial.any() and not self._pages.is_allocated(last[partial] // ps).all():
-            i = int(np.flatnonzero(partial)[~self._pages.is_allocated(last[partial] // ps)][0])
-            raise ValueError(f"request {i}: last_loc {last[i]} is not in an allocated page")
-        return prefix, seq, last
+        held = self._pages.is_allocated(last[partial] // ps)
+        if np.count_nonzero(held) != len(held):
+            i = int(np.flatnonzero(partial)[~held][0])
+            raise ValueError(f"request {i}: last_loc {last[i]} is not the slot of token {prefix[i] - 1} in an "
+                             f"allocated page: slot {last[i]} is not in an allocated page")
 
 
-def _extend_slots(prefix: np.ndarray, seq: np.ndarray, last: np.ndarray, pages: np.ndarray,
-                  new_pages: np.ndarray, ps: int) -> np.ndarray:
-    """The slot of every extend token: the rest of each request's partial page, then its new pages."""
+def _paged_slots(prefix: np.ndarray, seq: np.ndarray, last: np.ndarray, pages: np.ndarray, ps: int) -> np.ndarray:
+    """The slot of every token prefix[i]..seq[i]-1 of each request, requests concatenated: first the rest
+    of its partial page (the slots after last[i]), then its share of `pages`, taken in batch order.
+
+    The j-th new token of request i goes to last[i] + 1 + j while j < fill[i] (the free slots of its
+    partial page), else to slot k % ps of page pages[base[i] + k // ps], k = j - fill[i].
+    """
     extend = seq - prefix
-    # Token j of request i gets slot (base page of its k-th token) * ps + offset, where k counts from the
-    # start of the first partial page; numbering tokens from the page start makes both phases one formula.
-    first_off = prefix % ps
-    in_partial = np.minimum(extend, np.where(first_off > 0, ps - first_off, 0))
-    owner = np.repeat(np.arange(len(seq)), extend)
-    starts = np.cumsum(extend) - extend
-    local = np.arange(int(extend.sum()), dtype=np.int64) - starts[owner]
-    page_base = np.cumsum(new_pages) - new_pages
-    k = local - in_partial[owner]  # index among the tokens that go to new pages (< 0: partial page)
+    fill = np.minimum(extend, -prefix % ps)
+    new_pages = num_new_pages(prefix, seq, ps)
+    base = np.cumsum(new_pages) - new_pages
+    total = int(extend.sum())
+    if total == len(extend):  # one token per request (decode): j = 0, no per-token expansion
+        owner, j = slice(None), 0
+    else:
+        owner = np.repeat(np.arange(len(extend)), extend)
+        j = np.arange(total, dtype=np.int64) - (np.cumsum(extend) - extend)[owner]
+    k = j - fill[owner]
+    in_partial = last[owner] + 1 + j
     if len(pages) == 0:
-        return last[owner] + 1 + local
+        return in_partial
     k_new = np.maximum(k, 0)
-    # Clamped so that partial-page tokens (whose value np.where discards) never index past the pages.
-    page_idx = np.minimum(page_base[owner] + k_new // ps, len(pages) - 1)
-    return np.where(k < 0, last[owner] + 1 + local, pages[page_idx] * ps + k_new % ps)
+    # Clipped so that partial-page tokens (whose value np.where discards) never index past the pages.
+    on_page = pages.take(base[owner] + k_new // ps, mode="clip") * ps + k_new % ps
+    return np.where(k < 0, in_partial, on_page)

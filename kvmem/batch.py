@@ -16,9 +16,11 @@ from itertools import compress
 import numpy as np
 import torch
 
-from kernels.req_to_token import write_req_to_token
+from kvmem._checks import check_int
+from kvmem._paging import num_new_pages
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
-from kvmem.attention import PagedKVMetadata, build_decode_metadata, build_extend_metadata
+from kvmem.attention.metadata import PagedKVMetadata, decode_metadata, extend_metadata
+from kvmem.kernels.req_to_token import _write_req_to_token
 from kvmem.radix_cache import RadixCache
 from kvmem.req_to_token import ReqToTokenPool
 
@@ -30,6 +32,16 @@ class ForwardMode(enum.Enum):
     DECODE = "decode"
 
 
+class ReqStatus(enum.Enum):
+    """Where a request is in its life. Only RUNNING requests hold memory (a req_to_token row and slots)."""
+
+    NEW = "new"              # built, not queued yet
+    WAITING = "waiting"      # queued for admission
+    RUNNING = "running"      # admitted: prefilling (perhaps in chunks) or decoding
+    RETRACTED = "retracted"  # its memory was released under pressure; queued to resume from its outputs
+    FINISHED = "finished"    # done: cached in the tree, memory released
+
+
 class Req:
     """One generation request.
 
@@ -39,21 +51,19 @@ class Req:
         max_new_tokens: output tokens to generate (>= 1); the request finishes after that many.
         priority: larger is more valuable to the "priority" eviction policy.
 
-    Memory state, kept by the scheduler: `req_pool_idx` (its req_to_token row or None), `kv_len` (leading
-    tokens of input_ids + output_ids whose slots are in the row), `prefix_indices` and `last_node` (the
-    cached prefix it matched, locked in the tree), `cache_protected_len` (how many leading slots belong
-    to the tree; the rest of the row belongs to the request).
+    State, kept by the scheduler: `status` (a ReqStatus), `req_pool_idx` (its req_to_token row or None),
+    `kv_len` (leading tokens of input_ids + output_ids whose slots are in the row), `prefix_indices` and
+    `last_node` (the cached prefix it matched, locked in the tree), `cache_protected_len` (how many leading
+    slots of the row belong to the tree; the rest are the request's: see `kvmem.radix_cache.CachedRequest`).
     """
 
     def __init__(self, rid, input_ids: Sequence[int], max_new_tokens: int, *, priority: int = 0) -> None:
         ids = _as_token_array(rid, input_ids)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-                or max_new_tokens <= 0:
-            raise ValueError(f"request {rid!r}: max_new_tokens must be a positive int, got {max_new_tokens!r}")
         self.rid = rid
         self.input_ids: array = ids
-        self.max_new_tokens = int(max_new_tokens)
+        self.max_new_tokens = check_int(f"request {rid!r}: max_new_tokens", max_new_tokens, minimum=1)
         self.priority = priority
+        self.status = ReqStatus.NEW
         self.output_ids: list[int] = []
         self.req_pool_idx: int | None = None
         self.kv_len = 0
@@ -82,6 +92,7 @@ class Req:
         return self.extend_end < len(self.input_ids) + len(self.output_ids)
 
     def reset_for_retract(self) -> None:
+        self.status = ReqStatus.RETRACTED
         self.req_pool_idx = None
         self.kv_len = 0
         self.prefix_indices = _EMPTY
@@ -91,8 +102,8 @@ class Req:
         self.num_retractions += 1
 
     def __repr__(self) -> str:
-        return (f"Req(rid={self.rid!r}, input={len(self.input_ids)}, output={len(self.output_ids)}/"
-                f"{self.max_new_tokens}, kv_len={self.kv_len})")
+        return (f"Req(rid={self.rid!r}, {self.status.value}, input={len(self.input_ids)}, "
+                f"output={len(self.output_ids)}/{self.max_new_tokens}, kv_len={self.kv_len})")
 
 
 def _as_token_array(rid, input_ids) -> array:
@@ -149,9 +160,10 @@ class ScheduleBatch:
         reqs = self.reqs
         if not reqs:
             raise ValueError("the batch is empty: nothing to extend")
-        is_new = [r.req_pool_idx is None for r in reqs]
+        is_new = [r.status is not ReqStatus.RUNNING for r in reqs]
         new = list(compress(reqs, is_new))
-        # Everything that can raise is checked before any request, row or slot changes.
+        # Everything that can raise is checked here, before any request, row or slot changes; the allocator,
+        # the req_to_token writer and the metadata builders below trust what this step hands them.
         prefix = np.fromiter((r.prefix_indices.numel() if n else r.kv_len for r, n in zip(reqs, is_new)),
                              dtype=np.int64, count=len(reqs))
         seq = np.fromiter((r.extend_end for r in reqs), dtype=np.int64, count=len(reqs))
@@ -165,22 +177,20 @@ class ScheduleBatch:
         if len(set(map(id, reqs))) != len(reqs):
             raise ValueError("the batch holds a request more than once")
         self.forward_mode = ForwardMode.EXTEND
-        for r in new:
-            r.kv_len = r.cache_protected_len = r.prefix_indices.numel()
         rows = self.req_to_token_pool.alloc(len(new)) if new else []
         if rows is None:
             return False
-        for r, row in zip(new, rows):
-            r.req_pool_idx = row
         last_loc = self._last_loc(prefix)
         out = self._alloc_with_eviction(lambda: self._alloc_extend(prefix, seq, last_loc),
                                         self._extend_need(prefix, seq))
         if out is None:
-            for r in new:
-                r.req_pool_idx = None
             if rows:
                 self.req_to_token_pool.free(rows)
             return False
+        for r, row in zip(new, rows):
+            r.req_pool_idx = row
+            r.cache_protected_len = r.prefix_indices.numel()
+            r.status = ReqStatus.RUNNING
         self._set_lens(prefix, seq, out)
         self._write_extend(is_new)
         for r, s in zip(reqs, seq.tolist()):
@@ -214,7 +224,8 @@ class ScheduleBatch:
             self._set_lens(prefix, seq, _EMPTY, rows)
             return
         out = self._alloc_extend(prefix, seq, self._last_loc(prefix, rows))
-        assert out is not None, "decode allocation failed after eviction and retraction"
+        if out is None:  # cannot happen: retraction leaves room for every remaining request
+            raise RuntimeError("decode allocation failed after eviction and retraction")
         self.req_to_token_pool.req_to_token[torch.from_numpy(rows), torch.from_numpy(prefix)] = out.to(torch.int32)
         for r in reqs:
             r.kv_len += 1
@@ -231,9 +242,9 @@ class ScheduleBatch:
         table = self.req_to_token_pool.req_to_token
         rows, seq = self.req_pool_indices.to(table.device), self.seq_lens.to(table.device)
         if self.forward_mode is ForwardMode.DECODE:
-            return build_decode_metadata(table, rows, seq, self.page_size)
+            return decode_metadata(table, rows, seq, self.page_size)
         if self.forward_mode is ForwardMode.EXTEND:
-            return build_extend_metadata(table, rows, self.prefix_lens.to(table.device), seq, self.page_size)
+            return extend_metadata(table, rows, self.prefix_lens.to(table.device), seq, self.page_size)
         raise RuntimeError("attention_metadata() needs prepare_for_extend() or prepare_for_decode() first")
 
     def retract_decode(self) -> list[Req]:
@@ -289,8 +300,7 @@ class ScheduleBatch:
         return int(np.count_nonzero(kv_lens % self.page_size == 0)) * self.page_size
 
     def _extend_need(self, prefix: np.ndarray, seq: np.ndarray) -> int:
-        ps = self.page_size
-        return int(((seq + ps - 1) // ps - (prefix + ps - 1) // ps).sum()) * ps
+        return int(num_new_pages(prefix, seq, self.page_size).sum()) * self.page_size
 
     def _alloc_with_eviction(self, alloc, need: int):
         short = need - self.token_allocator.available_size()
@@ -303,7 +313,7 @@ class ScheduleBatch:
     def _alloc_extend(self, prefix: np.ndarray, seq: np.ndarray, last_loc: np.ndarray):
         if self.page_size == 1:
             return self.token_allocator.alloc(int((seq - prefix).sum()))
-        return self.token_allocator.alloc_extend(prefix, seq, last_loc)
+        return self.token_allocator._alloc_extend(prefix, seq, last_loc)
 
     def _last_loc(self, prefix: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         """Slot of each request's token prefix-1 where that token ends a partial page (else -1): paged
@@ -333,8 +343,8 @@ class ScheduleBatch:
             np.cumsum(counts, out=indptr[1:])
             prefix = (torch.cat([r.prefix_indices for r, n in zip(self.reqs, is_new) if n]).to(table.device),
                       torch.from_numpy(indptr).to(table.device))
-        write_req_to_token(table, self.req_pool_indices.to(table.device), self.prefix_lens.to(table.device),
-                           self.seq_lens.to(table.device), self.out_cache_loc.to(table.device), *prefix)
+        _write_req_to_token(table, self.req_pool_indices.to(table.device), self.prefix_lens.to(table.device),
+                            self.seq_lens.to(table.device), self.out_cache_loc.to(table.device), *prefix)
 
     def _set_lens(self, prefix: np.ndarray, seq: np.ndarray, out: torch.Tensor, rows: np.ndarray | None = None) -> None:
         if rows is None:

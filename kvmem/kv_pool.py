@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from kvmem import sizing
-from kvmem._checks import check_positive_int
+from kvmem._checks import check_int
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -76,9 +76,9 @@ class _KVPool:
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, layer_num: int,
                  device: str | torch.device, kv_cache_dtype: str, allowed_kv_cache_dtypes: tuple[str, ...]) -> None:
-        check_positive_int("size", size)
-        check_positive_int("page_size", page_size)
-        check_positive_int("layer_num", layer_num)
+        check_int("size", size, minimum=1)
+        check_int("page_size", page_size, minimum=1)
+        check_int("layer_num", layer_num, minimum=1)
         if size % page_size:
             raise ValueError(f"size {size} must be a multiple of page_size {page_size}")
         if dtype not in MODEL_DTYPES:
@@ -111,9 +111,7 @@ class _KVPool:
         raise NotImplementedError
 
     def _check_layer(self, layer_id: int) -> None:
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
-            raise TypeError(f"layer_id must be an int, got {layer_id!r}")
-        if not 0 <= layer_id < self.layer_num:
+        if not 0 <= check_int("layer_id", layer_id) < self.layer_num:
             raise IndexError(f"layer_id {layer_id} out of range [0, {self.layer_num})")
 
     def _check_loc(self, loc: torch.Tensor) -> torch.Tensor:
@@ -173,10 +171,10 @@ class MHAKVPool(_KVPool):
                  layer_num: int, device: str | torch.device = "cpu", layout: str = "NHD",
                  v_head_dim: int | None = None, kv_cache_dtype: str = "auto", quant_group: int | None = None) -> None:
         super().__init__(size, page_size, dtype, layer_num, device, kv_cache_dtype, sizing.KV_CACHE_DTYPES)
-        check_positive_int("head_num", head_num)
-        check_positive_int("head_dim", head_dim)
+        check_int("head_num", head_num, minimum=1)
+        check_int("head_dim", head_dim, minimum=1)
         if v_head_dim is not None:
-            check_positive_int("v_head_dim", v_head_dim)
+            check_int("v_head_dim", v_head_dim, minimum=1)
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         self.head_num = head_num
@@ -309,8 +307,8 @@ class MLAKVPool(_KVPool):
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, kv_lora_rank: int, qk_rope_head_dim: int,
                  layer_num: int, device: str | torch.device = "cpu", kv_cache_dtype: str = "auto") -> None:
         super().__init__(size, page_size, dtype, layer_num, device, kv_cache_dtype, ("auto", *_FP8_DTYPES))
-        check_positive_int("kv_lora_rank", kv_lora_rank)
-        check_positive_int("qk_rope_head_dim", qk_rope_head_dim)
+        check_int("kv_lora_rank", kv_lora_rank, minimum=1)
+        check_int("qk_rope_head_dim", qk_rope_head_dim, minimum=1)
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
         self.kv_dim = kv_lora_rank + qk_rope_head_dim

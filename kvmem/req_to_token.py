@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvmem._checks import check_positive_int
+from kvmem._checks import check_int
 
 
 class ReqToTokenPool:
@@ -23,8 +23,8 @@ class ReqToTokenPool:
     """
 
     def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu") -> None:
-        check_positive_int("size", size)
-        check_positive_int("max_context_len", max_context_len)
+        check_int("size", size, minimum=1)
+        check_int("max_context_len", max_context_len, minimum=1)
         self.size = size
         self.max_context_len = max_context_len
         self.device = torch.device(device)
@@ -39,7 +39,7 @@ class ReqToTokenPool:
 
     def alloc(self, n: int = 1) -> list[int] | None:
         """Hands out `n` rows, or returns None (nothing changed) when fewer than `n` are free."""
-        check_positive_int("n", n)
+        check_int("n", n, minimum=1)
         if n > len(self._free_rows):
             return None
         rows = self._free_rows[-n:][::-1]

@@ -15,14 +15,18 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from dataclasses import dataclass
+from time import perf_counter
 
 import numpy as np
 import torch
 
+from kvmem._checks import check_int
+from kvmem._paging import round_up
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
-from kvmem.batch import ForwardMode, Req, ScheduleBatch
+from kvmem.batch import ForwardMode, Req, ReqStatus, ScheduleBatch
 from kvmem.radix_cache import RadixCache
 from kvmem.req_to_token import ReqToTokenPool
+from kvmem.timing import PhaseTimer
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 
@@ -52,11 +56,9 @@ class SchedulerConfig:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         for name in ("max_running_requests", "chunked_prefill_size"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v <= 0):
-                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
-        if isinstance(self.lpm_window, bool) or not isinstance(self.lpm_window, int) or self.lpm_window <= 0:
-            raise ValueError(f"lpm_window must be a positive int, got {self.lpm_window!r}")
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), minimum=1)
+        check_int("lpm_window", self.lpm_window, minimum=1)
         if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
             raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got "
                              f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
@@ -78,10 +80,28 @@ class Scheduler:
 
     A request's prompt enters the tree as soon as it is prefilled (`cache_unfinished_req`, as SGLang
     checkpoints it), so requests admitted while it decodes share it; its outputs enter when it finishes.
+    `timer`: a PhaseTimer that accumulates the seconds of "match" (admission's prefix matches and locks),
+    "prepare_extend", "prepare_decode" and "process" (process_batch_result); None times nothing.
+
+    >>> from kvmem import RadixCache, Req, ReqToTokenPool, Scheduler, TokenAllocator
+    >>> pool, alloc = ReqToTokenPool(4, 64), TokenAllocator(256)
+    >>> sched = Scheduler(pool, alloc, RadixCache(pool, alloc))
+    >>> sched.add_request(Req("a", [1, 2, 3, 4], max_new_tokens=2))
+    >>> batch = sched.step()                       # prefill: slots allocated, req_to_token written
+    >>> batch.forward_mode.value, batch.out_cache_loc.tolist()
+    ('extend', [1, 2, 3, 4])
+    >>> sched.process_batch_result(batch, [7])     # the model sampled 7
+    []
+    >>> batch = sched.step()                       # decode one token
+    >>> [r.rid for r in sched.process_batch_result(batch, [8])]
+    ['a']
+    >>> sched.is_idle(), sched.tree_cache.total_size()   # finished: its tokens stay cached
+    (True, 5)
     """
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_allocator: TokenAllocator | PagedTokenAllocator,
-                 tree_cache: RadixCache, config: SchedulerConfig = SchedulerConfig()) -> None:
+                 tree_cache: RadixCache, config: SchedulerConfig = SchedulerConfig(), *,
+                 timer: PhaseTimer | None = None) -> None:
         if tree_cache.page_size != token_allocator.page_size:
             raise ValueError(f"tree_cache.page_size {tree_cache.page_size} != token_allocator.page_size "
                              f"{token_allocator.page_size}")
@@ -89,6 +109,7 @@ class Scheduler:
         self.token_allocator = token_allocator
         self.tree_cache = tree_cache
         self.config = config
+        self.timer = timer
         self.page_size = token_allocator.page_size
         self.max_running = min(config.max_running_requests or req_to_token_pool.size, req_to_token_pool.size)
         self.waiting: deque[Req] = deque()
@@ -97,7 +118,6 @@ class Scheduler:
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = SchedulerStats()
         self._batch: ScheduleBatch | None = None
-        self._live: set[int] = set()  # id() of every request queued or running, to refuse it a second time
 
     # ---- intake -------------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -107,14 +127,14 @@ class Scheduler:
             self.stats.rejected += 1
             raise ValueError(f"request {req.rid!r}: {len(req.input_ids)} prompt + {req.max_new_tokens} new tokens "
                              f"exceed max_context_len {self.req_to_token_pool.max_context_len}")
-        if _round_up(total, self.page_size) > self.token_allocator.size:
+        if round_up(total, self.page_size) > self.token_allocator.size:
             self.stats.rejected += 1
             raise ValueError(f"request {req.rid!r}: {total} tokens exceed the KV capacity "
                              f"{self.token_allocator.size}")
-        if req.req_pool_idx is not None or req.finished() or id(req) in self._live:
-            raise ValueError(f"request {req.rid!r} is already queued, running or finished")
+        if req.status is not ReqStatus.NEW:
+            raise ValueError(f"request {req.rid!r} is already queued, running or finished ({req.status.value})")
+        req.status = ReqStatus.WAITING
         self.waiting.append(req)
-        self._live.add(id(req))
 
     def is_idle(self) -> bool:
         return not self.waiting and not self.running and self.chunked_req is None
@@ -129,8 +149,11 @@ class Scheduler:
             raise RuntimeError("step() called before process_batch_result() for the previous batch")
         batch = self._get_extend_batch()
         if batch is None and self.running:
+            t0 = perf_counter()
             batch = ScheduleBatch(self.running, self.req_to_token_pool, self.token_allocator, self.tree_cache)
             batch.prepare_for_decode()
+            if self.timer is not None:
+                self.timer.add("prepare_decode", perf_counter() - t0)
             self.stats.decode_batches += 1
             self.stats.evicted_tokens += batch.evicted_tokens
             if batch.retracted:
@@ -151,10 +174,17 @@ class Scheduler:
         """
         if batch is not self._batch:
             raise ValueError("batch is not the one the last step() returned")
+        t0 = perf_counter()
         tokens = _token_ids(next_token_ids)
         if len(tokens) != batch.batch_size():
             raise ValueError(f"next_token_ids has {len(tokens)} tokens for a batch of {batch.batch_size()}")
         self._batch = None
+        finished = self._process(batch, tokens)
+        if self.timer is not None:
+            self.timer.add("process", perf_counter() - t0)
+        return finished
+
+    def _process(self, batch: ScheduleBatch, tokens: array) -> list[Req]:
         finished = []
         if batch.forward_mode is ForwardMode.EXTEND:
             for req, tok in zip(batch.reqs, tokens):
@@ -181,7 +211,7 @@ class Scheduler:
 
     def _finish(self, req: Req, finished: list[Req]) -> None:
         self.tree_cache.cache_finished_req(req)
-        self._live.discard(id(req))
+        req.status = ReqStatus.FINISHED
         finished.append(req)
 
     # ---- admission ----------------------------------------------------------------------------------
@@ -196,6 +226,7 @@ class Scheduler:
             # Its whole prompt was charged when it was admitted; it continues without a new check.
             budget, free_tokens = self._plan_extend(chunked, budget, free_tokens)
             reqs.append(chunked)
+        t0 = perf_counter()
         can_admit = len(self.running) + len(reqs) < self.max_running and budget > 0 and self.chunked_req is None
         # Ranking the waiting window costs a tree walk per request: only when someone can be admitted.
         if can_admit and self.config.schedule_policy == "lpm":
@@ -211,10 +242,15 @@ class Scheduler:
             self.waiting.popleft()
             budget, free_tokens = self._plan_extend(req, budget, free_tokens)
             reqs.append(req)
+        t1 = perf_counter()
+        if self.timer is not None:
+            self.timer.add("match", t1 - t0)
         if not reqs:
             return None
         batch = ScheduleBatch(reqs, self.req_to_token_pool, self.token_allocator, self.tree_cache)
         ok = batch.prepare_for_extend()
+        if self.timer is not None:
+            self.timer.add("prepare_extend", perf_counter() - t1)
         self.stats.evicted_tokens += batch.evicted_tokens  # a failed attempt may still have evicted
         if not ok:
             self._undo_admission(reqs, chunked)
@@ -232,7 +268,7 @@ class Scheduler:
 
     def _plan_extend(self, req: Req, budget: float, free_tokens: int) -> tuple[float, int]:
         """Sets how far this step prefills `req` and charges the budget and free room for it."""
-        start = req.kv_len if req.req_pool_idx is not None else req.prefix_indices.numel()
+        start = req.kv_len if req.status is ReqStatus.RUNNING else req.prefix_indices.numel()
         end = min(len(req.fill_ids), start + budget)
         req.extend_end = int(end)
         if req.is_chunked():
@@ -244,8 +280,8 @@ class Scheduler:
         `start`, plus its share of future output tokens; never more than the request can ever take
         (which `add_request` checked fits the pool), so an idle scheduler always admits its queue's head."""
         ps, fill, left = self.page_size, len(req.fill_ids), req.max_new_tokens - len(req.output_ids)
-        done = _round_up(start, ps)
-        return min(_round_up(fill, ps) - done + int(left * self.new_token_ratio), _round_up(fill + left, ps) - done)
+        done = round_up(start, ps)
+        return min(round_up(fill, ps) - done + int(left * self.new_token_ratio), round_up(fill + left, ps) - done)
 
     def _reserved_tokens(self) -> int:
         reqs = self.running
@@ -270,14 +306,15 @@ class Scheduler:
 
     # ---- checks -------------------------------------------------------------------------------------
     def held_by_requests(self) -> int:
-        """Slots held by running or chunked requests and not by the tree (whole pages)."""
-        reqs = list(self.running)
-        if self.chunked_req is not None and self.chunked_req not in reqs:
-            reqs.append(self.chunked_req)
+        """Slots held by running requests (decoding, prefilling or in the pending batch) and not by the tree
+        (whole pages)."""
+        holders = set(self.running)
+        if self.chunked_req is not None:
+            holders.add(self.chunked_req)
         if self._batch is not None:
-            reqs += [r for r in self._batch.reqs if r not in reqs]
-        return sum(_round_up(r.kv_len, self.page_size) - r.cache_protected_len
-                   for r in reqs if r.req_pool_idx is not None)
+            holders.update(self._batch.reqs)
+        return sum(round_up(r.kv_len, self.page_size) - r.cache_protected_len
+                   for r in holders if r.status is ReqStatus.RUNNING)
 
     def check_invariants(self) -> None:
         """Raises AssertionError unless free + evictable + protected + held by requests == total,
@@ -311,6 +348,3 @@ def _match_key(req: Req) -> memoryview:
     # At least one token is always left to compute: the prefill must produce the next token's logits.
     return memoryview(req.fill_ids)[:-1]
 
-
-def _round_up(n: int, page_size: int) -> int:
-    return -(-n // page_size) * page_size

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Union
 
+from kvmem._checks import check_int
+
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 MODEL_DTYPE_BYTES = MappingProxyType({"float16": 2, "bfloat16": 2, "float32": 4})
 SCALE_BYTES = 4  # int8/int4 scales are float32; kv_pool.py says why
@@ -27,12 +29,6 @@ GIB = 1 << 30
 
 # Element width in bits, so that int4's half byte stays integer arithmetic.
 _QUANT_BITS = {"fp8_e4m3": 8, "fp8_e5m2": 8, "int8": 8, "int4": 4}
-
-
-def _check_positive_int(name: str, value) -> None:
-    # Local twin of kvmem._checks.check_positive_int: that module imports torch, this one must not.
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _check_model_dtype(dtype: str) -> None:
@@ -56,11 +52,11 @@ class MHAConfig:
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        _check_positive_int("num_layers", self.num_layers)
-        _check_positive_int("num_kv_heads", self.num_kv_heads)
-        _check_positive_int("head_dim", self.head_dim)
+        check_int("num_layers", self.num_layers, minimum=1)
+        check_int("num_kv_heads", self.num_kv_heads, minimum=1)
+        check_int("head_dim", self.head_dim, minimum=1)
         if self.v_head_dim is not None:
-            _check_positive_int("v_head_dim", self.v_head_dim)
+            check_int("v_head_dim", self.v_head_dim, minimum=1)
         _check_model_dtype(self.dtype)
 
 
@@ -74,9 +70,9 @@ class MLAConfig:
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        _check_positive_int("num_layers", self.num_layers)
-        _check_positive_int("kv_lora_rank", self.kv_lora_rank)
-        _check_positive_int("qk_rope_head_dim", self.qk_rope_head_dim)
+        check_int("num_layers", self.num_layers, minimum=1)
+        check_int("kv_lora_rank", self.kv_lora_rank, minimum=1)
+        check_int("qk_rope_head_dim", self.qk_rope_head_dim, minimum=1)
         _check_model_dtype(self.dtype)
 
 
@@ -146,7 +142,7 @@ def tokens_for_budget(config: ModelConfig, mem_bytes: int | None = None, *, gpu_
         mem_bytes = int(gpu_mem_gb * GIB)
     elif isinstance(mem_bytes, bool) or not isinstance(mem_bytes, int) or mem_bytes < 0:
         raise ValueError(f"mem_bytes must be an int >= 0, got {mem_bytes!r}")
-    _check_positive_int("page_size", page_size)
+    check_int("page_size", page_size, minimum=1)
     per_token = bytes_per_token(config, kv_cache_dtype, quant_group)
     pages = mem_bytes // (per_token * page_size)
     return max(pages - 1, 0) * page_size
@@ -163,7 +159,7 @@ def quant_groups(kv_cache_dtype: str, head_dim: int, v_head_dim: int, quant_grou
         return 0, 0
     if quant_group is None:
         return 1, 1
-    _check_positive_int("quant_group", quant_group)
+    check_int("quant_group", quant_group, minimum=1)
     for name, dim in (("head_dim", head_dim), ("v_head_dim", v_head_dim)):
         if dim % quant_group:
             raise ValueError(f"quant_group {quant_group} must divide {name} {dim}")

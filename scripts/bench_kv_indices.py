@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from kernels.kv_indices import _launch, create_kv_indices, create_kv_indptr
+from kvmem.kernels.kv_indices import _launch, create_kv_indices, create_kv_indptr
 
 BATCH_SIZES = (1, 64, 256)
 TOKENS_PER_REQUEST = (1024, 8192, 32768)

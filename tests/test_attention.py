@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.paged_alloc import alloc_extend_slots, num_new_pages
-from kernels.req_to_token import write_req_to_token
+from kvmem.allocator import PagedTokenAllocator
+from kvmem.kernels.req_to_token import write_req_to_token
 from kvmem.attention import (
     FlashInferAttention, build_decode_metadata, build_extend_metadata, reference_paged_attention)
 
@@ -19,6 +19,15 @@ def contiguous_attention(q, k, v, causal=True):
     return out.transpose(0, 1)
 
 
+def scrambled_allocator(num_pages, page_size, generator):
+    """A paged allocator over pages 1..num_pages that hands them out in a random order."""
+    alloc = PagedTokenAllocator(num_pages * page_size, page_size)
+    alloc.alloc(num_pages * page_size)
+    pages = torch.randperm(num_pages, generator=generator) + 1
+    alloc.free((pages[:, None] * page_size + torch.arange(page_size)).reshape(-1))
+    return alloc
+
+
 class PagedBatch:
     """Requests whose prefixes were allocated first and extended later, through the kernels, as a server does."""
 
@@ -30,9 +39,9 @@ class PagedBatch:
         self.rows = torch.randperm(bs + 2, generator=g)[:bs]
         self.req_to_token = torch.zeros(bs + 2, max(seq_lens) + 3, dtype=torch.int32)
         num_pages = sum(-(-s // page_size) for s in seq_lens) + 4
-        free_pages = torch.randperm(num_pages - 1, generator=g) + 1  # page 0 is the padding page
-        used = self._extend(torch.zeros(bs, dtype=torch.int64), self.prefix_lens, free_pages)
-        self._extend(self.prefix_lens, self.seq_lens, free_pages[used:])
+        self.alloc = scrambled_allocator(num_pages - 1, page_size, g)  # page 0 is the padding page
+        self._extend(torch.zeros(bs, dtype=torch.int64), self.prefix_lens)
+        self._extend(self.prefix_lens, self.seq_lens)
         self.k = [torch.randn(s, num_kv_heads, head_dim, generator=g) for s in seq_lens]
         self.v = [torch.randn(s, num_kv_heads, head_dim, generator=g) for s in seq_lens]
         shape = (num_pages, page_size, num_kv_heads, head_dim)
@@ -45,11 +54,13 @@ class PagedBatch:
             self.k_pages = self.k_pages.transpose(1, 2).contiguous()
             self.v_pages = self.v_pages.transpose(1, 2).contiguous()
 
-    def _extend(self, prefix_lens, seq_lens, free_pages):
+    def _extend(self, prefix_lens, seq_lens):
+        grows = seq_lens > prefix_lens
+        if not grows.any():
+            return
         last_loc = self.req_to_token[self.rows, (prefix_lens - 1).clamp(min=0)].long()
-        slots = alloc_extend_slots(prefix_lens, seq_lens, last_loc, free_pages, self.page_size)
+        slots = self.alloc.alloc_extend(prefix_lens[grows], seq_lens[grows], last_loc[grows])
         write_req_to_token(self.req_to_token, self.rows, prefix_lens, seq_lens, slots)
-        return num_new_pages(prefix_lens, seq_lens, self.page_size)
 
     def attend(self, q, metadata):
         return reference_paged_attention(q, self.k_pages, self.v_pages, metadata.qo_indptr, metadata.kv_indptr,
@@ -119,7 +130,10 @@ def test_attention_through_the_kv_pool_equals_contiguous_attention(layout):
     pool = MHAKVPool(32, page_size, torch.float32, heads, head_dim, layer_num=2, layout=layout)
     req_to_token = torch.zeros(2, 8, dtype=torch.int32)
     rows, zeros, seqs = torch.tensor([1, 0]), torch.zeros(2, dtype=torch.int64), torch.tensor(seq_lens)
-    slots = alloc_extend_slots(zeros, seqs, zeros - 1, torch.tensor([5, 2, 7]), page_size)
+    alloc = PagedTokenAllocator(28, page_size)
+    alloc.alloc(28)
+    alloc.free((torch.tensor([5, 2, 7, 1, 3, 4, 6])[:, None] * page_size + torch.arange(page_size)).reshape(-1))
+    slots = alloc.alloc_extend(zeros, seqs, zeros - 1)
     write_req_to_token(req_to_token, rows, zeros, seqs, slots)
     k, v = torch.randn(9, heads, head_dim), torch.randn(9, heads, head_dim)
     pool.set_kv_buffer(1, slots, k, v)

@@ -5,11 +5,12 @@ decode / prefill against `reference_paged_attention` over metadata built by kvme
 import pytest
 import torch
 
-from kernels.kv_indices import create_kv_indices, create_kv_indptr
-from kernels.paged_alloc import alloc_extend_slots, num_new_pages
-from kernels.req_to_token import write_req_to_token
+from kvmem._paging import pages_for
+from kvmem.allocator import PagedTokenAllocator
 from kvmem.attention import (
     FlashInferAttention, build_decode_metadata, build_extend_metadata, reference_paged_attention)
+from kvmem.kernels.kv_indices import create_kv_indices, create_kv_indptr
+from kvmem.kernels.req_to_token import write_req_to_token
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA = "cuda"
@@ -35,19 +36,19 @@ def test_kv_indices_triton_equals_torch_on_cuda(page_size, bs, max_len):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_write_and_alloc_triton_equal_torch_on_cuda(page_size):
+def test_write_triton_equals_torch_on_cuda(page_size):
     bs = 48
-    prefix = random_lens(bs, 3000, 1)
-    seq = prefix + random_lens(bs, 3000, 2)
-    last = torch.where(prefix % page_size != 0, (torch.arange(bs) + 10000) * page_size + (prefix - 1) % page_size, -1)
-    pages = torch.randperm(num_new_pages(prefix, seq, page_size) + 5) + 1
-    prefix, seq, last, pages = (x.to(CUDA) for x in (prefix, seq, last, pages))
-    slots = [alloc_extend_slots(prefix, seq, last, pages, page_size, backend=b) for b in ("triton", "torch")]
-    assert torch.equal(*slots)
+    prefix = random_lens(bs, 3000, 1) + 1
+    seq = prefix + random_lens(bs, 3000, 2) + 1
+    alloc = PagedTokenAllocator(int(pages_for(seq, page_size).sum() + bs) * page_size, page_size)
+    first = alloc.alloc_extend(torch.zeros(bs, dtype=torch.int64), prefix, torch.full((bs,), -1))
+    last = first[torch.cumsum(prefix, 0) - 1]  # each request's slot of token prefix - 1
+    slots = alloc.alloc_extend(prefix, seq, last).to(CUDA)
+    prefix, seq = prefix.to(CUDA), seq.to(CUDA)
     tables = []
     for backend in ("triton", "torch"):
         table = torch.zeros(bs + 2, 6000, dtype=torch.int32, device=CUDA)
-        write_req_to_token(table, torch.arange(bs, device=CUDA) + 1, prefix, seq, slots[0], backend=backend)
+        write_req_to_token(table, torch.arange(bs, device=CUDA) + 1, prefix, seq, slots, backend=backend)
         tables.append(table)
     assert torch.equal(*tables)
 
@@ -57,9 +58,13 @@ def paged_batch(prefix_lens, seq_lens, page_size, num_kv_heads, layout, dtype, s
     g = torch.Generator().manual_seed(seed)
     prefix_lens, seq_lens = torch.tensor(prefix_lens), torch.tensor(seq_lens)
     bs = len(seq_lens)
-    num_pages = num_new_pages(torch.zeros_like(seq_lens), seq_lens, page_size) + 8
+    num_pages = int(pages_for(seq_lens, page_size).sum()) + 8
     zeros = torch.zeros(bs, dtype=torch.int64)
-    slots = alloc_extend_slots(zeros, seq_lens, zeros - 1, torch.randperm(num_pages - 1, generator=g) + 1, page_size)
+    alloc = PagedTokenAllocator((num_pages - 1) * page_size, page_size)
+    alloc.alloc((num_pages - 1) * page_size)  # free the pages back in a random order: scattered slots
+    pages = torch.randperm(num_pages - 1, generator=g) + 1
+    alloc.free((pages[:, None] * page_size + torch.arange(page_size)).reshape(-1))
+    slots = alloc.alloc_extend(zeros, seq_lens, zeros - 1)
     req_to_token = torch.zeros(bs + 1, int(seq_lens.max()), dtype=torch.int32)
     rows = torch.arange(bs) + 1
     write_req_to_token(req_to_token, rows, zeros, seq_lens, slots)

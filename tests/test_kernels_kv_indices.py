@@ -3,8 +3,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kernels._dispatch import use_triton
-from kernels.kv_indices import (
+from kvmem.kernels._dispatch import use_triton
+from kvmem.kernels.kv_indices import (
     _create_kv_indices_kernel, create_kv_indices, create_kv_indptr, kv_last_page_len)
 
 # On a GPU box the same tests run the kernels on CUDA tensors; on the CPU through the interpreter.

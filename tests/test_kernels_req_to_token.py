@@ -2,8 +2,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kernels._dispatch import use_triton
-from kernels.req_to_token import _write_req_to_token_kernel, write_req_to_token
+from kvmem.kernels._dispatch import use_triton
+from kvmem.kernels.req_to_token import _write_req_to_token_kernel, write_req_to_token
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TRITON_RUNS = use_triton(_write_req_to_token_kernel, DEVICE, None)

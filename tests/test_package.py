@@ -1,6 +1,6 @@
 """The public names that users import from the two packages."""
 
-import kernels
+from kvmem import kernels
 import kvmem
 
 

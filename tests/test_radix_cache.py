@@ -8,7 +8,6 @@ import torch
 
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.batch import Req
-from kvmem.eviction import EvictionPolicy
 from kvmem.radix_cache import RadixCache
 from kvmem.req_to_token import ReqToTokenPool
 
@@ -302,14 +301,11 @@ def test_a_shared_prefix_keeps_the_highest_priority_inserted_through_it():
     assert cached_sequences(cache) == {(1, 2)}
 
 
-def test_a_custom_policy_object_orders_eviction():
-    class LongestFirst(EvictionPolicy):
-        name = "longest"
+def test_a_custom_policy_key_orders_eviction():
+    def longest_first(node):
+        return -node.num_tokens
 
-        def sort_key(self, node):
-            return -node.num_tokens
-
-    cache, _ = make_cache(policy=LongestFirst())
+    cache, _ = make_cache(policy=longest_first)
     put(cache, [1])
     put(cache, [2, 2, 2])
     cache.evict(1)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmem.eviction import EVICTION_POLICIES as _POLICY_CLASSES
+from kvmem._checks import check_int
+from kvmem.eviction import EVICTION_POLICIES as _POLICY_KEYS
 from kvmem.scheduler import SCHEDULE_POLICIES
 
 # The names the radix cache accepts, in its order; the replay offers exactly those.
-EVICTION_POLICIES = tuple(_POLICY_CLASSES)
+EVICTION_POLICIES = tuple(_POLICY_KEYS)
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,9 @@ class ReplayConfig:
 
     def __post_init__(self) -> None:
         for name in ("capacity_tokens", "max_context_len", "page_size", "max_running"):
-            _check_positive(name, getattr(self, name))
+            check_int(name, getattr(self, name), minimum=1)
         if self.chunked_prefill_size is not None:
-            _check_positive("chunked_prefill_size", self.chunked_prefill_size)
+            check_int("chunked_prefill_size", self.chunked_prefill_size, minimum=1)
         if self.capacity_tokens < self.page_size:
             raise ValueError(f"capacity_tokens {self.capacity_tokens} is less than one page "
                              f"(page_size {self.page_size})")
@@ -53,10 +54,4 @@ class ReplayConfig:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if not isinstance(self.honour_arrivals, bool):
             raise ValueError(f"honour_arrivals must be a bool, got {self.honour_arrivals!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
-
-
-def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_int("seed", self.seed)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvmem._checks import check_int
 from kvmem.replay.traces import TOKEN_ID_BOUND, TokenTrace, _TokenTraceBuilder, synthetic_output_ids
 
 Range = tuple[int, int]
@@ -124,8 +125,7 @@ def _arrivals(rng: np.random.Generator, n: int, arrival_rate: float | None) -> n
 
 def _check_counts(**counts: int) -> None:
     for name, v in counts.items():
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_int(name, v, minimum=1)
 
 
 def _check_ranges(**ranges: Range) -> None:

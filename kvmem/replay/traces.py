@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvmem._checks import check_int, check_number
+
 BLOCK_SIZE = 512  # tokens per Mooncake hash id
 TOKEN_ID_BOUND = 1 << 30  # synthetic token ids lie in [0, TOKEN_ID_BOUND)
 OUTPUT_ID_LOW, OUTPUT_ID_HIGH = 10, 32000  # generated outputs, as the peers' drivers draw them
@@ -96,8 +98,7 @@ def synthetic_output_ids(input_ids: Sequence[int] | np.ndarray, n: int) -> np.nd
     n at admission or one per decode step. Synthetic multi-turn workloads build turn k's prompt from
     turn k-1's prompt + these tokens, so a replay that uses this function caches real follow-up hits.
     """
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    n = check_int("n", n, minimum=0)
     prompt = _as_token_array("input_ids", input_ids).astype(np.int64)
     digest = hashlib.blake2b(prompt.tobytes(), digest_size=8).digest()
     draw = random.Random(int.from_bytes(digest, "little")).randrange
@@ -148,9 +149,7 @@ class TraceRequest:
         ids = _as_token_array("input_ids", self.input_ids)
         if ids.size == 0:
             raise ValueError("input_ids is empty")
-        if isinstance(self.output_len, bool) or not isinstance(self.output_len, (int, np.integer)) \
-                or self.output_len < 1:
-            raise ValueError(f"output_len must be an int >= 1, got {self.output_len!r}")
+        check_int("output_len", self.output_len, minimum=1)
         if not math.isfinite(self.arrival_s) or self.arrival_s < 0:
             raise ValueError(f"arrival_s must be finite and >= 0, got {self.arrival_s!r}")
         object.__setattr__(self, "input_ids", _read_only(ids))
@@ -310,10 +309,9 @@ def read_trace(path: str | os.PathLike, format: str = "auto", *, limit: int | No
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"limit must be a positive int or None, got {limit!r}")
-    if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale > 0):
-        raise ValueError(f"time_scale must be a positive finite number, got {time_scale!r}")
+    if limit is not None:
+        check_int("limit", limit, minimum=1)
+    check_number("time_scale", time_scale, 0, allow_minimum=False)
     if format == "auto":
         format = detect_format(path)
     reader = _MooncakeReader() if format == "mooncake" else _JsonlReader()
@@ -376,9 +374,7 @@ def _reason(e: Exception) -> str:
 
 
 def _int_field(record: dict, key: str, minimum: int) -> int:
-    v = record[key]
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{key} must be an int, got {v!r}")
+    v = check_int(key, record[key])
     if v < minimum:
         raise ValueError(f"{key} must be >= {minimum}, got {v}")
     return v

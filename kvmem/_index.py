@@ -1,0 +1,26 @@
+"""Index arguments (slots, lengths, rows) as host int64 numpy arrays: the form kvmem's host bookkeeping
+works in (see kvmem/allocator.py for why numpy, not torch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def as_index_array(name: str, value) -> np.ndarray:
+    """A 1-D int64 numpy view (no copy when possible) of an integer tensor, array or sequence."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
+        if value.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
+        if value.device.type != "cpu":
+            value = value.cpu()
+        arr = value.numpy()
+    else:
+        arr = np.asarray(value)
+        if arr.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr if arr.dtype == np.int64 else arr.astype(np.int64)

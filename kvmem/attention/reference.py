@@ -1,0 +1,76 @@
+"""Plain torch attention over FlashInfer's paged layout: the CPU oracle for tests and the CPU engine."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvmem.attention.flashinfer import KV_LAYOUTS
+from kvmem.kernels._dispatch import check_length
+
+
+def reference_paged_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    layout: str = "NHD",
+    causal: bool = True,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Plain torch attention (float32 accumulate) reading FlashInfer's paged layout; the CPU test oracle.
+
+    Args:
+        q: [total_q, Hq, D] with total_q = qo_indptr[-1].
+        k_pages: [num_pages, page_size, Hkv, D] (NHD) or [num_pages, Hkv, page_size, D] (HND).
+        v_pages: same layout with head dim Dv.
+        qo_indptr, kv_indptr, kv_indices, kv_last_page_len: as in the module docstring.
+        layout: "NHD" or "HND".
+        causal: query t of a request with qo_len q and kv_len k sees kv positions <= k - q + t.
+        sm_scale: softmax scale, default 1 / sqrt(D).
+
+    Returns:
+        [total_q, Hq, Dv] in q's dtype. Query head h reads KV head h // (Hq // Hkv) (GQA). A request with
+        no KV tokens gets zeros. Loops over requests in Python: an oracle, not a kernel.
+    """
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"layout must be one of {KV_LAYOUTS}, got {layout!r}")
+    if q.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4:
+        raise ValueError(f"q must be 3-D and k_pages, v_pages 4-D, got shapes {tuple(q.shape)}, "
+                         f"{tuple(k_pages.shape)}, {tuple(v_pages.shape)}")
+    if layout == "HND":  # to NHD: [num_pages, page_size, H, D]
+        k_pages, v_pages = k_pages.transpose(1, 2), v_pages.transpose(1, 2)
+    page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
+    total_q, num_qo_heads, head_dim = q.shape
+    if num_qo_heads % num_kv_heads or k_pages.shape[3] != head_dim:
+        raise ValueError(f"q has {num_qo_heads} heads of dim {head_dim}; k_pages must have a divisor of that many "
+                         f"heads of the same dim, got {num_kv_heads} of dim {k_pages.shape[3]}")
+    bs = len(kv_last_page_len)
+    check_length("qo_indptr", qo_indptr, bs + 1, "batch size + 1")
+    check_length("kv_indptr", kv_indptr, bs + 1, "batch size + 1")
+    if int(qo_indptr[-1]) != total_q:
+        raise ValueError(f"qo_indptr[-1] = {int(qo_indptr[-1])} must equal q's {total_q} rows")
+    group = num_qo_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    out = torch.zeros(total_q, num_qo_heads, v_pages.shape[3], dtype=torch.float32, device=q.device)
+    for i in range(bs):
+        q0, q1 = int(qo_indptr[i]), int(qo_indptr[i + 1])
+        pages = kv_indices[int(kv_indptr[i]):int(kv_indptr[i + 1])].long()
+        kv_len = (len(pages) - 1) * page_size + int(kv_last_page_len[i]) if len(pages) else 0
+        qo_len = q1 - q0
+        if kv_len == 0 or qo_len == 0:
+            continue
+        if causal and qo_len > kv_len:
+            raise ValueError(f"request {i}: causal attention needs qo_len <= kv_len, got {qo_len} > {kv_len}")
+        k = k_pages[pages].reshape(-1, num_kv_heads, head_dim)[:kv_len].float().repeat_interleave(group, dim=1)
+        v = v_pages[pages].reshape(-1, num_kv_heads, v_pages.shape[3])[:kv_len].float().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * scale
+        if causal:
+            last_visible = torch.arange(kv_len - qo_len, kv_len, device=q.device)[:, None]
+            scores.masked_fill_(torch.arange(kv_len, device=q.device)[None, :] > last_visible, float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+    return out.to(q.dtype)
