@@ -14,8 +14,17 @@ import torch
 from kvmem._paging import pages_for
 
 from ._dispatch import (
-    check_index_tensor, check_length, check_page_size, check_rows, check_same_device, first_bad, host_values, tl,
-    triton_jit, use_triton)
+    check_index_tensor,
+    check_length,
+    check_page_size,
+    check_rows,
+    check_same_device,
+    first_bad,
+    host_values,
+    tl,
+    triton_jit,
+    use_triton,
+)
 
 # Entries gathered per loop iteration of one program.
 BLOCK = 1024

@@ -11,8 +11,17 @@ import numpy as np
 import torch
 
 from ._dispatch import (
-    check_index_tensor, check_length, check_rows, check_same_device, exclusive_cumsum, first_bad, host_values, tl,
-    triton_jit, use_triton)
+    check_index_tensor,
+    check_length,
+    check_rows,
+    check_same_device,
+    exclusive_cumsum,
+    first_bad,
+    host_values,
+    tl,
+    triton_jit,
+    use_triton,
+)
 
 BLOCK = 1024
 

@@ -238,6 +238,18 @@ class PagedTokenAllocator(_SlotAllocator):
     tree for whole cached pages, a request for its partial last page). `free(slots)` frees the pages that
     `slots` start: every page listed must be listed from its first slot (offset 0) on, as a tree node's
     slots or a request's tail are; a run that starts mid-page raises.
+
+    >>> from kvmem import PagedTokenAllocator
+    >>> alloc = PagedTokenAllocator(size=64, page_size=4)       # pages 1..16; page 0 holds padding slot 0
+    >>> first = alloc.alloc_extend([0], [6], [-1])              # a 6-token prompt: pages 1 and 2
+    >>> first.tolist()
+    [4, 5, 6, 7, 8, 9]
+    >>> alloc.alloc_extend([6], [8], [9]).tolist()              # 2 more tokens fill page 2 (after slot 9)
+    [10, 11]
+    >>> alloc.alloc_decode([9], [11]).tolist()                  # token 8 starts a new page
+    [12]
+    >>> alloc.available_size(), alloc.alloc(64)                 # 13 pages left; None when short
+    (52, None)
     """
 
     def __init__(self, size: int, page_size: int, device: str | torch.device = "cpu") -> None:

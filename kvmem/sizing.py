@@ -5,6 +5,15 @@ Pure Python (no torch), so a scheduler or a command line can size a pool before 
     $ kvmem-sizing llama-3-70b --kv-cache-dtype int8 --gpu-mem-gb 40
     {"model": "llama-3-70b", "kv_cache_dtype": "int8", "bytes_per_token": 168960, ...}
 
+>>> from kvmem import sizing
+>>> llama = sizing.get_model_config("llama-3-70b")
+>>> sizing.bytes_per_token(llama)                        # 80 layers x 8 KV heads x (128 + 128) x 2 bytes
+327680
+>>> sizing.bytes_per_token(llama, "int8", include_scales=False)
+163840
+>>> sizing.tokens_for_budget(llama, gpu_mem_gb=40, page_size=16)   # whole pages, padding page paid
+131056
+
 Storage per token, the same numbers `MHAKVPool` / `MLAKVPool` allocate (their `bytes_per_token`):
 - MHA/GQA: num_layers x num_kv_heads x (head_dim + v_head_dim) x element bytes, where an element is the
   model dtype for "auto", 1 byte for fp8 and int8, half a byte for int4; int8/int4 add one float32 scale

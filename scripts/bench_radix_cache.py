@@ -109,7 +109,7 @@ def run_rows(make_side, quick: bool, with_list_key: bool) -> dict:
 
         rows[f"insert/{length}"] = summary(timed(lambda kv: side.insert(*kv), ins_reps, new_insert))
         progress(f"match/insert {length} tokens: done")
-        del side
+        side = None  # free this length's tree before the next one is built
         gc.collect()
     leaves_list = EVICT_LEAVES[:3] if quick else EVICT_LEAVES
     for leaf_tokens in EVICT_LEAF_TOKENS:

@@ -51,9 +51,8 @@ from array import array
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
-
 import _peer  # scripts/_peer.py: the script's own folder is on sys.path
+import numpy as np
 
 PAGE_SIZES = (1, 16)
 DECODE_BS = 256

@@ -3,9 +3,8 @@ import torch
 import torch.nn.functional as F
 
 from kvmem.allocator import PagedTokenAllocator
+from kvmem.attention import FlashInferAttention, build_decode_metadata, build_extend_metadata, reference_paged_attention
 from kvmem.kernels.req_to_token import write_req_to_token
-from kvmem.attention import (
-    FlashInferAttention, build_decode_metadata, build_extend_metadata, reference_paged_attention)
 
 
 def contiguous_attention(q, k, v, causal=True):

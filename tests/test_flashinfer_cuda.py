@@ -7,8 +7,7 @@ import torch
 
 from kvmem._paging import pages_for
 from kvmem.allocator import PagedTokenAllocator
-from kvmem.attention import (
-    FlashInferAttention, build_decode_metadata, build_extend_metadata, reference_paged_attention)
+from kvmem.attention import FlashInferAttention, build_decode_metadata, build_extend_metadata, reference_paged_attention
 from kvmem.kernels.kv_indices import create_kv_indices, create_kv_indptr
 from kvmem.kernels.req_to_token import write_req_to_token
 

@@ -1,11 +1,11 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmem.kernels._dispatch import use_triton
-from kvmem.kernels.kv_indices import (
-    _create_kv_indices_kernel, create_kv_indices, create_kv_indptr, kv_last_page_len)
+from kvmem.kernels.kv_indices import _create_kv_indices_kernel, create_kv_indices, create_kv_indptr, kv_last_page_len
 
 # On a GPU box the same tests run the kernels on CUDA tensors; on the CPU through the interpreter.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,6 +1,7 @@
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmem.kernels._dispatch import use_triton
 from kvmem.kernels.req_to_token import _write_req_to_token_kernel, write_req_to_token

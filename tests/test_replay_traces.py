@@ -11,8 +11,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmem.replay.synthetic import agentic_tool_loops, multi_turn_chat, shared_system_prompts
-from kvmem.replay.traces import (BLOCK_SIZE, MooncakeTrace, TokenTrace, TraceError, TraceRequest, block_token_ids,
-                                 default_trace_path, detect_format, read_trace, synthetic_output_ids, write_jsonl)
+from kvmem.replay.traces import (
+    BLOCK_SIZE,
+    MooncakeTrace,
+    TokenTrace,
+    TraceError,
+    TraceRequest,
+    block_token_ids,
+    default_trace_path,
+    detect_format,
+    read_trace,
+    synthetic_output_ids,
+    write_jsonl,
+)
 
 PEER_DRIVER = Path(__file__).resolve().parents[2] / "shared" / "peers" / "sglang_driver.py"
 

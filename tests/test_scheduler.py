@@ -264,7 +264,7 @@ def test_step_requires_the_previous_result_first():
         sched.process_batch_result(batch, [])
 
 
-def test_scheduler_config_rejects_bad_values():
+def test_scheduler_config_rejects_an_unknown_policy_and_an_empty_chunk():
     with pytest.raises(ValueError, match="schedule_policy"):
         SchedulerConfig(schedule_policy="random")
     with pytest.raises(ValueError, match="chunked_prefill_size"):

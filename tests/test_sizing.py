@@ -3,8 +3,16 @@ import json
 
 import pytest
 
-from kvmem.sizing import (GIB, MODEL_CONFIGS, MHAConfig, MLAConfig, bytes_per_token, get_model_config, main,
-                          tokens_for_budget)
+from kvmem.sizing import (
+    GIB,
+    MODEL_CONFIGS,
+    MHAConfig,
+    MLAConfig,
+    bytes_per_token,
+    get_model_config,
+    main,
+    tokens_for_budget,
+)
 
 LLAMA_3_70B = MHAConfig(num_layers=80, num_kv_heads=8, head_dim=128)
 
