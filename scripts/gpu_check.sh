@@ -19,7 +19,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . || { echo "cannot 
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+        .whl/*.whl && export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site"
 fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
       torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA')"
