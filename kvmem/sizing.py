@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Union
 
-from kvmem._checks import check_int
+from kvmem._checks import check_int, check_number
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 MODEL_DTYPE_BYTES = MappingProxyType({"float16": 2, "bfloat16": 2, "float32": 4})
@@ -146,11 +146,9 @@ def tokens_for_budget(config: ModelConfig, mem_bytes: int | None = None, *, gpu_
     if (mem_bytes is None) == (gpu_mem_gb is None):
         raise ValueError(f"give exactly one of mem_bytes ({mem_bytes!r}) and gpu_mem_gb ({gpu_mem_gb!r})")
     if mem_bytes is None:
-        if isinstance(gpu_mem_gb, bool) or not isinstance(gpu_mem_gb, (int, float)) or not gpu_mem_gb >= 0:
-            raise ValueError(f"gpu_mem_gb must be a number >= 0, got {gpu_mem_gb!r}")
-        mem_bytes = int(gpu_mem_gb * GIB)
-    elif isinstance(mem_bytes, bool) or not isinstance(mem_bytes, int) or mem_bytes < 0:
-        raise ValueError(f"mem_bytes must be an int >= 0, got {mem_bytes!r}")
+        mem_bytes = int(check_number("gpu_mem_gb", gpu_mem_gb, 0) * GIB)
+    else:
+        mem_bytes = check_int("mem_bytes", mem_bytes, minimum=0)
     check_int("page_size", page_size, minimum=1)
     per_token = bytes_per_token(config, kv_cache_dtype, quant_group)
     pages = mem_bytes // (per_token * page_size)

@@ -40,8 +40,9 @@ import sys
 import time
 from pathlib import Path
 
-import _peer  # scripts/_peer.py: the script's own folder is on sys.path
 import numpy as np
+
+import _peer  # scripts/_peer.py: the script's own folder is on sys.path
 
 POOL_TOKENS = 1 << 20
 PAGE_SIZE = 16
