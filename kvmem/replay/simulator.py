@@ -69,27 +69,27 @@ def replay(requests: Sequence[TraceRequest], config: ReplayConfig, progress: boo
     admitted: set[int] = set()
     bar = _progress_bar(len(order), progress)
     clock = 0.0
-    nxt = 0
+    next_arrival = 0
     cache_s = 0.0
     t_start = time.perf_counter()
     alloc, tree = sched.token_allocator, sched.tree_cache
-    while nxt < len(order) or not sched.is_idle():
+    while next_arrival < len(order) or not sched.is_idle():
         if sched.is_idle() and config.honour_arrivals:
-            clock = max(clock, requests_arrival(requests, order[nxt]))
-        while nxt < len(order) and (not config.honour_arrivals
-                                    or requests_arrival(requests, order[nxt]) <= clock):
-            nxt += 1
-            i = int(order[nxt - 1])
-            tr = requests[i]
+            clock = max(clock, requests_arrival(requests, order[next_arrival]))
+        while next_arrival < len(order) and (not config.honour_arrivals
+                                    or requests_arrival(requests, order[next_arrival]) <= clock):
+            next_arrival += 1
+            i = int(order[next_arrival - 1])
+            trace_req = requests[i]
             try:
-                sched.add_request(Req(i, tr.input_ids.tolist(), tr.output_len))
+                sched.add_request(Req(i, trace_req.input_ids.tolist(), trace_req.output_len))
             except ValueError as e:
                 report.rejected += 1
                 print(f"kvmem-replay: skipped: {e}", file=sys.stderr)
                 if bar is not None:
                     bar.update(1)
                 continue
-            outputs[i] = tr.output_tokens()
+            outputs[i] = trace_req.output_tokens()
         t0 = time.perf_counter()
         batch = sched.step()
         cache_s += time.perf_counter() - t0
