@@ -47,7 +47,8 @@ def use_triton(kernel, device: torch.device, backend: str | None) -> bool:
 
 
 def check_page_size(page_size) -> int:
-    return check_int("page_size", page_size, minimum=1)
+    # Page ids and offsets are int32 in FlashInfer's arrays and in the kernels.
+    return check_int("page_size", page_size, minimum=1, maximum=2**31 - 1)
 
 
 def check_index_tensor(name: str, value, dim: int = 1) -> torch.Tensor:
@@ -58,6 +59,8 @@ def check_index_tensor(name: str, value, dim: int = 1) -> torch.Tensor:
         raise TypeError(f"{name} must have dtype int32 or int64, got {value.dtype}")
     if value.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(value.shape)}")
+    if value.device.type == "meta":
+        raise ValueError(f"{name} is on the 'meta' device, which holds no values")
     # The kernels index 1-D arguments densely (only req_to_token passes its strides).
     if dim == 1 and not value.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got stride {value.stride()}; pass {name}.contiguous()")

@@ -225,33 +225,35 @@ def _check_args(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_start_idx
         raise ValueError(f"kv_indices has {len(kv_indices)} entries, kv_indptr[-1] needs {indptr[-1]}")
 
 
-def check_gather_args(req_to_token, req_pool_indices, kv_lens, kv_start_idx, page_size) -> None:
+def check_gather_args(req_to_token, req_pool_indices, kv_lens, kv_start_idx, page_size, *,
+                      lens_name: str = "kv_lens") -> None:
     """Raises unless gathering each request's kv_lens[i] slots (from column kv_start_idx[i]) out of
     req_to_token is well defined: index tensors on one device, one length per request, rows in range,
     lengths non-negative and within max_context_len, and (page_size > 1) each range starting a page. Values
-    are read on CPU tensors only. The metadata builders check their arguments with it."""
+    are read on CPU tensors only. The metadata builders check their arguments with it, calling the
+    lengths by their own name (`lens_name`)."""
     check_page_size(page_size)
     check_index_tensor("req_to_token", req_to_token, dim=2)
     check_index_tensor("req_pool_indices", req_pool_indices)
-    check_index_tensor("kv_lens", kv_lens)
+    check_index_tensor(lens_name, kv_lens)
     bs = len(req_pool_indices)
-    check_length("kv_lens", kv_lens, bs, "one per request, len(req_pool_indices)")
+    check_length(lens_name, kv_lens, bs, "one per request, len(req_pool_indices)")
     if kv_start_idx is not None:
         check_index_tensor("kv_start_idx", kv_start_idx)
         check_length("kv_start_idx", kv_start_idx, bs, "one per request, len(req_pool_indices)")
     device = req_to_token.device
-    check_same_device(device, req_pool_indices=req_pool_indices, kv_lens=kv_lens, kv_start_idx=kv_start_idx)
+    check_same_device(device, req_pool_indices=req_pool_indices, kv_start_idx=kv_start_idx, **{lens_name: kv_lens})
     if device.type == "cpu":
-        _check_gather_values(req_to_token, req_pool_indices, kv_lens, kv_start_idx, page_size)
+        _check_gather_values(req_to_token, req_pool_indices, kv_lens, kv_start_idx, page_size, lens_name)
 
 
-def _check_gather_values(req_to_token, req_pool_indices, kv_lens, kv_start_idx, page_size):
+def _check_gather_values(req_to_token, req_pool_indices, kv_lens, kv_start_idx, page_size, lens_name):
     num_rows, max_context_len = req_to_token.shape
     rows = check_rows(req_pool_indices, num_rows)
     lens = host_values(kv_lens)
     if (lens < 0).any():
         i = first_bad(lens < 0)
-        raise ValueError(f"kv_lens[{i}] = {lens[i]} is negative")
+        raise ValueError(f"{lens_name}[{i}] = {lens[i]} is negative")
     end = lens
     if kv_start_idx is not None:
         start = host_values(kv_start_idx)

@@ -199,6 +199,12 @@ def _check_values(req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cac
     num_extend = int((seq - prefix).sum())
     if len(out_cache_loc) != num_extend:
         raise ValueError(f"out_cache_loc has {len(out_cache_loc)} slots, sum(seq_lens - prefix_lens) = {num_extend}")
+    bound = np.iinfo(req_to_token.numpy().dtype).max
+    for name, slots in (("out_cache_loc", out_cache_loc), ("prefix_indices", prefix_indices)):
+        values = host_values(slots) if slots is not None and len(slots) else None
+        if values is not None and (values.min() < 0 or values.max() > bound):  # would wrap in the table
+            bad = values.min() if values.min() < 0 else values.max()
+            raise ValueError(f"{name} holds slot {bad}, outside [0, {bound}] of req_to_token's {req_to_token.dtype}")
     if prefix_indptr is not None:
         indptr = host_values(prefix_indptr)
         if indptr[0] < 0 or indptr[-1] > len(prefix_indices):

@@ -8,6 +8,7 @@ Public functions check what a caller hands them, once, where it enters; the inte
 from __future__ import annotations
 
 import numbers
+import os
 
 import numpy as np
 
@@ -43,9 +44,21 @@ def check_number(name: str, value, minimum: float | None = None, *, allow_minimu
     return float(value)
 
 
+def check_host_bytes(what: str, nbytes: int) -> None:
+    """Refuses a request for more host memory than this machine has (its physical RAM), with a one-line
+    ValueError, rather than failing inside numpy or torch with a MemoryError after minutes of work."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): nothing to compare with
+        return
+    if nbytes > total:
+        raise ValueError(f"{what} needs {nbytes / 2**30:,.1f} GiB of host memory; this machine has "
+                         f"{total / 2**30:,.1f} GiB")
+
+
 def _int_kind(minimum: int | None, maximum: int | None) -> str:
     if maximum is not None:
-        return f"an int in [{minimum if minimum is not None else '-inf'}, {maximum}]"
+        return f"{_int_kind(minimum, None)} (at most {maximum})"
     if minimum == 1:
         return "a positive int"
     if minimum == 0:

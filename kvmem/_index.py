@@ -14,10 +14,14 @@ def as_index_array(name: str, value) -> np.ndarray:
             raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
         if value.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
+        if value.device.type == "meta":
+            raise ValueError(f"{name} is on the 'meta' device, which holds no values")
         if value.device.type != "cpu":
             value = value.cpu()
         arr = value.numpy()
     else:
+        if isinstance(value, (bytes, bytearray, str)):
+            raise TypeError(f"{name} must hold integers, got {type(value).__name__}")
         arr = np.asarray(value)
         if arr.ndim != 1:
             raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")

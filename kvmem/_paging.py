@@ -7,8 +7,9 @@ from __future__ import annotations
 
 
 def pages_for(num_tokens, page_size: int):
-    """Pages that `num_tokens` tokens occupy: ceil(num_tokens / page_size)."""
-    return (num_tokens + page_size - 1) // page_size
+    """Pages that `num_tokens` tokens occupy: ceil(num_tokens / page_size), written with floor division of
+    the negation so that it cannot overflow near the top of int64."""
+    return -(-num_tokens // page_size)
 
 
 def round_up(num_tokens, page_size: int):

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvmem._checks import check_int
+from kvmem._checks import check_host_bytes, check_int
+from kvmem._device import check_device
 from kvmem._index import as_index_array
 from kvmem._paging import num_new_pages
 
@@ -57,6 +58,8 @@ class _PageStack:
     def pop(self, n: int) -> np.ndarray | None:
         if n > self._tail - self._head:
             return None
+        if n < 0:  # a caller's arithmetic went wrong: popping "back" would invent free pages
+            raise ValueError(f"cannot take {n} pages")
         pages = self._buf[self._head:self._head + n].copy()
         self._head += n
         return pages
@@ -77,15 +80,20 @@ class _PageStack:
         # count_nonzero rather than min/max/all: each of those reductions costs about 1 us on a short array.
         if np.count_nonzero(self._allocated.take(pages, mode="clip")) != n:
             self._raise_not_freeable(name, pages)
-        if n > 1:
-            if n > self.num_pages:  # more distinct allocated pages than exist
-                raise ValueError(f"{name} holds a page more than once ({n} entries, {self.num_pages} pages)")
-            # Duplicate check without sorting: where a page repeats, the last write wins, so an earlier
-            # position reads back another position's number.
-            order = self._arange[:n]
-            self._mark[pages] = order
-            if np.count_nonzero(self._mark[pages] != order):
-                raise ValueError(f"{name} holds a page more than once")
+        if self.has_repeats(pages):
+            raise ValueError(f"{name} holds a page more than once")
+
+    def has_repeats(self, pages: np.ndarray) -> bool:
+        """Whether `pages` (each in 0..num_pages) lists a page twice, without sorting: in a scratch array the
+        last write wins, so where a page repeats an earlier position reads back another position's number."""
+        n = len(pages)
+        if n < 2:
+            return False
+        if n > self.num_pages + 1:
+            return True
+        order = self._arange[:n]
+        self._mark[pages] = order
+        return bool(np.count_nonzero(self._mark[pages] != order))
 
     def _raise_not_freeable(self, name: str, pages: np.ndarray) -> None:
         low, high = pages.min(), pages.max()
@@ -142,9 +150,11 @@ class _SlotAllocator:
         page_size = check_int("page_size", page_size, minimum=1)
         if size % page_size:
             raise ValueError(f"size {size} must be a multiple of page_size {page_size}")
+        self.device = check_device(device)
+        # The host bookkeeping per page: the free ring (2 x 8 bytes), the flag, the scratch and arange arrays.
+        check_host_bytes(f"an allocator of size {size}", (size // page_size + 2) * 33)
         self.size = size
         self.page_size = page_size
-        self.device = torch.device(device)
         self._on_cpu = self.device.type == "cpu"  # cached: reading torch.device.type costs 0.2 us per alloc
         self._pages = _PageStack(size // page_size)
         self._group: list[np.ndarray] | None = None
@@ -188,6 +198,12 @@ class _SlotAllocator:
             group, self._group = self._group, None
             if group:
                 self._pages.push(np.concatenate(group) if len(group) > 1 else group[0])
+
+    def has_repeated_pages(self, slots: np.ndarray) -> bool:
+        """Whether host slots [n] int64 (each in range) touch some page twice; for page_size > 1 the slots
+        are taken to be whole pages, each listed from its first slot (as the radix tree checks)."""
+        pages = slots if self.page_size == 1 else slots[::self.page_size] // self.page_size
+        return self._pages.has_repeats(pages)
 
     def is_allocated(self, slots: torch.Tensor) -> torch.Tensor:
         """[n] bool: True where the slot is currently handed out (out-of-range and slot 0 are False)."""
@@ -273,6 +289,8 @@ class PagedTokenAllocator(_SlotAllocator):
         prefix_lens[i]-1), then takes whole new pages. None (nothing changed) when the pages are short.
         """
         prefix, seq, last = self._check_extend_args(prefix_lens, seq_lens, last_loc)
+        if np.count_nonzero(seq - prefix > self.size):  # more than the pool holds: short, and never summed
+            return None
         return self._alloc_extend(prefix, seq, last)
 
     def alloc_decode(self, seq_lens, last_loc) -> torch.Tensor | None:
@@ -349,11 +367,17 @@ class PagedTokenAllocator(_SlotAllocator):
             raise ValueError(
                 f"request {i}: last_loc {last[i]} is not the slot of token {prefix[i] - 1} "
                 f"(offset {last[i] % ps} in its page, expected {(prefix[i] - 1) % ps})")
-        held = self._pages.is_allocated(last[partial] // ps)
+        pages = last[partial] // ps
+        held = self._pages.is_allocated(pages)
         if np.count_nonzero(held) != len(held):
             i = int(np.flatnonzero(partial)[~held][0])
             raise ValueError(f"request {i}: last_loc {last[i]} is not the slot of token {prefix[i] - 1} in an "
                              f"allocated page: slot {last[i]} is not in an allocated page")
+        # A partial page belongs to one request: two requests continuing it would both get its next slots.
+        if self._pages.has_repeats(pages):
+            values, counts = np.unique(pages, return_counts=True)
+            raise ValueError(f"last_loc continues page {values[counts > 1][0]} for more than one request; a "
+                             "partial page belongs to one request")
 
 
 def _paged_slots(prefix: np.ndarray, seq: np.ndarray, last: np.ndarray, pages: np.ndarray, ps: int) -> np.ndarray:

@@ -62,7 +62,7 @@ class Req:
         self.rid = rid
         self.input_ids: array = ids
         self.max_new_tokens = check_int(f"request {rid!r}: max_new_tokens", max_new_tokens, minimum=1)
-        self.priority = priority
+        self.priority = check_int(f"request {rid!r}: priority", priority, minimum=-2**63, maximum=2**63 - 1)
         self.status = ReqStatus.NEW
         self.output_ids: list[int] = []
         self.req_pool_idx: int | None = None
@@ -109,21 +109,49 @@ class Req:
 def _as_token_array(rid, input_ids) -> array:
     """Prompt ids as a C int64 array: the radix cache reads its bytes without converting, and it takes
     about a quarter of the memory of a list of Python ints."""
-    if isinstance(input_ids, (torch.Tensor, np.ndarray)):
-        arr = input_ids.numpy() if isinstance(input_ids, torch.Tensor) else input_ids
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise TypeError(f"request {rid!r}: input_ids must hold ints, got dtype {input_ids.dtype}")
+        if input_ids.device.type == "meta":
+            raise ValueError(f"request {rid!r}: input_ids is on the 'meta' device, which holds no values")
+        input_ids = input_ids.cpu().numpy()
+    if isinstance(input_ids, np.ndarray):
+        if input_ids.ndim != 1 or (input_ids.size and input_ids.dtype.kind not in "iu"):
             raise TypeError(f"request {rid!r}: input_ids must be a 1-D sequence of ints, got "
-                            f"{arr.dtype} of shape {arr.shape}")
+                            f"{input_ids.dtype} of shape {input_ids.shape}")
+        if input_ids.dtype == np.uint64 and input_ids.size and input_ids.max() >= 2**63:
+            raise ValueError(f"request {rid!r}: input_ids holds a token id outside int64")
         ids = array("q")
-        ids.frombytes(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
+        ids.frombytes(np.ascontiguousarray(input_ids, dtype=np.int64).tobytes())
+    elif isinstance(input_ids, (bytes, bytearray, str)):
+        # array("q", b"...") would read raw bytes as machine integers.
+        raise TypeError(f"request {rid!r}: input_ids must hold ints, got {type(input_ids).__name__}")
     else:
         try:
             ids = array("q", input_ids)
         except TypeError:
             raise TypeError(f"request {rid!r}: input_ids must hold ints, got {type(input_ids).__name__}") from None
+        except OverflowError:
+            raise ValueError(f"request {rid!r}: input_ids holds a token id outside int64") from None
     if not ids:
         raise ValueError(f"request {rid!r}: input_ids is empty")
     return ids
+
+
+def check_parts(req_to_token_pool, token_allocator, tree_cache) -> None:
+    """Raises unless the three parts are of their kinds and belong together: the tree must cache into this
+    pool's rows and this allocator's slots, or every step would fail or miscount."""
+    if not isinstance(req_to_token_pool, ReqToTokenPool):
+        raise TypeError(f"req_to_token_pool must be a ReqToTokenPool, got {type(req_to_token_pool).__name__}")
+    if not isinstance(token_allocator, (TokenAllocator, PagedTokenAllocator)):
+        raise TypeError(f"token_allocator must be a TokenAllocator or PagedTokenAllocator, got "
+                        f"{type(token_allocator).__name__}")
+    if not isinstance(tree_cache, RadixCache):
+        raise TypeError(f"tree_cache must be a RadixCache, got {type(tree_cache).__name__}")
+    if tree_cache.req_to_token_pool is not req_to_token_pool:
+        raise ValueError("tree_cache was built over another req_to_token_pool than the one given")
+    if tree_cache.token_allocator is not token_allocator:
+        raise ValueError("tree_cache was built over another token_allocator than the one given")
 
 
 class ScheduleBatch:
@@ -136,6 +164,7 @@ class ScheduleBatch:
 
     def __init__(self, reqs: list[Req], req_to_token_pool: ReqToTokenPool,
                  token_allocator: TokenAllocator | PagedTokenAllocator, tree_cache: RadixCache) -> None:
+        check_parts(req_to_token_pool, token_allocator, tree_cache)
         self.reqs = reqs
         self.req_to_token_pool = req_to_token_pool
         self.token_allocator = token_allocator
@@ -155,18 +184,15 @@ class ScheduleBatch:
 
         New requests (no row yet) get a row and their matched prefix written into it; chunked requests
         continue in the row they have. Returns False, with nothing changed, if rows or slots are short
-        even after evicting the shortfall from the tree.
+        even after evicting the shortfall from the tree. Raises, changing nothing, on an empty batch, a
+        request twice, or a request with nothing to extend or past max_context_len.
         """
         reqs = self.reqs
         if not reqs:
             raise ValueError("the batch is empty: nothing to extend")
-        is_new = [r.status is not ReqStatus.RUNNING for r in reqs]
-        new = list(compress(reqs, is_new))
-        # Everything that can raise is checked here, before any request, row or slot changes; the allocator,
-        # the req_to_token writer and the metadata builders below trust what this step hands them.
-        prefix = np.fromiter((r.prefix_indices.numel() if n else r.kv_len for r, n in zip(reqs, is_new)),
-                             dtype=np.int64, count=len(reqs))
-        seq = np.fromiter((r.extend_end for r in reqs), dtype=np.int64, count=len(reqs))
+        if len(set(map(id, reqs))) != len(reqs):
+            raise ValueError("the batch holds a request more than once")
+        is_new, prefix, seq = self._extend_lens()
         if (seq <= prefix).any():
             i = int(np.flatnonzero(seq <= prefix)[0])
             raise ValueError(f"request {reqs[i].rid!r}: nothing to extend (kv_len {prefix[i]}, extend_end {seq[i]})")
@@ -174,8 +200,22 @@ class ScheduleBatch:
         if (seq > max_len).any():
             i = int(np.flatnonzero(seq > max_len)[0])
             raise ValueError(f"request {reqs[i].rid!r}: extend_end {seq[i]} exceeds max_context_len {max_len}")
-        if len(set(map(id, reqs))) != len(reqs):
-            raise ValueError("the batch holds a request more than once")
+        return self._prepare_for_extend(is_new, prefix, seq)
+
+    def _extend_lens(self) -> tuple[list[bool], np.ndarray, np.ndarray]:
+        """Which requests are new (no row yet), and each request's tokens before and after this step."""
+        reqs = self.reqs
+        is_new = [r.status is not ReqStatus.RUNNING for r in reqs]
+        prefix = np.fromiter((r.prefix_indices.numel() if n else r.kv_len for r, n in zip(reqs, is_new)),
+                             dtype=np.int64, count=len(reqs))
+        seq = np.fromiter((r.extend_end for r in reqs), dtype=np.int64, count=len(reqs))
+        return is_new, prefix, seq
+
+    def _prepare_for_extend(self, is_new: list[bool], prefix: np.ndarray, seq: np.ndarray) -> bool:
+        """prepare_for_extend's body, for a batch known to be valid (the Scheduler's: see add_request). The
+        allocator, the req_to_token writer and the metadata builders below trust what it hands them."""
+        reqs = self.reqs
+        new = list(compress(reqs, is_new))
         self.forward_mode = ForwardMode.EXTEND
         rows = self.req_to_token_pool.alloc(len(new)) if new else []
         if rows is None:
@@ -201,13 +241,23 @@ class ScheduleBatch:
         """One slot per running request for the token at position kv_len (its last sampled token).
 
         When slots are short it evicts the shortfall from the tree, then retracts requests (see
-        `retract_decode`) until the rest fit; retracted requests are in `self.retracted`.
+        `retract_decode`) until the rest fit; retracted requests are in `self.retracted`. Raises, changing
+        nothing, for a request that is not running (never extended) or already holds max_context_len tokens.
         """
+        for r in self.reqs:
+            if r.status is not ReqStatus.RUNNING:
+                raise ValueError(f"request {r.rid!r} is not running ({r.status.value}): extend it before decoding")
         prefix = self._kv_lens()
         max_len = self.req_to_token_pool.max_context_len
         if len(prefix) and prefix.max() >= max_len:
             i = int(np.argmax(prefix))
             raise ValueError(f"request {self.reqs[i].rid!r} holds max_context_len {max_len} tokens: no room to decode")
+        self._prepare_for_decode(prefix)
+
+    def _prepare_for_decode(self, prefix: np.ndarray | None = None) -> None:
+        """prepare_for_decode's body, for running requests with room left (the Scheduler's)."""
+        if prefix is None:
+            prefix = self._kv_lens()
         self.forward_mode = ForwardMode.DECODE
         need = self._decode_need(prefix)
         if need > self.token_allocator.available_size() + self.tree_cache.evictable_size():

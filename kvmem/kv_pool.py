@@ -16,7 +16,9 @@ Storage (`kv_cache_dtype`; `dtype` is always the model dtype, the dtype of what 
   The last dim splits into groups of `quant_group` elements (default: the whole head), each with
   scale = absmax / 127 (int8) or / 7 (int4) and q = round(x / scale), so |q x scale - x| <= scale / 2;
   the getters then round q x scale to the model dtype, which adds that dtype's rounding (up to half an
-  ulp of the value: at bfloat16, |dequant - x| reached 1.87 x scale / 2 for int8).
+  ulp of the value: at bfloat16, |dequant - x| reached 1.87 x scale / 2 for int8). Non-finite values
+  saturate as in the fp8 stores, without spoiling their group: +-inf read back as the group's largest
+  magnitude, NaN as 0 (see `quantize_symmetric`).
   int4 packs two values per uint8, element 2i in the low nibble and 2i+1 in the high one, two's
   complement so that zero bytes decode to 0. Scales are float32, one per (slot, head, group) in
   `k_scale_buffer[l]` / `v_scale_buffer[l]`: a bfloat16 scale would carry up to 2^-9 relative error
@@ -34,7 +36,8 @@ from __future__ import annotations
 import torch
 
 from kvmem import sizing
-from kvmem._checks import check_int
+from kvmem._checks import check_host_bytes, check_int
+from kvmem._device import check_device
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -45,12 +48,23 @@ _MIN_SCALE = torch.finfo(torch.float32).tiny
 
 
 def quantize_symmetric(x: torch.Tensor, qmax: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] float -> (q [..., D] int8 in [-qmax, qmax], scale [..., D // group] float32)."""
+    """x [..., D] float -> (q [..., D] int8 in [-qmax, qmax], scale [..., D // group] float32).
+
+    Non-finite inputs saturate, as the fp8 stores do, without spoiling their group: the scale comes from the
+    group's finite values, +-inf become +-qmax (the group's largest magnitude) and NaN becomes 0, the one value
+    integer codes cannot hold. A group with no finite nonzero value takes the scale that reads +-qmax back
+    as the model dtype's largest finite value.
+    """
     xg = x.float().unflatten(-1, (-1, group))
+    absmax = torch.where(torch.isfinite(xg), xg.abs(), 0.0).amax(-1, keepdim=True)
     # CUDA divides by a scalar as a multiply by its reciprocal and the CPU divides exactly; multiplying
     # on both makes the scales, and so the codes, bit-identical across devices.
-    scale = (xg.abs().amax(-1, keepdim=True) * (1.0 / qmax)).clamp_min_(_MIN_SCALE)
-    q = torch.round(xg / scale).clamp_(-qmax, qmax).to(torch.int8)
+    scale = (absmax * (1.0 / qmax)).clamp_min_(_MIN_SCALE)
+    # A hair under max / qmax, so that qmax x scale cannot round past the dtype's largest finite value.
+    saturated = torch.finfo(x.dtype).max / qmax * (1 - 2**-20)
+    scale = torch.where(absmax > 0, scale, saturated)
+    q = torch.nan_to_num(xg / scale, nan=0.0, posinf=qmax, neginf=-qmax)
+    q = torch.round(q).clamp_(-qmax, qmax).to(torch.int8)
     return q.flatten(-2), scale.squeeze(-1)
 
 
@@ -92,7 +106,7 @@ class _KVPool:
         self.kv_cache_dtype = kv_cache_dtype
         self.num_pages = size // page_size + 1
         self.num_slots = self.num_pages * page_size
-        self.device = torch.empty(0, device=device).device  # resolves "cuda" to "cuda:0" for comparisons
+        self.device = torch.empty(0, device=check_device(device)).device  # "cuda" -> "cuda:0", for comparisons
         self._fp8 = _FP8_DTYPES.get(kv_cache_dtype)
         if self._fp8 is not None:
             self.store_dtype = torch.uint8
@@ -102,6 +116,10 @@ class _KVPool:
             self.store_dtype = torch.uint8
         else:
             self.store_dtype = dtype
+
+    def _check_host_memory(self) -> None:
+        if self.device.type == "cpu":
+            check_host_bytes(f"a KV pool of {self.size} tokens", self.num_slots * self.bytes_per_token)
 
     def mem_usage_bytes(self) -> int:
         """Bytes held by all buffers of all layers, scales included."""
@@ -183,6 +201,7 @@ class MHAKVPool(_KVPool):
         self.layout = layout
         self.quant_group = quant_group
         self.bytes_per_token = sizing.bytes_per_token(self._sizing_config(), kv_cache_dtype, quant_group)
+        self._check_host_memory()
         k_groups, v_groups = sizing.quant_groups(kv_cache_dtype, head_dim, self.v_head_dim, quant_group)
         self._k_group = head_dim // k_groups if k_groups else 0
         self._v_group = self.v_head_dim // v_groups if v_groups else 0
@@ -314,6 +333,7 @@ class MLAKVPool(_KVPool):
         self.kv_dim = kv_lora_rank + qk_rope_head_dim
         config = sizing.MLAConfig(layer_num, kv_lora_rank, qk_rope_head_dim, dtype=str(dtype).removeprefix("torch."))
         self.bytes_per_token = sizing.bytes_per_token(config, kv_cache_dtype)
+        self._check_host_memory()
         self.kv_buffer = [torch.zeros((self.num_slots, 1, self.kv_dim), dtype=self.store_dtype, device=self.device)
                           for _ in range(layer_num)]
 

@@ -93,6 +93,11 @@ class RadixCache(RadixTree):
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_allocator: TokenAllocator | PagedTokenAllocator,
                  page_size: int = 1, eviction_policy: str | EvictionKey = "lru") -> None:
+        if not isinstance(req_to_token_pool, ReqToTokenPool):
+            raise TypeError(f"req_to_token_pool must be a ReqToTokenPool, got {type(req_to_token_pool).__name__}")
+        if not isinstance(token_allocator, (TokenAllocator, PagedTokenAllocator)):
+            raise TypeError(f"token_allocator must be a TokenAllocator or PagedTokenAllocator, got "
+                            f"{type(token_allocator).__name__}")
         super().__init__(page_size, eviction_policy)
         if token_allocator.page_size != page_size:
             raise ValueError(f"page_size {page_size} != token_allocator.page_size {token_allocator.page_size}")
@@ -203,6 +208,11 @@ class RadixCache(RadixTree):
             if (pages[:, 0] % ps).any() or (pages != pages[:, :1] + np.arange(ps)).any():
                 raise ValueError(f"value must hold whole pages (page_size {ps}, each page's slots in order "
                                  f"from its first), got {s[:2 * ps].tolist()}...")
+        # A slot twice in one value would be freed twice by eviction; the allocator's scratch array finds a
+        # repeat in two vector passes, with no sort.
+        if self.token_allocator.has_repeated_pages(s):
+            values, counts = np.unique(s, return_counts=True)
+            raise ValueError(f"value holds slot {values[counts > 1][0]} more than once")
 
     # ---- eviction -----------------------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:

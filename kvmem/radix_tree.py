@@ -207,10 +207,11 @@ class RadixTree:
 
     # ---- locks --------------------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> None:
-        """Protects the prefix root..node from eviction (one more request uses it). The root is a no-op."""
-        root = self.root_node
-        if node.parent is None and node is not root:
-            raise ValueError(f"node {node.id} is no longer in the tree (evicted, or from before reset())")
+        """Protects the prefix root..node from eviction (one more request uses it). The root is a no-op.
+
+        Raises, changing nothing, if `node` is not a node of this tree (evicted, from before reset(), or
+        another tree's)."""
+        root = self._check_node(node)
         while node is not root:
             if node.lock_ref == 0:
                 n = len(node.value)
@@ -224,13 +225,11 @@ class RadixTree:
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Releases one `inc_lock_ref(node)`; nodes nobody uses become evictable. The root is a no-op.
 
-        Raises ValueError, changing nothing, if `node` is not locked or no longer in the tree.
+        Raises ValueError, changing nothing, if `node` is not locked or not a node of this tree.
         """
-        root = self.root_node
+        root = self._check_node(node)
         if node is root:
             return
-        if node.parent is None:
-            raise ValueError(f"node {node.id} is no longer in the tree (evicted, or from before reset())")
         if node.lock_ref <= 0:
             raise ValueError(f"dec_lock_ref on node {node.id}, which is not locked (lock_ref {node.lock_ref})")
         while node is not root:
@@ -242,6 +241,21 @@ class RadixTree:
                 if not node.children:
                     self._add_evictable(node)
             node = node.parent
+
+    def _check_node(self, node: TreeNode) -> TreeNode:
+        """Returns this tree's root if `node` hangs from it; raises otherwise. A walk up the path (a lock
+        walks it anyway), so a node of another tree is refused before either tree changes."""
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"node must be a TreeNode, got {type(node).__name__}")
+        root = self.root_node
+        walker = node
+        while walker.parent is not None:
+            walker = walker.parent
+        if walker is node and node is not root:
+            raise ValueError(f"node {node.id} is no longer in the tree (evicted, or from before reset())")
+        if walker is not root:
+            raise ValueError(f"node {node.id} is not in this tree: it belongs to another tree")
+        return root
 
     # ---- the evictable set --------------------------------------------------------------------------
     def _add_evictable(self, node: TreeNode) -> None:
@@ -339,6 +353,8 @@ class RadixTree:
 def key_bytes(name: str, key) -> memoryview:
     """A byte view of `key` as native int64 token ids: zero-copy for an `array("q")` or a memoryview of one,
     one C-speed conversion for a list or tuple, a cast for an integer tensor or numpy array."""
+    if isinstance(key, (bytes, bytearray, str)):
+        raise TypeError(f"{name} must be a sequence of int token ids, got {type(key).__name__}")
     if isinstance(key, array) and key.typecode == "q":
         buf = key
     elif isinstance(key, memoryview) and key.format == "q" and key.ndim == 1:

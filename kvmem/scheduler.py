@@ -20,10 +20,10 @@ from time import perf_counter
 import numpy as np
 import torch
 
-from kvmem._checks import check_int
+from kvmem._checks import check_int, check_number
 from kvmem._paging import round_up
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
-from kvmem.batch import ForwardMode, Req, ReqStatus, ScheduleBatch
+from kvmem.batch import ForwardMode, Req, ReqStatus, ScheduleBatch, check_parts
 from kvmem.radix_cache import RadixCache
 from kvmem.req_to_token import ReqToTokenPool
 from kvmem.timing import PhaseTimer
@@ -59,6 +59,8 @@ class SchedulerConfig:
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), minimum=1)
         check_int("lpm_window", self.lpm_window, minimum=1)
+        for name in ("init_new_token_ratio", "min_new_token_ratio", "new_token_ratio_decay"):
+            check_number(name, getattr(self, name), 0)
         if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
             raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got "
                              f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
@@ -102,9 +104,11 @@ class Scheduler:
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_allocator: TokenAllocator | PagedTokenAllocator,
                  tree_cache: RadixCache, config: SchedulerConfig = SchedulerConfig(), *,
                  timer: PhaseTimer | None = None) -> None:
-        if tree_cache.page_size != token_allocator.page_size:
-            raise ValueError(f"tree_cache.page_size {tree_cache.page_size} != token_allocator.page_size "
-                             f"{token_allocator.page_size}")
+        check_parts(req_to_token_pool, token_allocator, tree_cache)
+        if not isinstance(config, SchedulerConfig):
+            raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+        if timer is not None and not isinstance(timer, PhaseTimer):
+            raise TypeError(f"timer must be a PhaseTimer or None, got {type(timer).__name__}")
         self.req_to_token_pool = req_to_token_pool
         self.token_allocator = token_allocator
         self.tree_cache = tree_cache
@@ -122,6 +126,8 @@ class Scheduler:
     # ---- intake -------------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
         """Queues a request, or raises ValueError (nothing queued) if it can never run here."""
+        if not isinstance(req, Req):
+            raise TypeError(f"req must be a Req, got {type(req).__name__}")
         total = len(req.input_ids) + req.max_new_tokens
         if total > self.req_to_token_pool.max_context_len:
             self.stats.rejected += 1
@@ -151,7 +157,7 @@ class Scheduler:
         if batch is None and self.running:
             t0 = perf_counter()
             batch = ScheduleBatch(self.running, self.req_to_token_pool, self.token_allocator, self.tree_cache)
-            batch.prepare_for_decode()
+            batch._prepare_for_decode()  # running requests, which add_request checked fit max_context_len
             if self.timer is not None:
                 self.timer.add("prepare_decode", perf_counter() - t0)
             self.stats.decode_batches += 1
@@ -172,6 +178,8 @@ class Scheduler:
 
         next_token_ids: [bs] token ids, a list of ints or a 1-D integer tensor/array (read once on the host).
         """
+        if self._batch is None:
+            raise RuntimeError("process_batch_result: no batch is pending (call step() first)")
         if batch is not self._batch:
             raise ValueError("batch is not the one the last step() returned")
         t0 = perf_counter()
@@ -248,7 +256,7 @@ class Scheduler:
         if not reqs:
             return None
         batch = ScheduleBatch(reqs, self.req_to_token_pool, self.token_allocator, self.tree_cache)
-        ok = batch.prepare_for_extend()
+        ok = batch._prepare_for_extend(*batch._extend_lens())  # admission built a valid batch
         if self.timer is not None:
             self.timer.add("prepare_extend", perf_counter() - t1)
         self.stats.evicted_tokens += batch.evicted_tokens  # a failed attempt may still have evicted
@@ -334,6 +342,8 @@ def _token_ids(next_token_ids) -> array:
     """The sampled tokens as an int64 array, converted in one C-level pass. Read token by token, a tensor
     costs a 0-d tensor and an int() per token: 256 tokens took 242 us that way against 5 us with one
     tolist() (a list of ints: 11 us against 3 us). Raises TypeError for non-integer tokens."""
+    if isinstance(next_token_ids, torch.Tensor) and next_token_ids.device.type == "meta":
+        raise ValueError("next_token_ids is on the 'meta' device, which holds no values")
     if isinstance(next_token_ids, (torch.Tensor, np.ndarray)):
         if next_token_ids.ndim != 1:
             raise ValueError(f"next_token_ids must be 1-D, got shape {tuple(next_token_ids.shape)}")
@@ -342,6 +352,8 @@ def _token_ids(next_token_ids) -> array:
         return array("q", next_token_ids)
     except TypeError as e:
         raise TypeError(f"next_token_ids must hold int token ids ({e})") from None
+    except OverflowError:
+        raise ValueError("next_token_ids holds a token id outside int64") from None
 
 
 def _match_key(req: Req) -> memoryview:

@@ -146,7 +146,10 @@ def tokens_for_budget(config: ModelConfig, mem_bytes: int | None = None, *, gpu_
     if (mem_bytes is None) == (gpu_mem_gb is None):
         raise ValueError(f"give exactly one of mem_bytes ({mem_bytes!r}) and gpu_mem_gb ({gpu_mem_gb!r})")
     if mem_bytes is None:
-        mem_bytes = int(check_number("gpu_mem_gb", gpu_mem_gb, 0) * GIB)
+        mem_gb = check_number("gpu_mem_gb", gpu_mem_gb, 0)
+        if mem_gb * GIB >= 2**63:
+            raise ValueError(f"gpu_mem_gb {gpu_mem_gb!r} is beyond any memory (8 EiB and more)")
+        mem_bytes = int(mem_gb * GIB)
     else:
         mem_bytes = check_int("mem_bytes", mem_bytes, minimum=0)
     check_int("page_size", page_size, minimum=1)

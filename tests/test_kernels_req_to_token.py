@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmem.kernels._dispatch import use_triton
-from kvmem.kernels.req_to_token import _write_req_to_token_kernel, write_req_to_token
+from kvmem.kernels.req_to_token import _write_req_to_token, _write_req_to_token_kernel, write_req_to_token
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TRITON_RUNS = use_triton(_write_req_to_token_kernel, DEVICE, None)
@@ -81,11 +81,23 @@ def test_int64_table_and_int32_inputs_are_accepted(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_int64_slots_wrap_into_an_int32_table_like_the_kernel(backend):
+def test_unchecked_int64_slots_wrap_into_an_int32_table_alike_on_both_backends(backend):
+    # The unchecked body (what the CUDA path amounts to, where values are not read back): the kernel and
+    # its fallback narrow alike.
     table = torch.zeros(2, 6, dtype=torch.int32, device=DEVICE)
-    got = write(table, [1], [1], [3], [(1 << 33) + 5, -(1 << 35) - 3], prefix_indices=[(1 << 32) + 1],
-                prefix_indptr=[0, 1], backend=backend)
-    assert got[1].tolist() == [1, 5, -3, 0, 0, 0]
+    _write_req_to_token(table, t([1]), t([1]), t([3]), t([(1 << 33) + 5, -(1 << 35) - 3]), t([(1 << 32) + 1]),
+                        t([0, 1]), backend=backend)
+    assert table[1].tolist() == [1, 5, -3, 0, 0, 0]
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="values are checked on host tensors only")
+@pytest.mark.parametrize("slots, prefix", [([(1 << 33) + 5, 1], None), ([1, 2], [(1 << 32) + 1]), ([-3, 1], None)])
+def test_slots_that_would_wrap_in_the_table_are_refused(slots, prefix):
+    table = torch.zeros(2, 6, dtype=torch.int32)
+    with_prefix = () if prefix is None else (t(prefix), t([0, 1]))
+    with pytest.raises(ValueError, match="out_cache_loc|prefix_indices"):
+        write_req_to_token(table, t([1]), t([1]), t([3]), t(slots), *with_prefix)
+    assert table.count_nonzero() == 0
 
 
 @pytest.mark.skipif(not TRITON_RUNS, reason="no Triton here")

@@ -33,7 +33,7 @@ def build_decode_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.Te
     Args: req_to_token [num_rows, max_context_len] int32; req_pool_indices, seq_lens [bs] int32/int64.
     qo_indptr is arange(bs + 1). Sizing kv_indices reads kv_indptr[-1], one host sync on CUDA.
     """
-    check_gather_args(req_to_token, req_pool_indices, seq_lens, None, page_size)
+    check_gather_args(req_to_token, req_pool_indices, seq_lens, None, page_size, lens_name="seq_lens")
     return decode_metadata(req_to_token, req_pool_indices, seq_lens, page_size)
 
 
@@ -45,7 +45,7 @@ def build_extend_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.Te
     (see `kvmem.kernels.write_req_to_token`). Causal masking aligns each request's queries with the last
     tokens of its KV, as FlashInfer does.
     """
-    check_gather_args(req_to_token, req_pool_indices, seq_lens, None, page_size)
+    check_gather_args(req_to_token, req_pool_indices, seq_lens, None, page_size, lens_name="seq_lens")
     check_index_tensor("prefix_lens", prefix_lens)
     check_length("prefix_lens", prefix_lens, len(seq_lens), "one per request, len(seq_lens)")
     if seq_lens.device.type == "cpu":

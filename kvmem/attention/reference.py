@@ -7,7 +7,7 @@ import math
 import torch
 
 from kvmem.attention.flashinfer import KV_LAYOUTS
-from kvmem.kernels._dispatch import check_length
+from kvmem.kernels._dispatch import check_index_tensor, check_length, host_values
 
 
 def reference_paged_attention(
@@ -37,8 +37,7 @@ def reference_paged_attention(
         [total_q, Hq, Dv] in q's dtype. Query head h reads KV head h // (Hq // Hkv) (GQA). A request with
         no KV tokens gets zeros. Loops over requests in Python: an oracle, not a kernel.
     """
-    if layout not in KV_LAYOUTS:
-        raise ValueError(f"layout must be one of {KV_LAYOUTS}, got {layout!r}")
+    _check_args(q, k_pages, v_pages, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout)
     if q.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4:
         raise ValueError(f"q must be 3-D and k_pages, v_pages 4-D, got shapes {tuple(q.shape)}, "
                          f"{tuple(k_pages.shape)}, {tuple(v_pages.shape)}")
@@ -74,3 +73,29 @@ def reference_paged_attention(
             scores.masked_fill_(torch.arange(kv_len, device=q.device)[None, :] > last_visible, float("-inf"))
         out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
     return out.to(q.dtype)
+
+
+def _check_args(q, k_pages, v_pages, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout) -> None:
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"layout must be one of {KV_LAYOUTS}, got {layout!r}")
+    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got "
+                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.device.type == "meta":
+            raise ValueError(f"{name} is on the 'meta' device, which holds no values")
+    for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
+                    ("kv_last_page_len", kv_last_page_len)):
+        check_index_tensor(name, t)
+    # An oracle reads every index on the host anyway: check that each one addresses what it should.
+    qo, kv, pages = host_values(qo_indptr.cpu()), host_values(kv_indptr.cpu()), host_values(kv_indices.cpu())
+    for name, indptr, end in (("qo_indptr", qo, None), ("kv_indptr", kv, len(pages))):
+        past_end = end is not None and len(indptr) and indptr[-1] > end
+        if len(indptr) and (indptr[0] < 0 or (indptr[1:] < indptr[:-1]).any() or past_end):
+            raise ValueError(f"{name} must start at >= 0, never decrease{'' if end is None else f' and end by {end}'}")
+    num_pages = k_pages.shape[0] if k_pages.dim() == 4 else 0
+    if len(pages) and (pages.min() < 0 or pages.max() >= num_pages):
+        raise IndexError(f"kv_indices holds page {pages.min() if pages.min() < 0 else pages.max()}, outside the "
+                         f"{num_pages} pages of k_pages")
+    if len(kv_last_page_len) and host_values(kv_last_page_len.cpu()).min() < 0:
+        raise ValueError("kv_last_page_len must be >= 0")

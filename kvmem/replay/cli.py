@@ -44,6 +44,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative int, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative int, got {text!r}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -94,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay at several capacities (comma-separated tokens; default: the capacity "
                         "x 1/8, 1/4, 1/2, 1, 2, 4) and report the hit-rate curve")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.add_argument("--seed", type=int, default=0, help="seed for synthetic workloads and the simulator")
+    p.add_argument("--seed", type=_non_negative_int, default=0, help="seed for synthetic workloads and the simulator")
     return p
 
 
@@ -120,6 +130,8 @@ def _run(args: argparse.Namespace) -> int:
         trace = _load_trace(args)
         config = _replay_config(args, trace)
         capacities = _sweep_capacities(args, config.capacity_tokens)
+        for capacity in capacities or [config.capacity_tokens]:
+            dataclasses.replace(config, capacity_tokens=capacity).check_host_memory()
     except TraceError as e:
         hint = " (--on-error skip skips malformed lines)" if e.line is not None and args.on_error == "stop" else ""
         return _error(f"{e}{hint}")

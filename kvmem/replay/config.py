@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmem._checks import check_int
+from kvmem._checks import check_host_bytes, check_int
 from kvmem.eviction import EVICTION_POLICIES as _POLICY_KEYS
 from kvmem.scheduler import SCHEDULE_POLICIES
 
@@ -55,3 +55,17 @@ class ReplayConfig:
         if not isinstance(self.honour_arrivals, bool):
             raise ValueError(f"honour_arrivals must be a bool, got {self.honour_arrivals!r}")
         check_int("seed", self.seed)
+
+    @property
+    def context_len(self) -> int:
+        """The req_to_token row length a replay uses: the longest request, capped at the capacity (whole
+        pages), since a request longer than the KV capacity can never run. One absurd request in a trace is
+        then rejected, instead of sizing every row after it."""
+        return min(self.max_context_len, self.capacity_tokens // self.page_size * self.page_size)
+
+    def check_host_memory(self) -> None:
+        """Raises ValueError (one line) when the replay's host bookkeeping would not fit this machine: the
+        allocator (33 bytes a page), the tree's slot bitmap (1 byte a slot) and the req_to_token rows."""
+        table = self.max_running * self.context_len * 4
+        check_host_bytes(f"a replay at capacity {self.capacity_tokens} tokens",
+                         self.capacity_tokens // self.page_size * 33 + self.capacity_tokens + table)

@@ -44,10 +44,15 @@ class StepCost:
 
 
 def build_scheduler(config: ReplayConfig) -> Scheduler:
-    """The pools, tree and scheduler a replay of `config` runs on."""
+    """The pools, tree and scheduler a replay of `config` runs on.
+
+    Rows are as long as the longest request that can run: a request longer than the KV capacity can never
+    be admitted, so one absurd request in a trace is rejected instead of sizing every row after it.
+    """
+    config.check_host_memory()
     ps = config.page_size
     capacity = config.capacity_tokens // ps * ps
-    pool = ReqToTokenPool(config.max_running, config.max_context_len)
+    pool = ReqToTokenPool(config.max_running, config.context_len)
     alloc = TokenAllocator(capacity) if ps == 1 else PagedTokenAllocator(capacity, ps)
     tree = RadixCache(pool, alloc, page_size=ps, eviction_policy=config.eviction_policy)
     return Scheduler(pool, alloc, tree, SchedulerConfig(
