@@ -12,8 +12,11 @@ snapshot, nothing changed in the scheduler:
   kv_read_ratio      cascade / flat (below 1: cascade reads less); per workload the token-weighted ratio
                      over its snapshots, and the same for other max_levels in `kv_read_ratio_by_max_levels`
   kv_gb_per_step_*   those tokens in GB per decode step for --model's KV (all layers, kvmem.sizing)
-  flat_build_us      build_decode_metadata(req_to_token, rows, seq_lens, page_size), median of --repeats
-  cascade_build_us   build_cascade_metadata(batch, tree, ...) on the same batch, median of --repeats
+  flat_build_us      build_decode_metadata(req_to_token, rows, seq_lens, page_size): median (and _min) of
+                     --repeats calls
+  cascade_build_us   build_cascade_metadata(batch, tree, ...) on the same batch, likewise; per workload the
+                     medians over snapshots and build_time_ratio = cascade / flat (_min: of the fastest calls,
+                     which a busy shared machine inflates least)
 Both builders run on the CPU tensors the scheduler keeps (the torch fallback of the kv_indices gather; run
 without TRITON_INTERPRET).
 
@@ -63,10 +66,13 @@ WORKLOADS = ("mooncake-conversation", "mooncake-synthetic", "synthetic-system", 
 MAX_LEVELS_SWEEP = (2, 3, 4, 6)
 
 
+def trace_file(name: str, args: argparse.Namespace) -> Path:
+    return Path(args.traces) / f"{name.removeprefix('mooncake-')}_trace.jsonl"
+
+
 def load_workload(name: str, args: argparse.Namespace):
     if name.startswith("mooncake-"):
-        return read_trace(Path(args.traces) / f"{name.removeprefix('mooncake-')}_trace.jsonl", "mooncake",
-                          limit=args.limit, time_scale=args.time_scale)
+        return read_trace(trace_file(name, args), "mooncake", limit=args.limit, time_scale=args.time_scale)
     return GENERATORS[name](num_requests=args.limit, arrival_rate=args.arrival_rate, seed=args.seed)
 
 
@@ -115,14 +121,15 @@ def kv_tokens(md: PagedKVMetadata) -> int:
     return int(torch.where(pages > 0, (pages - 1) * md.page_size + md.kv_last_page_len.long(), 0).sum())
 
 
-def median_us(fn, repeats: int) -> float:
+def cpu_us(fn, repeats: int) -> tuple[float, float]:
+    """(median, min) microseconds of `repeats` calls after one warm-up call."""
     fn()
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1e6
+    return statistics.median(samples) * 1e6, min(samples) * 1e6
 
 
 def to_device(md, device):
@@ -180,6 +187,8 @@ class GpuAttention:
 
 
 def bench_workload(name: str, args: argparse.Namespace, model) -> dict:
+    if name.startswith("mooncake-") and not trace_file(name, args).exists():
+        return {"workload": name, "error": f"{trace_file(name, args)} not found: skipped"}
     trace = load_workload(name, args)
     token_bytes = bytes_per_token(model)
     snapshots = []
@@ -199,6 +208,9 @@ def bench_workload(name: str, args: argparse.Namespace, model) -> dict:
         for m in MAX_LEVELS_SWEEP:
             md = build_cascade_metadata(batch, tree, min_shared_tokens=args.min_shared_tokens, max_levels=m)
             sums[m] += sum(kv_tokens(level) for level in md.levels)
+        flat_us = cpu_us(lambda: build_decode_metadata(table, rows, seq, ps), args.repeats)
+        cascade_us = cpu_us(lambda: build_cascade_metadata(
+            batch, tree, min_shared_tokens=args.min_shared_tokens, max_levels=args.max_levels), args.repeats)
         row = {
             "batch_size": batch.batch_size(),
             "levels": cascade.num_levels,
@@ -206,9 +218,10 @@ def bench_workload(name: str, args: argparse.Namespace, model) -> dict:
             "flat_kv_tokens": flat_tokens,
             "cascade_kv_tokens": cascade_tokens,
             "kv_read_ratio": cascade_tokens / flat_tokens,
-            "flat_build_us": median_us(lambda: build_decode_metadata(table, rows, seq, ps), args.repeats),
-            "cascade_build_us": median_us(lambda: build_cascade_metadata(
-                batch, tree, min_shared_tokens=args.min_shared_tokens, max_levels=args.max_levels), args.repeats),
+            "flat_build_us": flat_us[0],
+            "flat_build_us_min": flat_us[1],
+            "cascade_build_us": cascade_us[0],
+            "cascade_build_us_min": cascade_us[1],
         }
         if args.device == "cuda":
             gpu = gpu or GpuAttention(sched, model, ps)
@@ -227,9 +240,11 @@ def bench_workload(name: str, args: argparse.Namespace, model) -> dict:
             "kv_read_ratio_by_max_levels": {str(m): sums[m] / sums["flat"] for m in MAX_LEVELS_SWEEP},
             "kv_gb_per_step_flat": sums["flat"] * token_bytes / len(snapshots) / 1e9,
             "kv_gb_per_step_cascade": sums["cascade"] * token_bytes / len(snapshots) / 1e9,
-            "flat_build_us_median": statistics.median(r["flat_build_us"] for r in snapshots),
-            "cascade_build_us_median": statistics.median(r["cascade_build_us"] for r in snapshots),
         })
+        for key in ("flat_build_us", "flat_build_us_min", "cascade_build_us", "cascade_build_us_min"):
+            result[f"{key}_median"] = statistics.median(r[key] for r in snapshots)
+        result["build_time_ratio"] = result["cascade_build_us_median"] / result["flat_build_us_median"]
+        result["build_time_ratio_min"] = result["cascade_build_us_min_median"] / result["flat_build_us_min_median"]
         if args.device == "cuda":
             for key in ("decode_run_us", "cascade_run_us", "cascade_speedup"):
                 result[f"{key}_median"] = statistics.median(r[key] for r in snapshots)

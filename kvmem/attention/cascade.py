@@ -128,7 +128,8 @@ def cascade_metadata(req_to_token: torch.Tensor, req_pool_indices: np.ndarray, s
     bs = len(paths)
     # Sorting the key tuples makes every prefix of keys (a segment at some level) a contiguous run; the
     # sort is stable, so the batch order survives wherever nothing is shared.
-    order = np.array(sorted(range(bs), key=lambda i: tuple(node.id for node in keys[i])), dtype=np.int64)
+    node_ids = {kept: tuple(node.id for node in kept) for kept in set(keys)}
+    order = np.array(sorted(range(bs), key=lambda i: node_ids[keys[i]]), dtype=np.int64)
     device = req_to_token.device
     qo_sorted = qo_lens[order]
     qo_indptr = np.zeros(bs + 1, dtype=np.int64)
@@ -162,38 +163,55 @@ def _cached_path(req, root: TreeNode, prefix_len: int) -> list[TreeNode]:
 
 
 def _assign_levels(paths: list[list[TreeNode]], page_size: int, min_shared_tokens: int, max_levels: int):
-    """Per request: its kept segments (each named by its last node) and where its own suffix starts; and
-    each kept segment's page ids ([n] int64 numpy).
+    """Per request: its kept segments (a tuple, each segment named by its last node) and where its own
+    suffix starts; and each kept segment's page ids ([n] int64 numpy).
 
     A kept segment's entry spans from the end of the previous kept one: a shorter shared segment above it
     that was not kept is read with it. Every request through a segment shares all of the path above it, so
-    all of them make the same choices there and the span is the same for each.
+    all of them make the same choices there and the span is the same for each: the choices are made once
+    per deepest shared node, for every request whose shared part ends there.
     """
     count = Counter(chain.from_iterable(paths))  # requests of the batch through each node
     keys: list[tuple[TreeNode, ...]] = []
     starts = np.zeros(len(paths), dtype=np.int64)
     pages: dict[TreeNode, np.ndarray] = {}
+    decided: dict[TreeNode, tuple[tuple[TreeNode, ...], int]] = {}
     for i, path in enumerate(paths):
-        kept: list[TreeNode] = []
-        start = pos = 0  # tokens: where the pending span starts, where the walk is
-        first = k = 0    # path indices of the same two points
-        while k < len(path) and len(kept) < max_levels - 1:
-            sharers = count[path[k]]
-            if sharers == 1:
-                break
-            while k < len(path) and count[path[k]] == sharers:  # one segment: the same requests throughout
-                pos += len(path[k].value)
-                k += 1
-            if pos - start >= min_shared_tokens:
-                last = path[k - 1]
-                if last not in pages:
-                    slots = np.concatenate([node.value for node in path[first:k]])
-                    pages[last] = slots[::page_size] // page_size
-                kept.append(last)
-                start, first = pos, k
-        keys.append(tuple(kept))
-        starts[i] = start
+        shared = len(path)
+        while shared and count[path[shared - 1]] == 1:  # a request's own nodes end its path
+            shared -= 1
+        if not shared:
+            keys.append(())
+            continue
+        choice = decided.get(path[shared - 1])
+        if choice is None:
+            choice = decided[path[shared - 1]] = _keep_segments(path, shared, count, pages, page_size,
+                                                                min_shared_tokens, max_levels - 1)
+        keys.append(choice[0])
+        starts[i] = choice[1]
     return keys, starts, pages
+
+
+def _keep_segments(path: list[TreeNode], shared: int, count: Counter, pages: dict, page_size: int,
+                   min_shared_tokens: int, max_kept: int) -> tuple[tuple[TreeNode, ...], int]:
+    """The segments kept along path[:shared] and the token where the rest starts; adds the pages of each
+    newly kept segment to `pages`."""
+    kept: list[TreeNode] = []
+    start = pos = 0  # tokens: where the pending span starts, where the walk is
+    first = k = 0    # path indices of the same two points
+    while k < shared and len(kept) < max_kept:
+        sharers = count[path[k]]
+        while k < shared and count[path[k]] == sharers:  # one segment: the same requests throughout
+            pos += len(path[k].value)
+            k += 1
+        if pos - start >= min_shared_tokens:
+            last = path[k - 1]
+            if last not in pages:
+                slots = np.concatenate([node.value for node in path[first:k]])
+                pages[last] = slots[::page_size] // page_size
+            kept.append(last)
+            start, first = pos, k
+    return tuple(kept), start
 
 
 def _shared_level(entry_keys: list, pages: dict, qo_indptr: np.ndarray, page_size: int,
