@@ -11,17 +11,28 @@ so request i has kv_len = (num_pages - 1) * page_size + kv_last_page_len[i] toke
 [num_pages, page_size, H, D] ("NHD") or [num_pages, H, page_size, D] ("HND"); with page_size 1 a page is
 a slot and kv_indices lists slots. In an extend, query t of a request with qo_len q and kv_len k sits at
 position k - q + t and attends causally to kv positions <= k - q + t (the mask is aligned bottom-right).
+
+Cascade attention (`build_cascade_metadata`, kvmem.attention.cascade) splits each request's KV into levels
+over the same layout, shared prefixes from the radix tree first, and merges the per-level results with the
+log-sum-exp merge (`merge_state`, kvmem.attention.merge; base-2 lse, as FlashInfer).
 """
 
+from kvmem.attention.cascade import CascadeMetadata, build_cascade_metadata
 from kvmem.attention.flashinfer import KV_LAYOUTS, FlashInferAttention
+from kvmem.attention.merge import merge_state, merge_states
 from kvmem.attention.metadata import PagedKVMetadata, build_decode_metadata, build_extend_metadata
-from kvmem.attention.reference import reference_paged_attention
+from kvmem.attention.reference import reference_cascade_attention, reference_paged_attention
 
 __all__ = [
     "KV_LAYOUTS",
+    "CascadeMetadata",
     "FlashInferAttention",
     "PagedKVMetadata",
+    "build_cascade_metadata",
     "build_decode_metadata",
     "build_extend_metadata",
+    "merge_state",
+    "merge_states",
+    "reference_cascade_attention",
     "reference_paged_attention",
 ]

@@ -1,4 +1,5 @@
-"""Plain torch attention over FlashInfer's paged layout: the CPU oracle for tests and the CPU engine."""
+"""Plain torch attention over FlashInfer's paged layout (flat and cascade): the CPU oracle for tests and the
+CPU engine."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ import math
 
 import torch
 
+from kvmem.attention.cascade import CascadeMetadata
 from kvmem.attention.flashinfer import KV_LAYOUTS
+from kvmem.attention.merge import merge_states
 from kvmem.kernels._dispatch import check_index_tensor, check_length, host_values
+
+LOG2_E = math.log2(math.e)  # natural-log lse x LOG2_E = base-2 lse
 
 
 def reference_paged_attention(
@@ -21,7 +26,8 @@ def reference_paged_attention(
     layout: str = "NHD",
     causal: bool = True,
     sm_scale: float | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain torch attention (float32 accumulate) reading FlashInfer's paged layout; the CPU test oracle.
 
     Args:
@@ -32,10 +38,13 @@ def reference_paged_attention(
         layout: "NHD" or "HND".
         causal: query t of a request with qo_len q and kv_len k sees kv positions <= k - q + t.
         sm_scale: softmax scale, default 1 / sqrt(D).
+        return_lse: also return each query's log-sum-exp, as FlashInfer's `return_lse=True`.
 
     Returns:
-        [total_q, Hq, Dv] in q's dtype. Query head h reads KV head h // (Hq // Hkv) (GQA). A request with
-        no KV tokens gets zeros. Loops over requests in Python: an oracle, not a kernel.
+        out [total_q, Hq, Dv] in q's dtype, or (out, lse) with lse [total_q, Hq] float32: the base-2
+        log-sum-exp of the scaled, masked scores, log2(sum_k exp(sm_scale * q.k)), FlashInfer's convention
+        (see `kvmem.attention.merge`). Query head h reads KV head h // (Hq // Hkv) (GQA). A request with no
+        KV tokens gets zeros and lse -inf. Loops over requests in Python: an oracle, not a kernel.
     """
     _check_args(q, k_pages, v_pages, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout)
     if q.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4:
@@ -56,6 +65,7 @@ def reference_paged_attention(
     group = num_qo_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     out = torch.zeros(total_q, num_qo_heads, v_pages.shape[3], dtype=torch.float32, device=q.device)
+    lse = torch.full((total_q, num_qo_heads), float("-inf"), dtype=torch.float32, device=q.device)
     for i in range(bs):
         q0, q1 = int(qo_indptr[i]), int(qo_indptr[i + 1])
         pages = kv_indices[int(kv_indptr[i]):int(kv_indptr[i + 1])].long()
@@ -72,7 +82,50 @@ def reference_paged_attention(
             last_visible = torch.arange(kv_len - qo_len, kv_len, device=q.device)[:, None]
             scores.masked_fill_(torch.arange(kv_len, device=q.device)[None, :] > last_visible, float("-inf"))
         out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
-    return out.to(q.dtype)
+        if return_lse:
+            lse[q0:q1] = torch.logsumexp(scores, dim=-1).T * LOG2_E
+    return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
+
+
+def reference_cascade_attention(
+    q: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    cascade_metadata: CascadeMetadata,
+    layout: str = "NHD",
+    sm_scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Cascade attention in plain torch: each level attended on its own, then the states merged.
+
+    Args:
+        q: [total_q, Hq, D] in the batch's order (as for flat attention).
+        kv_cache: (k_pages, v_pages) of one layer, as in `reference_paged_attention`.
+        cascade_metadata: from `build_cascade_metadata`.
+        layout, sm_scale: as in `reference_paged_attention`.
+        return_lse: also return the merged base-2 log-sum-exp [total_q, Hq] float32.
+
+    Returns:
+        out [total_q, Hq, Dv] in q's dtype and in the batch's order, equal (up to rounding) to flat
+        attention over each request's whole KV; shared levels are attended without a mask, the last level
+        causally, as FlashInfer's MultiLevelCascadeAttentionWrapper plans them.
+    """
+    k_pages, v_pages = kv_cache
+    md = cascade_metadata
+    if q.dim() != 3 or len(q) != len(md.qo_order):
+        raise ValueError(f"q must be [total_q, Hq, D] with total_q = {len(md.qo_order)} (the metadata's queries), "
+                         f"got shape {tuple(q.shape)}")
+    q = md.permute_queries(q)
+    last = md.num_levels - 1
+    outs, lses = [], []
+    for i, level in enumerate(md.levels):
+        out, lse = reference_paged_attention(q, k_pages, v_pages, level.qo_indptr, level.kv_indptr,
+                                             level.kv_indices, level.kv_last_page_len, layout=layout,
+                                             causal=i == last, sm_scale=sm_scale, return_lse=True)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = merge_states(torch.stack(outs, dim=1), torch.stack(lses, dim=1))
+    out = md.unpermute_outputs(out)
+    return (out, md.unpermute_outputs(lse)) if return_lse else out
 
 
 def _check_args(q, k_pages, v_pages, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, layout) -> None:
