@@ -144,22 +144,27 @@ class RadixCache(RadixTree):
         """
         return self._insert(key, value, priority)[0]
 
-    def _insert(self, key, value, priority: int) -> tuple[int, TreeNode]:
+    def _insert(self, key, value, priority: int, *, checked: bool = True) -> tuple[int, TreeNode]:
+        """insert's body: returns (tokens already cached, the node whose path is `key`). `checked=False` is for
+        the Scheduler's own requests, whose keys are whole pages and whose slots it took from the allocator:
+        it skips the argument and slot checks (key: an int64 array; value: host int64 slots)."""
         view = key_bytes("key", key)
         nbytes = len(view)
-        if nbytes == 0:
-            raise ValueError("key is empty: there is nothing to insert")
-        if nbytes % self._page_bytes:
-            raise ValueError(f"key has {nbytes // TOKEN_BYTES} tokens, not a multiple of page_size "
-                             f"{self.page_size}: insert whole pages (the partial tail belongs to the request)")
-        slots = self._check_value(value, nbytes // TOKEN_BYTES)
-        priority = check_int("priority", priority)
+        if checked:
+            if nbytes == 0:
+                raise ValueError("key is empty: there is nothing to insert")
+            if nbytes % self._page_bytes:
+                raise ValueError(f"key has {nbytes // TOKEN_BYTES} tokens, not a multiple of page_size "
+                                 f"{self.page_size}: insert whole pages (the partial tail belongs to the request)")
+            value = self._check_value(value, nbytes // TOKEN_BYTES)
+            priority = check_int("priority", priority)
         walk = self._descend(view, nbytes)
         matched = walk.num_tokens
         grows = matched * TOKEN_BYTES < nbytes
         if grows:
-            new_slots = slots[matched:]
-            self._check_new_slots(new_slots)
+            new_slots = value[matched:]
+            if checked:
+                self._check_new_slots(new_slots)
         # Nothing below raises: the tree changes only once the whole call is known to be valid.
         last = self._walk_to_node(walk)
         self._touch(last, hit=False, priority=priority)
@@ -248,8 +253,10 @@ class RadixCache(RadixTree):
         """
         self._cache_req(req, finished=False)
 
-    def _cache_req(self, req: CachedRequest, finished: bool) -> None:
-        row = _check_row(req)
+    def _cache_req(self, req: CachedRequest, finished: bool, *, checked: bool = True) -> None:
+        """cache_finished_req / cache_unfinished_req. `checked=False` is the Scheduler's path: its requests'
+        rows hold slots its batches took from the allocator, so the insert skips re-checking them."""
+        row = _check_row(req) if checked else req.req_pool_idx
         kv_len, protected = req.kv_len, req.cache_protected_len
         aligned = kv_len - kv_len % self.page_size
         if not finished and aligned <= protected:
@@ -258,7 +265,8 @@ class RadixCache(RadixTree):
         slots = as_index_array("req_to_token", table[row, :kv_len if finished else aligned])
         cached, node = protected, req.last_node
         if aligned > protected:
-            cached, node = self._insert(request_token_ids(req, aligned), slots[:aligned], req.priority)
+            cached, node = self._insert(request_token_ids(req, aligned), slots[:aligned], req.priority,
+                                        checked=checked)
         if finished:
             spare = np.concatenate((slots[protected:cached], slots[aligned:]))
             if len(spare):

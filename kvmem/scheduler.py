@@ -82,7 +82,8 @@ class Scheduler:
 
     A request's prompt enters the tree as soon as it is prefilled (`cache_unfinished_req`, as SGLang
     checkpoints it), so requests admitted while it decodes share it; its outputs enter when it finishes.
-    `timer`: a PhaseTimer that accumulates the seconds of "match" (admission's prefix matches and locks),
+    `timer`: a PhaseTimer that accumulates the seconds of "match" (each admitted request's match_prefix and
+    inc_lock_ref),
     "prepare_extend", "prepare_decode" and "process" (process_batch_result); None times nothing.
 
     >>> from kvmem import RadixCache, Req, ReqToTokenPool, Scheduler, TokenAllocator
@@ -204,7 +205,7 @@ class Scheduler:
                     self.running.append(req)
                 # The prefilled tokens enter the tree now, as SGLang checkpoints every prefilled request:
                 # requests admitted while this one runs reuse them instead of waiting for it to finish.
-                self.tree_cache.cache_unfinished_req(req)
+                self.tree_cache._cache_req(req, finished=False, checked=False)
             return finished
         still_running = []
         for req, tok in zip(batch.reqs, tokens):
@@ -218,7 +219,7 @@ class Scheduler:
         return finished
 
     def _finish(self, req: Req, finished: list[Req]) -> None:
-        self.tree_cache.cache_finished_req(req)
+        self.tree_cache._cache_req(req, finished=True, checked=False)
         req.status = ReqStatus.FINISHED
         finished.append(req)
 
@@ -234,7 +235,7 @@ class Scheduler:
             # Its whole prompt was charged when it was admitted; it continues without a new check.
             budget, free_tokens = self._plan_extend(chunked, budget, free_tokens)
             reqs.append(chunked)
-        t0 = perf_counter()
+        timer = self.timer
         can_admit = len(self.running) + len(reqs) < self.max_running and budget > 0 and self.chunked_req is None
         # Ranking the waiting window costs a tree walk per request: only when someone can be admitted.
         if can_admit and self.config.schedule_policy == "lpm":
@@ -242,23 +243,24 @@ class Scheduler:
         while self.waiting and len(self.running) + len(reqs) < self.max_running and budget > 0 \
                 and self.chunked_req is None:
             req = self.waiting[0]
+            t0 = perf_counter()
             self._match(req)
             self.tree_cache.inc_lock_ref(req.last_node)
+            if timer is not None:
+                timer.add("match", perf_counter() - t0)
             if self._charge(req, req.prefix_indices.numel()) > free_tokens + self.tree_cache.evictable_size():
                 self.tree_cache.dec_lock_ref(req.last_node)
                 break
             self.waiting.popleft()
             budget, free_tokens = self._plan_extend(req, budget, free_tokens)
             reqs.append(req)
-        t1 = perf_counter()
-        if self.timer is not None:
-            self.timer.add("match", t1 - t0)
         if not reqs:
             return None
+        t1 = perf_counter()
         batch = ScheduleBatch(reqs, self.req_to_token_pool, self.token_allocator, self.tree_cache)
         ok = batch._prepare_for_extend(*batch._extend_lens())  # admission built a valid batch
-        if self.timer is not None:
-            self.timer.add("prepare_extend", perf_counter() - t1)
+        if timer is not None:
+            timer.add("prepare_extend", perf_counter() - t1)
         self.stats.evicted_tokens += batch.evicted_tokens  # a failed attempt may still have evicted
         if not ok:
             self._undo_admission(reqs, chunked)
