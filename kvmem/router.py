@@ -39,7 +39,7 @@ from kvmem.events.schema import (
     BlockRemoved,
     BlockStored,
     EventBatch,
-    _check_hash,
+    _hash_tuple,
 )
 
 POLICIES = ("round-robin", "least-load", "cache-aware", "kv-overlap")
@@ -131,13 +131,14 @@ class BlockIndex:
     def prefix_overlaps(self, block_hashes: Sequence[BlockHash], medium: str = MEDIUM_GPU) -> list[int]:
         """For each replica, how many leading blocks of `block_hashes` (a request's chained page hashes)
         it holds in `medium`, up to the first it lacks. O(len(prefix matched) * replicas matching)."""
-        if isinstance(block_hashes, (str, bytes)):
-            raise TypeError("block_hashes must be a sequence of block hashes")
+        return self._prefix_overlaps(_hash_tuple(block_hashes), medium)
+
+    def _prefix_overlaps(self, block_hashes: Sequence[BlockHash], medium: str = MEDIUM_GPU) -> list[int]:
         overlaps = [0] * self.num_replicas
         holders = self._holders.get(medium, {})
         alive: set[int] | None = None
         for depth, h in enumerate(block_hashes, start=1):
-            owners = holders.get(_check_hash("block_hashes", h))
+            owners = holders.get(h)
             if not owners:
                 break
             alive = set(owners) if alive is None else alive & owners
@@ -196,7 +197,7 @@ class _CacheAware:
         replicas = range(router.num_replicas)
         if most - least > self.balance_abs_threshold and most > least * self.balance_rel_threshold:
             return min(replicas, key=running.__getitem__)
-        overlaps = router.index.prefix_overlaps(block_hashes)
+        overlaps = router.index._prefix_overlaps(block_hashes)
         best = min(replicas, key=lambda r: (-overlaps[r], running[r]))
         if block_hashes and overlaps[best] / len(block_hashes) > self.cache_threshold:
             return best
@@ -213,7 +214,7 @@ class _KVOverlap:
 
     def costs(self, router: Router, block_hashes, loads, num_tokens: int) -> list[float]:
         bs = router.block_size
-        overlaps = router.index.prefix_overlaps(block_hashes)
+        overlaps = router.index._prefix_overlaps(block_hashes)
         request_blocks = -(-num_tokens // bs)
         return [self.overlap_score_weight * (load.prefill_tokens + num_tokens - overlap * bs) / bs
                 + load.active_blocks + request_blocks for load, overlap in zip(loads, overlaps)]
@@ -266,9 +267,7 @@ class Router:
         """The replica for a request whose whole pages hash to `block_hashes` (`kvmem.page_hash.page_hashes`
         of its prompt), given each replica's `loads`; `num_tokens` is the prompt length (default:
         len(block_hashes) * block_size)."""
-        if isinstance(block_hashes, (str, bytes)):
-            raise TypeError("block_hashes must be a sequence of block hashes")
-        block_hashes = list(block_hashes)
+        block_hashes = _hash_tuple(block_hashes)
         loads = list(loads)
         if len(loads) != self.num_replicas:
             raise ValueError(f"loads has {len(loads)} entries for {self.num_replicas} replicas")

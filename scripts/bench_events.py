@@ -7,7 +7,9 @@ The events are real: a RadixCache with an `EventCollector` replays a synthetic m
 one scheduler step per request, in a cache small enough to evict. Each step's batch holds the BlockStored
 of the request's new pages and, when it evicted, one BlockRemoved.
 
-Per page size and wire form ("map", what vLLM sends now; "array", older vLLM's positional form):
+A second workload, "one_page", sends batches of a single one-page BlockStored: the per-message overhead.
+
+Per workload, page size and wire form ("map", what vLLM sends now; "array", older vLLM's positional form):
   events, blocks, batches          what the workload produced
   bytes_per_event, bytes_per_block payload bytes (msgpack, whole batches) over events / over blocks named
   one_page_event_bytes             a BlockStored of a single page of that size, alone
@@ -102,6 +104,20 @@ def cache_hook_rows(reps: int) -> list[dict]:
             row[f"evict_{label}_us"] = round(statistics.median(evicts), 2)
         rows.append(row)
     return rows
+
+
+def one_page_batches(page_size: int, count: int):
+    """`count` batches of one event each: a BlockStored of one page chained to the one before."""
+    from kvmem.events import BlockStored, EventBatch
+    from kvmem.page_hash import page_hash
+
+    batches, parent = [], None
+    for i in range(count):
+        tokens = [(7919 * (i * page_size + j)) % VOCAB for j in range(page_size)]
+        h = page_hash(parent, tokens)
+        batches.append(EventBatch(time.time(), [BlockStored([h], parent, tokens, page_size)], 0))
+        parent = h
+    return batches
 
 
 def rate(count: int, seconds: float) -> float:
@@ -208,12 +224,17 @@ def main() -> None:
     num_requests, repeat = (100, 1) if args.quick else (2000, 3)
     rows = []
     for page_size in (16, 1):
-        batches = workload_batches(page_size, num_requests)
-        for wire_format in ("map", "array"):
-            print(f"[bench_events] page_size {page_size}, {wire_format}", file=sys.stderr, flush=True)
-            rows.append({**size_row(batches, page_size, wire_format), **throughput(batches, wire_format, repeat)})
+        workloads = {"cache": workload_batches(page_size, num_requests),
+                     "one_page": one_page_batches(page_size, num_requests * repeat)}
+        for workload, batches in workloads.items():
+            for wire_format in ("map", "array"):
+                print(f"[bench_events] {workload}, page_size {page_size}, {wire_format}", file=sys.stderr, flush=True)
+                rows.append({"workload": workload, **size_row(batches, page_size, wire_format),
+                             **throughput(batches, wire_format, repeat if workload == "cache" else 1)})
     report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-              "workload": f"synthetic-chat, {num_requests} requests, one batch per request, repeated {repeat}x",
+              "workloads": {"cache": f"synthetic-chat, {num_requests} requests, one batch per request, published "
+                                     f"{repeat}x",
+                            "one_page": "batches of one BlockStored of one page each (per-message overhead)"},
               "rows": rows, "cache_hook": cache_hook_rows(50 if args.quick else 400)}
     text = json.dumps(report, indent=1)
     if args.out:

@@ -279,3 +279,13 @@ def test_the_replay_endpoint_is_derived_as_the_next_port():
     assert derive_replay_endpoint("tcp://127.0.0.1:5557") == "tcp://127.0.0.1:5558"
     assert derive_replay_endpoint("tcp://*:0") == "tcp://*:0"
     assert derive_replay_endpoint("ipc:///tmp/kv") == "ipc:///tmp/kv-replay"
+
+
+def test_a_closed_subscriber_refuses_to_poll_or_sync():
+    sub = KVEventSubscriber("tcp://127.0.0.1:9", BlockIndex(1), 0)
+    sub.close()
+    sub.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        sub.poll()
+    with pytest.raises(RuntimeError, match="closed"):
+        sub.sync()

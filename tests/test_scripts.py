@@ -44,8 +44,8 @@ def test_kv_indices_benchmark_on_cpu():
 
 def test_event_benchmark_reports_throughput_and_bytes_per_event():
     report = run_script("bench_events.py", "--quick")
-    assert {(r["page_size"], r["wire_format"]) for r in report["rows"]} == {(16, "map"), (16, "array"), (1, "map"),
-                                                                           (1, "array")}
+    assert {(r["workload"], r["page_size"], r["wire_format"]) for r in report["rows"]} == {
+        (w, p, f) for w in ("cache", "one_page") for p in (16, 1) for f in ("map", "array")}
     for row in report["rows"]:
         assert row["events"] > 0 and row["bytes_per_event"] > 0 and row["one_page_event_bytes"] > 0
         assert row["publish_events_per_s"] > 0 and row["dropped"] == 0

@@ -147,7 +147,10 @@ class EventBatch:
 # ---- encoding ---------------------------------------------------------------------------------------
 def encode_batch(batch: EventBatch, wire_format: str = "map") -> bytes:
     """`batch` as msgpack bytes in `wire_format` ("map": named fields, what vLLM sends now; "array":
-    positional, older vLLM), byte for byte what vLLM's msgspec encoder writes for the same batch."""
+    positional, older vLLM): the msgpack values vLLM's msgspec encoder writes for the same batch, in the
+    same order. The bytes differ only in a map header's width: msgpack's smallest here, while msgspec sizes
+    it by the fields a class could have (vLLM 0.33's BlockStored, 16 possible keys, gets a map16 header);
+    `scripts/check_vllm_events.py` checks both ways."""
     if not isinstance(batch, EventBatch):
         raise TypeError(f"batch must be an EventBatch, got {type(batch).__name__}")
     as_map = _check_wire_format(wire_format) == "map"

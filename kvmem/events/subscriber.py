@@ -75,10 +75,11 @@ class KVEventSubscriber:
         self.topic = topic
         self._topic = topic.encode("utf-8")
         self.replay_timeout = check_number("replay_timeout", replay_timeout, 0, allow_minimum=False)
+        hwm = check_int("hwm", hwm, minimum=0)
         self._own_context = context is None
         self._ctx = zmq.Context() if context is None else context
         self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.RCVHWM, check_int("hwm", hwm, minimum=0))
+        self._sub.setsockopt(zmq.RCVHWM, hwm)
         self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         self._sub.connect(endpoint)
         self.next_seq = 0
@@ -92,6 +93,7 @@ class KVEventSubscriber:
         """Waits up to `timeout` seconds for the first batch, applies it and every batch already waiting,
         filling gaps through replay; returns how many batches were applied."""
         timeout = check_number("timeout", timeout, 0)
+        self._check_open()
         before = self.applied
         wait_ms = int(timeout * 1000)
         while self._sub.poll(wait_ms):
@@ -103,6 +105,7 @@ class KVEventSubscriber:
         """Asks the replay socket for every batch from `next_seq` on and applies them (a late joiner
         calls this first). Returns False if the replay's end marker did not come within `replay_timeout`
         (what arrived is applied; the rest comes from the live stream or a later sync)."""
+        self._check_open()
         dealer = self._ctx.socket(zmq.DEALER)
         try:
             dealer.connect(self.replay_endpoint)
@@ -152,6 +155,10 @@ class KVEventSubscriber:
     def __repr__(self) -> str:
         return (f"KVEventSubscriber(endpoint={self.endpoint!r}, replica={self.replica}, next_seq={self.next_seq}, "
                 f"applied={self.applied}, missed={self.missed}, lost={self.lost}, clears={self.clears})")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("KVEventSubscriber is closed")
 
     # ---- ordering ---------------------------------------------------------------------------------
     def _on_frames(self, frames: list[bytes]) -> None:
