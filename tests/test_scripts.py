@@ -48,5 +48,6 @@ def test_event_benchmark_reports_throughput_and_bytes_per_event():
         (w, p, f) for w in ("cache", "one_page") for p in (16, 1) for f in ("map", "array")}
     for row in report["rows"]:
         assert row["events"] > 0 and row["bytes_per_event"] > 0 and row["one_page_event_bytes"] > 0
-        assert row["publish_events_per_s"] > 0 and row["dropped"] == 0
+        if row["wire_format"] == "map":  # --quick measures throughput in the map form only
+            assert row["publish_events_per_s"] > 0 and row["dropped"] == 0
     assert {r["page_size"] for r in report["cache_hook"]} == {16, 1}
