@@ -17,6 +17,7 @@ because a partial page is owned by its request, not the tree (`cache_*_req` cut 
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -25,7 +26,9 @@ import torch
 from kvmem._checks import check_int
 from kvmem._index import as_index_array
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
+from kvmem.events.schema import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvmem.eviction import EvictionKey
+from kvmem.page_hash import chain_page_hashes, namespace_prefix
 from kvmem.radix_tree import TOKEN_BYTES, RadixTree, TreeNode, _fail, key_bytes
 from kvmem.req_to_token import ReqToTokenPool
 
@@ -71,6 +74,10 @@ class RadixCache(RadixTree):
         token_allocator: where evicted slots go back; its page_size must equal `page_size`.
         page_size: tokens per page; keys are matched and inserted in whole pages.
         eviction_policy: "lru", "lfu", "fifo", "priority" (see kvmem.eviction) or a key function of a node.
+        event_sink: called with each KV event (`kvmem.events`): a `BlockStored` (medium "GPU") for the pages
+            of every node that enters the tree, a `BlockRemoved` for the pages each `evict` call takes out,
+            an `AllBlocksCleared` on `reset`. Block hashes are `kvmem.page_hash` page hashes, kept on the
+            nodes only when a sink is set. `kvmem.events.EventCollector` batches them per scheduler step.
 
     Sizes are in tokens: `total_size() == evictable_size() + protected_size()`, and every slot the tree
     holds is allocated in `token_allocator`, so with no request memory
@@ -92,7 +99,8 @@ class RadixCache(RadixTree):
     """
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_allocator: TokenAllocator | PagedTokenAllocator,
-                 page_size: int = 1, eviction_policy: str | EvictionKey = "lru") -> None:
+                 page_size: int = 1, eviction_policy: str | EvictionKey = "lru",
+                 event_sink: Callable[[KVCacheEvent], None] | None = None) -> None:
         if not isinstance(req_to_token_pool, ReqToTokenPool):
             raise TypeError(f"req_to_token_pool must be a ReqToTokenPool, got {type(req_to_token_pool).__name__}")
         if not isinstance(token_allocator, (TokenAllocator, PagedTokenAllocator)):
@@ -101,6 +109,10 @@ class RadixCache(RadixTree):
         super().__init__(page_size, eviction_policy)
         if token_allocator.page_size != page_size:
             raise ValueError(f"page_size {page_size} != token_allocator.page_size {token_allocator.page_size}")
+        if event_sink is not None and not callable(event_sink):
+            raise TypeError(f"event_sink must be callable (or None), got {type(event_sink).__name__}")
+        self._event_sink = event_sink
+        self._hash_prefix = namespace_prefix(None)
         self.req_to_token_pool = req_to_token_pool
         self.token_allocator = token_allocator
         self.device = token_allocator.device
@@ -171,6 +183,8 @@ class RadixCache(RadixTree):
         if grows:
             last = self._add_leaf(last, view[matched * TOKEN_BYTES:].tobytes(), new_slots.copy(), priority)
             self._in_tree[new_slots] = True
+            if self._event_sink is not None:
+                self._report_stored(last)
         elif last.entry is not None:
             self._rekey(last)
         return matched, last
@@ -223,9 +237,12 @@ class RadixCache(RadixTree):
     def evict(self, num_tokens: int) -> int:
         """Frees at least `num_tokens` tokens (whole nodes) from unlocked leaves in policy order, or all
         that is evictable if that is less; returns the number freed. O(k log n) for k nodes freed."""
-        freed, values = self._evict_leaves(check_int("num_tokens", num_tokens, minimum=0))
+        removed = None if self._event_sink is None else []
+        freed, values = self._evict_leaves(check_int("num_tokens", num_tokens, minimum=0), removed)
         if values:
             self._release(values)
+        if removed:
+            self._report_removed(removed)
         return freed
 
     def _release(self, values: list[np.ndarray]) -> None:
@@ -233,6 +250,25 @@ class RadixCache(RadixTree):
         slots = values[0] if len(values) == 1 else np.concatenate(values)
         self._in_tree[slots] = False
         self.token_allocator.free(torch.from_numpy(slots))
+
+    # ---- events -------------------------------------------------------------------------------------
+    def _report_stored(self, node: TreeNode, medium: str = MEDIUM_GPU) -> None:
+        """Reports `node`'s pages stored in `medium`, giving them their page hashes first if they have
+        none (chained from the parent's last page, which every node in the tree has by then)."""
+        parent = node.parent
+        parent_hash = None if parent is self.root_node else int(parent.page_hashes[-1])
+        if node.page_hashes is None:
+            hashes = chain_page_hashes(self._hash_prefix, parent_hash, node.key, self._page_bytes)
+            node.page_hashes = np.array(hashes, dtype=np.uint64)
+        else:
+            hashes = node.page_hashes.tolist()
+        self._event_sink(BlockStored(hashes, parent_hash, array("q", node.key).tolist(), self.page_size,
+                                     medium=medium))
+
+    def _report_removed(self, nodes: list[TreeNode], medium: str = MEDIUM_GPU) -> None:
+        """Reports the pages of `nodes` removed from `medium`, in one event."""
+        hashes = nodes[0].page_hashes if len(nodes) == 1 else np.concatenate([n.page_hashes for n in nodes])
+        self._event_sink(BlockRemoved(hashes.tolist(), medium))
 
     # ---- requests -----------------------------------------------------------------------------------
     def cache_finished_req(self, req: CachedRequest) -> None:
@@ -302,6 +338,8 @@ class RadixCache(RadixTree):
         if values:
             self._release(values)
         self._init_root()
+        if self._event_sink is not None:
+            self._event_sink(AllBlocksCleared())
 
     def check_invariants(self) -> None:
         """Raises AssertionError naming the first broken invariant: tree links and child keys, node sizes

@@ -46,11 +46,12 @@ class TreeNode:
     the node's prefix; `last_access` and `created` are logical-clock ticks, `hit_count` counts the matches
     that reached it, `priority` is the highest request priority inserted through it, and `id` (unique,
     increasing) breaks ties. `entry` is its record in the evictable set, or None when it is not there.
-    A node removed by eviction or `reset` has `parent` None.
+    `page_hashes` ([num_tokens // page_size] uint64, `kvmem.page_hash`) is kept only by a cache that
+    reports events, else None. A node removed by eviction or `reset` has `parent` None.
     """
 
     __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "hit_count", "created",
-                 "priority", "id", "entry")
+                 "priority", "id", "entry", "page_hashes")
 
     def __init__(self, key: bytes, value: np.ndarray, parent: TreeNode | None, created: int, id: int) -> None:
         self.key = key
@@ -64,6 +65,7 @@ class TreeNode:
         self.priority = 0
         self.id = id
         self.entry: tuple | None = None
+        self.page_hashes: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -168,6 +170,9 @@ class RadixTree:
         parent.children[child.key[:self._page_bytes]] = head
         child.key = child.key[into_child:]
         child.value = child.value[k:].copy()
+        if child.page_hashes is not None:  # hashes chain per page, so a split only divides them
+            pages = k // self.page_size
+            head.page_hashes, child.page_hashes = child.page_hashes[:pages].copy(), child.page_hashes[pages:].copy()
         child.parent = head
         head.children[child.key[:self._page_bytes]] = child
         return head
@@ -270,10 +275,11 @@ class RadixTree:
         self._evictable.remove(node.entry)
         self._add_evictable(node)
 
-    def _evict_leaves(self, num_tokens: int) -> tuple[int, list[np.ndarray]]:
+    def _evict_leaves(self, num_tokens: int, removed: list[TreeNode] | None = None) -> tuple[int, list[np.ndarray]]:
         """Removes unlocked leaves in policy order until `num_tokens` tokens are out (or none is left);
-        returns (tokens removed, their values). A parent left childless and unlocked joins the evictable
-        set as its last child goes, so a chain empties leaf by leaf."""
+        returns (tokens removed, their values), and appends the removed nodes to `removed` if given. A
+        parent left childless and unlocked joins the evictable set as its last child goes, so a chain
+        empties leaf by leaf."""
         evictable, root, page_bytes = self._evictable, self.root_node, self._page_bytes
         freed = 0
         values = []
@@ -284,6 +290,8 @@ class RadixTree:
             del parent.children[node.key[:page_bytes]]
             node.parent = None
             values.append(node.value)
+            if removed is not None:
+                removed.append(node)
             freed += len(node.value)
             if not parent.children and parent.lock_ref == 0 and parent is not root:
                 self._add_evictable(parent)

@@ -40,3 +40,14 @@ def test_kv_indices_benchmark_on_cpu():
     shapes = {(r["bs"], r["tokens_per_request"]) for r in report["results"]}
     assert shapes == {(1, 1024), (1, 8192), (64, 1024), (64, 8192)}
     assert all(r["torch_fallback_us"] > 0 for r in report["results"])
+
+
+def test_event_benchmark_reports_throughput_and_bytes_per_event():
+    report = run_script("bench_events.py", "--quick")
+    assert {(r["workload"], r["page_size"], r["wire_format"]) for r in report["rows"]} == {
+        (w, p, f) for w in ("cache", "one_page") for p in (16, 1) for f in ("map", "array")}
+    for row in report["rows"]:
+        assert row["events"] > 0 and row["bytes_per_event"] > 0 and row["one_page_event_bytes"] > 0
+        if row["wire_format"] == "map":  # --quick measures throughput in the map form only
+            assert row["publish_events_per_s"] > 0 and row["dropped"] == 0
+    assert {r["page_size"] for r in report["cache_hook"]} == {16, 1}
