@@ -13,15 +13,21 @@ a slot and kv_indices lists slots. In an extend, query t of a request with qo_le
 position k - q + t and attends causally to kv positions <= k - q + t (the mask is aligned bottom-right).
 """
 
+from kvmem.attention.cache_attention import MultiHeadCacheAttention, openppl_cache_pool
 from kvmem.attention.flashinfer import KV_LAYOUTS, FlashInferAttention
 from kvmem.attention.metadata import PagedKVMetadata, build_decode_metadata, build_extend_metadata
+from kvmem.attention.pool_pages import KVPages, kv_pages
 from kvmem.attention.reference import reference_paged_attention
 
 __all__ = [
     "KV_LAYOUTS",
     "FlashInferAttention",
+    "KVPages",
+    "MultiHeadCacheAttention",
     "PagedKVMetadata",
     "build_decode_metadata",
     "build_extend_metadata",
+    "kv_pages",
+    "openppl_cache_pool",
     "reference_paged_attention",
 ]
