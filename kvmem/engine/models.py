@@ -67,7 +67,8 @@ class _Adapter:
         for layer_id, layer in enumerate(self.layers):
             h = h + self._attention(layer_id, layer.self_attn, layer.input_layernorm(h), cos, sin, batch, pool,
                                     attention)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            # MLP / MoE get the [batch, seq, hidden] shape they were written for (some MoE gates unpack it).
+            h = h + layer.mlp(layer.post_attention_layernorm(h)[None])[0]
         return self.lm_head(self.norm(h[batch.logit_rows])).float()
 
     def _rope_tables(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +161,8 @@ class MLAAdapter(_Adapter):
 
     def _attention(self, layer_id, attn, x, cos, sin, batch, pool, attention) -> torch.Tensor:
         n = x.shape[0]
-        q = attn.q_proj(x) if attn.q_proj is not None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+        q_proj = getattr(attn, "q_proj", None)  # transformers 4.x drops the attribute when q_lora_rank is set
+        q = q_proj(x) if q_proj is not None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
         q_nope, q_pe = q.view(n, self.num_heads, -1).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         ckv, k_pe = attn.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         q_pe = self._rope(q_pe, cos, sin)
