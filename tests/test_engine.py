@@ -11,6 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 from kvmem.engine import Engine, build_model  # noqa: E402
 
@@ -21,15 +22,6 @@ MAX_NEW = 8
 # With this workload (8 prompts of 14..65 tokens sharing up to 40), capacity 112, chunks of 32 and 6 running
 # requests make the scheduler evict and retract at page sizes 1 and 16.
 CAPACITY, CHUNK, RUNNING = 112, 32, 6
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls on a shared 2-core machine: two intra-op threads made each layer several times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def workload(seed: int = 0, n: int = 8, vocab: int = 256) -> list[list[int]]:

@@ -84,9 +84,10 @@ class FlashInferBackend:
         """Records the batch; the FlashInfer plan itself waits for the first layer, which brings sm_scale and
         the query dtype."""
         self._fallback.plan(metadata, seq_lens, decode)
-        if self._dequantize:  # the page renumbering depends on kv_indices only, so one per batch
-            metadata = PagedKVMetadata(metadata.qo_indptr, metadata.kv_indptr,
-                                       kv_pages(self.pool, 0, metadata.kv_indices).kv_indices,
+        if self._dequantize:
+            # kv_pages numbers the batch's distinct pages in sorted order, the same for every layer: plan on that.
+            renumbered = torch.unique(metadata.kv_indices.long(), return_inverse=True)[1].to(torch.int32)
+            metadata = PagedKVMetadata(metadata.qo_indptr, metadata.kv_indptr, renumbered,
                                        metadata.kv_last_page_len, metadata.page_size)
         self._plan_args = (metadata, seq_lens.to(metadata.kv_indptr.device, torch.int32), decode)
         self._planned_for = None
@@ -131,11 +132,12 @@ class FlashInferBackend:
 
 def make_attention_backend(name: str, pool: MHAKVPool | MLAKVPool, num_qo_heads: int,
                            device: torch.device) -> TorchAttention | FlashInferBackend:
-    """"auto": FlashInfer on CUDA when it imports, else the torch reference; "torch" / "flashinfer" force one
-    ("flashinfer" raises RuntimeError without CUDA or the package)."""
+    """"auto": FlashInfer for a float16/bfloat16 model on CUDA when flashinfer imports, else the torch reference;
+    "torch" / "flashinfer" force one ("flashinfer" raises RuntimeError without CUDA or the package)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
+    # FlashInfer's kernels take float16 / bfloat16 queries: "auto" keeps float32 models on the reference.
+    if name == "torch" or (name == "auto" and (device.type != "cuda" or pool.dtype == torch.float32)):
         return TorchAttention()
     if name == "auto":
         try:

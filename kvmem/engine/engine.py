@@ -68,8 +68,8 @@ class Engine:
         chunked_prefill_size: new tokens per prefill step (None: whole prompts).
         max_running_requests: requests decoding at once (default 256), also the req_to_token rows.
         device: where the pools live, and must be the model's (None: the model's device).
-        attention_backend: "auto" (FlashInfer on CUDA when installed, else the torch reference), "torch",
-            "flashinfer".
+        attention_backend: "auto" (FlashInfer for a float16/bfloat16 model on CUDA when installed, else the torch
+            reference), "torch", "flashinfer".
         schedule_policy: "lpm" (longest cached prefix first) or "fcfs".
 
     Requests enter with `add_request` (checked there: a bad one raises ValueError naming it and nothing else

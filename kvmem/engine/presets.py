@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-# model_type -> config fields; every preset keeps eos_token_id off the vocabulary's low ids that random
-# models emit often only where a test wants it, so generations run their full length by default.
+# name -> (model_type, config fields). eos_token_id is None unless overridden, so that a random model's
+# generations run their full length; tests that stop on EOS pass eos_token_id.
 PRESETS: dict[str, tuple[str, dict]] = {
     "llama-tiny": ("llama", dict(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
