@@ -5,8 +5,10 @@
 #   1. installs the carried FlashInfer wheels from .whl/ (if any) into /tmp/site,
 #   2. runs the CUDA tests (Triton == torch fallback on CUDA tensors, FlashInfer == reference attention)
 #      and the kernel / attention tests without TRITON_INTERPRET, i.e. on CUDA tensors,
-#   3. runs the kv_indices benchmark (JSON; also saved to $OUT/bench_kv_indices.json when OUT is set) and the
-#      cascade benchmark (FlashInfer's cascade wrapper against BatchDecode; $OUT/bench_cascade.json),
+#   3. runs the kv_indices benchmark (JSON; also saved to $OUT/bench_kv_indices.json when OUT is set), the
+#      cascade benchmark (FlashInfer's cascade wrapper against BatchDecode; $OUT/bench_cascade.json), and the
+#      engine's decode benchmark (0.5B random-weight Qwen2, FlashInfer vs transformers' generate) when
+#      transformers imports (carry its wheels in .whl/ too; $OUT/bench_engine.json),
 #      beside SGLang's own create_flashinfer_kv_indices_triton when a copy of its source is carried in
 #      .peer/sglang/ (ignored by git: SGLang's code is never committed here).
 # The first FlashInfer test JIT-compiles its kernels (minutes); later runs on the same machine reuse them.
@@ -28,8 +30,9 @@ python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" \
     || echo "flashinfer is not importable: its tests will be skipped"
 
 status=0
-python3 -m pytest -q -rs tests/test_flashinfer_cuda.py tests/test_cascade_cuda.py tests/test_kernels_kv_indices.py \
-    tests/test_kernels_req_to_token.py tests/test_attention.py tests/test_cascade.py || status=1
+python3 -m pytest -q -rs tests/test_flashinfer_cuda.py tests/test_cascade_cuda.py tests/test_engine_cuda.py \
+    tests/test_kernels_kv_indices.py tests/test_kernels_req_to_token.py tests/test_attention.py tests/test_cascade.py \
+    || status=1
 
 if [ -n "${OUT:-}" ]; then
     python3 scripts/bench_kv_indices.py --device cuda | tee "$OUT/bench_kv_indices.json" || status=1
@@ -37,5 +40,10 @@ if [ -n "${OUT:-}" ]; then
 else
     python3 scripts/bench_kv_indices.py --device cuda || status=1
     python3 scripts/bench_cascade.py --device cuda --snapshots 4 || status=1
+fi
+if python3 -c "import transformers" 2>/dev/null; then
+    python3 scripts/bench_engine.py --device cuda | tee "${OUT:-/tmp}/bench_engine.json" || status=1
+else
+    echo "transformers is not importable: the engine benchmark is skipped"
 fi
 exit $status

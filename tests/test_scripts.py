@@ -5,6 +5,7 @@ rather than fail; timing figures are not checked here (they belong to the script
 """
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,41 @@ def test_event_benchmark_reports_throughput_and_bytes_per_event():
         if row["wire_format"] == "map":  # --quick measures throughput in the map form only
             assert row["publish_events_per_s"] > 0 and row["dropped"] == 0
     assert {r["page_size"] for r in report["cache_hook"]} == {16, 1}
+
+def run_in_process(name: str, argv: list[str], capsys) -> str:
+    """Runs a script's main() in this process: the engine scripts' cost is importing transformers, which the
+    engine tests have already paid."""
+    main = runpy.run_path(str(SCRIPTS / name), run_name="script")["main"]
+    assert main(argv) == 0
+    return capsys.readouterr().out
+
+
+def test_generate_prints_outputs_errors_and_a_summary(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"input_ids": [1, 2, 3, 4, 5, 6], "output_len": 3}\n{"input_ids": [1, 2, 3, 4, 5, 7]}\n'
+                       '{"input_ids": [1, 999]}\n')
+    out = run_in_process("generate.py", ["--model", "llama-tiny", "--prompts", str(prompts), "--max-new-tokens", "5",
+                                         "--page-size", "2", "--capacity-tokens", "64"], capsys)
+    *lines, summary = map(json.loads, out.splitlines())
+    assert [len(line.get("output_ids", [])) for line in lines] == [3, 5, 0]
+    assert "token id 999 at position 1 is outside the vocabulary" in lines[2]["error"]
+    assert summary["requests"] == 2 and summary["rejected"] == 1 and summary["output_tokens"] == 8
+    assert summary["tokens_per_s"] > 0 and 0 <= summary["hit_rate"] <= 1
+
+
+def test_engine_benchmark_on_cpu_reports_both_workloads(capsys):
+    pytest.importorskip("transformers")
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        out = run_in_process("bench_engine.py", ["--device", "cpu", "--quick", "--repeats", "1", "--threads", "1"],
+                             capsys)
+    finally:
+        torch.set_num_threads(threads)
+    rows = {(r["model"], r["workload"]): r for r in json.loads(out)["rows"]}
+    assert set(rows) == {(m, w) for m in ("llama-tiny", "qwen2-tiny", "deepseek-v2-tiny")
+                         for w in ("prefix_reuse", "no_reuse")}
+    assert all(rows[m, "prefix_reuse"]["hit_rate"] > 0 == rows[m, "no_reuse"]["hit_rate"] for m, _ in rows)
+    assert all(r["output_tokens_per_s"] > 0 for r in rows.values())

@@ -17,16 +17,20 @@ over the same layout, shared prefixes from the radix tree first, and merges the 
 log-sum-exp merge (`merge_state`, kvmem.attention.merge; base-2 lse, as FlashInfer).
 """
 
+from kvmem.attention.cache_attention import MultiHeadCacheAttention, openppl_cache_pool
 from kvmem.attention.cascade import CascadeMetadata, build_cascade_metadata
 from kvmem.attention.flashinfer import KV_LAYOUTS, FlashInferAttention
 from kvmem.attention.merge import merge_state, merge_states
 from kvmem.attention.metadata import PagedKVMetadata, build_decode_metadata, build_extend_metadata
+from kvmem.attention.pool_pages import KVPages, kv_pages
 from kvmem.attention.reference import reference_cascade_attention, reference_paged_attention
 
 __all__ = [
     "KV_LAYOUTS",
     "CascadeMetadata",
     "FlashInferAttention",
+    "KVPages",
+    "MultiHeadCacheAttention",
     "PagedKVMetadata",
     "build_cascade_metadata",
     "build_decode_metadata",
@@ -34,5 +38,7 @@ __all__ = [
     "merge_state",
     "merge_states",
     "reference_cascade_attention",
+    "kv_pages",
+    "openppl_cache_pool",
     "reference_paged_attention",
 ]

@@ -1,0 +1,244 @@
+"""The engine loop: kvmem's Scheduler decides what runs, the model runner runs it, greedy sampling closes the step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kvmem._checks import check_int
+from kvmem._paging import round_up
+from kvmem.allocator import PagedTokenAllocator, TokenAllocator
+from kvmem.batch import ForwardMode, Req
+from kvmem.engine.attention import make_attention_backend
+from kvmem.engine.models import adapter_for
+from kvmem.engine.runner import ModelRunner
+from kvmem.radix_cache import RadixCache
+from kvmem.req_to_token import ReqToTokenPool
+from kvmem.scheduler import Scheduler, SchedulerConfig
+
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+
+
+class RequestOutput(NamedTuple):
+    """A finished request: `output_ids` (the stop token included when one ended it), `logits` [len(output_ids),
+    vocab_size] float32 (each sampled token's distribution; None unless asked for) and `cached_tokens` (prompt
+    tokens the prefix cache held when it was first admitted)."""
+
+    rid: int
+    output_ids: list[int]
+    logits: torch.Tensor | None
+    cached_tokens: int
+
+
+@dataclass
+class EngineStats:
+    """Totals since the engine was built (tokens and batches)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    prefill_batches: int = 0
+    decode_batches: int = 0
+    retractions: int = 0
+    evicted_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """cached_tokens / prompt_tokens, token-weighted, over requests admitted so far (0 before any)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class Engine:
+    """Greedy generation with a transformers causal LM whose KV cache is kvmem's.
+
+    Args:
+        model: a transformers causal LM of a supported architecture (kvmem.engine.SUPPORTED_ARCHITECTURES:
+            Llama, Mistral, Qwen2 with MHA/GQA; DeepSeek-V2/V3 with MLA). Its own weights run; only attention
+            and the cache are replaced. ValueError naming the architecture otherwise.
+        capacity_tokens: KV slots in the pool (a multiple of page_size), shared by running requests and the
+            prefix cache; the radix cache evicts and the scheduler retracts when it runs short.
+        page_size: tokens per KV page (1 = token-granular).
+        kv_cache_dtype: "auto" (the model dtype), "fp8_e4m3", "fp8_e5m2", "int8" or "int4" (MHA only), as in
+            kvmem.MHAKVPool / MLAKVPool.
+        chunked_prefill_size: new tokens per prefill step (None: whole prompts).
+        max_running_requests: requests decoding at once (default 256), also the req_to_token rows.
+        device: where the pools live, and must be the model's (None: the model's device).
+        attention_backend: "auto" (FlashInfer for a float16/bfloat16 model on CUDA when installed, else the torch
+            reference), "torch", "flashinfer".
+        schedule_policy: "lpm" (longest cached prefix first) or "fcfs".
+
+    Requests enter with `add_request` (checked there: a bad one raises ValueError naming it and nothing else
+    changes, so the others keep running) and advance with `step()`; `generate` wraps both.
+
+    >>> from kvmem.engine import Engine, build_model
+    >>> engine = Engine(build_model("llama-tiny"), capacity_tokens=256)
+    >>> outputs = engine.generate([[1, 2, 3, 4], [1, 2, 3, 5]], max_new_tokens=4)
+    >>> [len(o) for o in outputs]
+    [4, 4]
+    """
+
+    def __init__(self, model, *, capacity_tokens: int, page_size: int = 1, kv_cache_dtype: str = "auto",
+                 chunked_prefill_size: int | None = None, max_running_requests: int | None = None,
+                 device: str | torch.device | None = None, attention_backend: str = "auto",
+                 schedule_policy: str = "lpm") -> None:
+        self.adapter = adapter_for(model)
+        capacity_tokens = check_int("capacity_tokens", capacity_tokens, minimum=1)
+        page_size = check_int("page_size", page_size, minimum=1)
+        if capacity_tokens % page_size:
+            raise ValueError(f"capacity_tokens {capacity_tokens} must be a multiple of page_size {page_size}")
+        rows = DEFAULT_MAX_RUNNING_REQUESTS if max_running_requests is None else \
+            check_int("max_running_requests", max_running_requests, minimum=1)
+        model_device = self.adapter.embed_tokens.weight.device
+        device = model_device if device is None else torch.empty(0, device=device).device
+        if device != model_device:
+            raise ValueError(f"device {device} differs from the model's {model_device}: move the model first")
+        self.device = device
+        self.model = model
+        self.context_len = self.adapter.context_len()
+        self.pool = self.adapter.make_pool(capacity_tokens, page_size, kv_cache_dtype, device)
+        self.req_to_token_pool = ReqToTokenPool(rows, min(self.context_len, capacity_tokens), device=device)
+        if page_size == 1:
+            self.token_allocator = TokenAllocator(capacity_tokens, device=device)
+        else:
+            self.token_allocator = PagedTokenAllocator(capacity_tokens, page_size, device=device)
+        self.tree_cache = RadixCache(self.req_to_token_pool, self.token_allocator, page_size=page_size)
+        config = SchedulerConfig(schedule_policy=schedule_policy, max_running_requests=rows,
+                                 chunked_prefill_size=chunked_prefill_size)
+        self.scheduler = Scheduler(self.req_to_token_pool, self.token_allocator, self.tree_cache, config)
+        attention = make_attention_backend(attention_backend, self.pool, self.adapter.num_heads, device)
+        self.runner = ModelRunner(self.adapter, self.pool, attention, device)
+        self.stats = EngineStats()
+        self.default_stop_token_ids = _model_stop_tokens(model)
+        self._next_rid = 0
+        self._stop: dict[int, frozenset[int]] = {}
+        self._logits: dict[int, list[torch.Tensor] | None] = {}
+        self._cached: dict[int, int] = {}
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def add_request(self, input_ids: Sequence[int], max_new_tokens: int, *,
+                    stop_token_ids: Sequence[int] | None = None, return_logits: bool = False) -> int:
+        """Queues a prompt and returns its request id.
+
+        input_ids: token ids in [0, vocab_size). max_new_tokens: >= 1. stop_token_ids: tokens that end the
+        request once sampled (kept in its output, as transformers' generate keeps EOS); None: the model's
+        generation_config.eos_token_id. return_logits: keep each sampled token's logits in its RequestOutput.
+
+        Raises ValueError (TypeError for non-integer ids) naming the request when the prompt is empty, holds
+        a token outside the vocabulary, or when prompt + max_new_tokens exceed the model's context or the
+        pool; nothing is queued then and running requests are unaffected.
+        """
+        req = self._new_req(self._next_rid, input_ids, max_new_tokens)
+        self.scheduler.add_request(req)
+        self._next_rid += 1
+        stops = self.default_stop_token_ids if stop_token_ids is None else frozenset(map(int, stop_token_ids))
+        self._stop[req.rid] = stops
+        self._logits[req.rid] = [] if return_logits else None
+        return req.rid
+
+    def _new_req(self, rid, input_ids, max_new_tokens) -> Req:
+        """The Req for a prompt, or raises naming `rid`; checks everything Scheduler.add_request would reject,
+        in the words of the model and the pool."""
+        req = Req(rid, input_ids, max_new_tokens)
+        ids = np.frombuffer(req.input_ids, dtype=np.int64)
+        bad = np.flatnonzero((ids < 0) | (ids >= self.adapter.vocab_size))
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"request {rid!r}: token id {int(ids[i])} at position {i} is outside the vocabulary "
+                             f"[0, {self.adapter.vocab_size})")
+        total = len(ids) + req.max_new_tokens
+        if total > self.context_len:
+            raise ValueError(f"request {rid!r}: {len(ids)} prompt + {req.max_new_tokens} new tokens exceed the "
+                             f"model's context of {self.context_len} tokens")
+        if round_up(total, self.token_allocator.page_size) > self.token_allocator.size:
+            raise ValueError(f"request {rid!r}: {len(ids)} prompt + {req.max_new_tokens} new tokens exceed the KV "
+                             f"pool's capacity of {self.token_allocator.size} tokens")
+        return req
+
+    def is_idle(self) -> bool:
+        return self.scheduler.is_idle()
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one batch (prefill if anything can be admitted, else decode) and returns the requests it
+        finished; [] when idle."""
+        sched = self.scheduler
+        retractions, evicted = sched.stats.retractions, sched.stats.evicted_tokens
+        batch = sched.step()
+        if batch is None:
+            if not sched.is_idle():
+                raise RuntimeError("the scheduler returned no batch while requests are pending")
+            return []
+        extend = batch.forward_mode is ForwardMode.EXTEND
+        if extend:
+            self._count_admissions(batch)
+        logits = self.runner.forward(batch)
+        tokens = logits.argmax(-1).tolist()
+        for i, (req, tok) in enumerate(zip(batch.reqs, tokens)):
+            if extend and req.is_chunked():  # a middle chunk of a prompt samples nothing
+                continue
+            kept = self._logits[req.rid]
+            if kept is not None:
+                kept.append(logits[i].cpu())
+            if tok in self._stop[req.rid]:
+                # The scheduler finishes a request at max_new_tokens; a stop token brings that to this token.
+                req.max_new_tokens = len(req.output_ids) + 1
+        finished = sched.process_batch_result(batch, tokens)
+        stats = self.stats
+        stats.prefill_batches += extend
+        stats.decode_batches += not extend
+        stats.retractions += sched.stats.retractions - retractions
+        stats.evicted_tokens += sched.stats.evicted_tokens - evicted
+        return [self._output(req) for req in finished]
+
+    def _count_admissions(self, batch) -> None:
+        """Prompt and cached tokens of requests admitted for the first time (a retracted one counts once)."""
+        for req, prefix in zip(batch.reqs, batch.prefix_lens.tolist()):
+            if req.rid not in self._cached:
+                self._cached[req.rid] = prefix
+                self.stats.requests += 1
+                self.stats.prompt_tokens += len(req.input_ids)
+                self.stats.cached_tokens += prefix
+
+    def _output(self, req: Req) -> RequestOutput:
+        self.stats.output_tokens += len(req.output_ids)
+        logits = self._logits.pop(req.rid)
+        del self._stop[req.rid]
+        return RequestOutput(req.rid, list(req.output_ids), torch.stack(logits) if logits is not None else None,
+                             self._cached.pop(req.rid))
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
+                 stop_token_ids: Sequence[int] | None = None) -> list[list[int]]:
+        """Greedy outputs of `prompts`, in order, batched and scheduled by kvmem (see add_request).
+
+        max_new_tokens: one count for all, or one per prompt. Every prompt is checked before any runs: a bad
+        one raises ValueError naming its index (`prompts[i]`) and the engine is left as it was. Needs an idle
+        engine (RuntimeError otherwise), since it runs until every request it added has finished.
+        """
+        if not self.is_idle():
+            raise RuntimeError("generate() needs an idle engine; finish the requests added with add_request first")
+        counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, (int, np.integer)) \
+            else list(max_new_tokens)
+        if len(counts) != len(prompts):
+            raise ValueError(f"max_new_tokens has {len(counts)} counts for {len(prompts)} prompts")
+        for i, (prompt, n) in enumerate(zip(prompts, counts)):
+            self._new_req(f"prompts[{i}]", prompt, n)
+        rids = [self.add_request(p, n, stop_token_ids=stop_token_ids) for p, n in zip(prompts, counts)]
+        outputs: dict[int, list[int]] = {}
+        while not self.is_idle():
+            for out in self.step():
+                outputs[out.rid] = out.output_ids
+        return [outputs[rid] for rid in rids]
+
+
+def _model_stop_tokens(model) -> frozenset[int]:
+    """The model's EOS ids (generation_config first, as transformers' generate reads them)."""
+    config = getattr(model, "generation_config", None) or model.config
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else map(int, eos))
