@@ -6,11 +6,14 @@ from kvmem.kv_pool import MHAKVPool, MLAKVPool
 from kvmem.radix_cache import MatchResult, RadixCache, TreeNode
 from kvmem.req_to_token import ReqToTokenPool
 from kvmem.scheduler import Scheduler, SchedulerConfig
+from kvmem.tiers import HiRadixCache, HostKVPool
 from kvmem.timing import PhaseTimer
 
 __all__ = [
     "AllocatorState",
     "ForwardMode",
+    "HiRadixCache",
+    "HostKVPool",
     "MHAKVPool",
     "MLAKVPool",
     "MatchResult",

@@ -70,6 +70,7 @@ class Req:
         self.prefix_indices: torch.Tensor = _EMPTY
         self.last_node = None
         self.cache_protected_len = 0
+        self.host_hit_len = 0  # tokens of the prefix that the last admission loaded back from the host tier
         # Tokens this extend step brings the row up to; below len(fill_ids) while chunked prefill goes on.
         self.extend_end = 0
         self.num_retractions = 0

@@ -128,6 +128,42 @@ class _KVPool:
     def _all_buffers(self) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    # ---- stored rows, for copies between tiers --------------------------------------------------------
+    def row_formats(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(row shape, dtype) of each stored buffer of a layer (K, V, then K and V scales; or MLA's latent):
+        what one slot occupies, exactly as stored (fp8 as uint8 codes, int4 packed, scales float32)."""
+        return [(tuple(b.shape[self._slot_dims:]), b.dtype) for b in self._token_major_parts(0)]
+
+    def slot_rows(self, layer_id: int, loc: torch.Tensor) -> list[torch.Tensor]:
+        """Each stored buffer's rows of slots `loc` [n] in layer `layer_id`, as stored (codes and scales, no
+        dequantization): [n, *row shape] copies on the pool's device, in `row_formats()` order."""
+        self._check_layer(layer_id)
+        index = self._slot_index(self._check_loc(loc))
+        return [part[index] for part in self._token_major_parts(layer_id)]
+
+    def set_slot_rows(self, layer_id: int, loc: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        """Writes stored rows (as `slot_rows` returns them) into slots `loc` of layer `layer_id`, bit for bit."""
+        self._check_layer(layer_id)
+        loc = self._check_loc(loc)
+        parts = self._token_major_parts(layer_id)
+        if len(rows) != len(parts):
+            raise ValueError(f"rows must hold {len(parts)} tensors (one per stored buffer), got {len(rows)}")
+        for (shape, dtype), r in zip(self.row_formats(), rows):
+            if not isinstance(r, torch.Tensor) or r.dtype != dtype or tuple(r.shape) != (len(loc), *shape):
+                raise ValueError(f"rows must be [{len(loc)}, {', '.join(map(str, shape))}] {dtype} tensors, got "
+                                 f"{tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__}")
+        index = self._slot_index(loc)
+        for part, r in zip(parts, rows):
+            part.index_put_(index, r.to(self.device))
+
+    _slot_dims = 1  # leading dims of a token-major buffer that address a slot
+
+    def _token_major_parts(self, layer_id: int) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def _slot_index(self, loc: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (loc,)
+
     def _check_layer(self, layer_id: int) -> None:
         if not 0 <= check_int("layer_id", layer_id) < self.layer_num:
             raise IndexError(f"layer_id {layer_id} out of range [0, {self.layer_num})")
@@ -231,6 +267,15 @@ class MHAKVPool(_KVPool):
         if self.layout == "NHD":
             return (loc,)
         return (loc // self.page_size, loc % self.page_size)
+
+    @property
+    def _slot_dims(self) -> int:
+        return 1 if self.layout == "NHD" else 2
+
+    def _token_major_parts(self, layer_id: int) -> list[torch.Tensor]:
+        bufs = [self.k_buffer, self.v_buffer] + ([self.k_scale_buffer, self.v_scale_buffer]
+                                                 if self.k_scale_buffer else [])
+        return [self._token_major(b[layer_id]) for b in bufs]
 
     def _token_major(self, buf: torch.Tensor) -> torch.Tensor:
         """A view whose leading dims address slots: NHD as is, HND as [num_pages, page_size, H, D]."""
@@ -339,6 +384,9 @@ class MLAKVPool(_KVPool):
 
     def _all_buffers(self) -> list[torch.Tensor]:
         return self.kv_buffer
+
+    def _token_major_parts(self, layer_id: int) -> list[torch.Tensor]:
+        return [self.kv_buffer[layer_id]]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor) -> None:
         """Writes latent rows cache_k [n, 1, kv_lora_rank + qk_rope_head_dim] (model dtype) into slots `loc`."""

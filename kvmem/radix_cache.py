@@ -34,12 +34,18 @@ from kvmem.req_to_token import ReqToTokenPool
 
 
 class MatchResult(NamedTuple):
-    """`indices`: [prefix_len] int64 slots of the longest cached prefix (page-aligned), read-only: it may
-    share memory with the tree. `last_node`: the node whose path from the root is exactly that prefix
-    (the root when nothing matched); lock it with `inc_lock_ref` to keep the prefix cached."""
+    """`indices`: [prefix_len] int64 slots of the longest cached prefix on the device (page-aligned),
+    read-only: it may share memory with the tree. `last_node`: the node whose path from the root is exactly
+    that prefix (the root when nothing matched); lock it with `inc_lock_ref` to keep the prefix cached.
+
+    A tiered cache (`kvmem.HiRadixCache`) also reports `host_hit_length`, the tokens after that prefix that
+    only its host tier holds, down to `last_host_node`; a plain RadixCache reports 0 and None, so a caller
+    has one code path for both."""
 
     indices: torch.Tensor
     last_node: TreeNode
+    host_hit_length: int = 0
+    last_host_node: TreeNode | None = None
 
 
 class CachedRequest(Protocol):
@@ -163,13 +169,7 @@ class RadixCache(RadixTree):
         view = key_bytes("key", key)
         nbytes = len(view)
         if checked:
-            if nbytes == 0:
-                raise ValueError("key is empty: there is nothing to insert")
-            if nbytes % self._page_bytes:
-                raise ValueError(f"key has {nbytes // TOKEN_BYTES} tokens, not a multiple of page_size "
-                                 f"{self.page_size}: insert whole pages (the partial tail belongs to the request)")
-            value = self._check_value(value, nbytes // TOKEN_BYTES)
-            priority = check_int("priority", priority)
+            value, priority = self._check_insert(view, value, priority)
         walk = self._descend(view, nbytes)
         matched = walk.num_tokens
         grows = matched * TOKEN_BYTES < nbytes
@@ -188,6 +188,21 @@ class RadixCache(RadixTree):
         elif last.entry is not None:
             self._rekey(last)
         return matched, last
+
+    def _check_insert(self, view: memoryview, value, priority) -> tuple[np.ndarray, int]:
+        """insert's argument checks: returns value as host int64 slots and priority as an int."""
+        nbytes = len(view)
+        if nbytes == 0:
+            raise ValueError("key is empty: there is nothing to insert")
+        if nbytes % self._page_bytes:
+            raise ValueError(f"key has {nbytes // TOKEN_BYTES} tokens, not a multiple of page_size "
+                             f"{self.page_size}: insert whole pages (the partial tail belongs to the request)")
+        return self._check_value(value, nbytes // TOKEN_BYTES), check_int("priority", priority)
+
+    def writing_check(self) -> int:
+        """Completes copies to lower tiers that have finished (a tiered cache's; the Scheduler calls it every
+        step). A single-tier cache has none: 0."""
+        return 0
 
     def _path_indices(self, node: TreeNode) -> torch.Tensor:
         values = self._path_values(node)
@@ -334,7 +349,7 @@ class RadixCache(RadixTree):
         if self._protected_size:
             raise RuntimeError(f"reset() while requests lock {self._protected_size} cached tokens; "
                                "release them (dec_lock_ref) first")
-        values = self._detach_all()
+        values = [node.value for node in self._detach_all()]
         if values:
             self._release(values)
         self._init_root()
@@ -346,7 +361,7 @@ class RadixCache(RadixTree):
         (whole pages), lock refs (non-negative, a child never above its parent), the size counters, the
         evictable set (exactly the unlocked leaves, each under its current policy key), and the slots
         (distinct, never slot 0, allocated in the allocator, matching the tree's ownership bitmap)."""
-        values = self._check_tree()
+        values = [node.value for node in self._check_tree()]
         slots = np.concatenate(values) if values else np.empty(0, dtype=np.int64)
         if len(slots) and slots.min() <= 0:
             _fail(f"the tree holds slot {slots.min()} (slot 0 is padding)")

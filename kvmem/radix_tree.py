@@ -100,8 +100,12 @@ class Walk(NamedTuple):
 class RadixTree:
     """Nodes, walks, splits, lock references and the evictable set, over values the subclass owns.
 
-    Sizes are in tokens: `total_size() == evictable_size() + protected_size()`.
+    Sizes are in tokens: `total_size() == evictable_size() + protected_size()`. A tiered subclass overrides the
+    few steps where a tier changes what happens: `_protect` / `_unprotect` (a node's lock count leaves or
+    reaches 0), `_leave_device` (an evicted leaf goes), `_node_device_tokens` (what a node holds, checked).
     """
+
+    node_class: type[TreeNode] = TreeNode
 
     def __init__(self, page_size: int, eviction_policy: str | EvictionKey) -> None:
         self.page_size = check_int("page_size", page_size, minimum=1)
@@ -112,7 +116,7 @@ class RadixTree:
         self._init_root()
 
     def _init_root(self) -> None:
-        self.root_node = TreeNode(b"", np.empty(0, dtype=np.int64), None, 0, next(self._ids))
+        self.root_node = self.node_class(b"", np.empty(0, dtype=np.int64), None, 0, next(self._ids))
         self._clock = 0
         self._evictable.clear()
         self._evictable_size = 0
@@ -162,7 +166,7 @@ class RadixTree:
         """
         k = into_child // TOKEN_BYTES
         parent = child.parent
-        head = TreeNode(child.key[:into_child], child.value[:k].copy(), parent, child.created, next(self._ids))
+        head = self.node_class(child.key[:into_child], child.value[:k].copy(), parent, child.created, next(self._ids))
         head.lock_ref = child.lock_ref
         head.last_access = child.last_access
         head.hit_count = child.hit_count
@@ -178,7 +182,7 @@ class RadixTree:
         return head
 
     def _add_leaf(self, parent: TreeNode, key: bytes, value: np.ndarray, priority: int) -> TreeNode:
-        leaf = TreeNode(key, value, parent, self._clock, next(self._ids))
+        leaf = self.node_class(key, value, parent, self._clock, next(self._ids))
         leaf.priority = priority
         if parent.entry is not None:
             self._remove_evictable(parent)
@@ -219,11 +223,7 @@ class RadixTree:
         root = self._check_node(node)
         while node is not root:
             if node.lock_ref == 0:
-                n = len(node.value)
-                self._evictable_size -= n
-                self._protected_size += n
-                if node.entry is not None:
-                    self._remove_evictable(node)
+                self._protect(node)
             node.lock_ref += 1
             node = node.parent
 
@@ -240,12 +240,24 @@ class RadixTree:
         while node is not root:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                n = len(node.value)
-                self._protected_size -= n
-                self._evictable_size += n
-                if not node.children:
-                    self._add_evictable(node)
+                self._unprotect(node)
             node = node.parent
+
+    def _protect(self, node: TreeNode) -> None:
+        """A node's first lock: its tokens move from evictable to protected, and it leaves the evictable set."""
+        n = len(node.value)
+        self._evictable_size -= n
+        self._protected_size += n
+        if node.entry is not None:
+            self._remove_evictable(node)
+
+    def _unprotect(self, node: TreeNode) -> None:
+        """A node's last lock is gone: its tokens are evictable again, and a leaf joins the evictable set."""
+        n = len(node.value)
+        self._protected_size -= n
+        self._evictable_size += n
+        if not node.children:
+            self._add_evictable(node)
 
     def _check_node(self, node: TreeNode) -> TreeNode:
         """Returns this tree's root if `node` hangs from it; raises otherwise. A walk up the path (a lock
@@ -276,81 +288,95 @@ class RadixTree:
         self._add_evictable(node)
 
     def _evict_leaves(self, num_tokens: int, removed: list[TreeNode] | None = None) -> tuple[int, list[np.ndarray]]:
-        """Removes unlocked leaves in policy order until `num_tokens` tokens are out (or none is left);
-        returns (tokens removed, their values), and appends the removed nodes to `removed` if given. A
-        parent left childless and unlocked joins the evictable set as its last child goes, so a chain
-        empties leaf by leaf."""
-        evictable, root, page_bytes = self._evictable, self.root_node, self._page_bytes
+        """Evicts unlocked leaves in policy order until `num_tokens` tokens are out (or none is left); returns
+        (tokens evicted, their values), and appends the evicted nodes to `removed` if given. Each leaves
+        through `_leave_device`, which may make its parent the next evictable leaf, so a chain empties leaf
+        by leaf."""
+        evictable = self._evictable
         freed = 0
         values = []
         while freed < num_tokens and evictable:
             node = evictable.pop(0)[2]
             node.entry = None
-            parent = node.parent
-            del parent.children[node.key[:page_bytes]]
-            node.parent = None
             values.append(node.value)
+            freed += len(node.value)
+            self._leave_device(node)
             if removed is not None:
                 removed.append(node)
-            freed += len(node.value)
-            if not parent.children and parent.lock_ref == 0 and parent is not root:
-                self._add_evictable(parent)
         self._evictable_size -= freed
         return freed, values
 
-    def _detach_all(self) -> list[np.ndarray]:
-        """Unlinks every node (each left with parent None) and returns their values; the root stays."""
-        values = []
+    def _leave_device(self, node: TreeNode) -> None:
+        """An evicted leaf leaves the tree; a parent left childless and unlocked becomes evictable."""
+        parent = node.parent
+        del parent.children[node.key[:self._page_bytes]]
+        node.parent = None
+        if not parent.children and parent.lock_ref == 0 and parent is not self.root_node:
+            self._add_evictable(parent)
+
+    def _detach_all(self) -> list[TreeNode]:
+        """Unlinks every node (each left with parent None) and returns them; the root stays."""
+        nodes = []
         stack = [self.root_node]
         while stack:
             node = stack.pop()
             for child in node.children.values():
-                values.append(child.value)
+                nodes.append(child)
                 stack.append(child)
             node.parent = None
-        return values
+        return nodes
 
     # ---- checks -------------------------------------------------------------------------------------
-    def _check_tree(self) -> list[np.ndarray]:
+    def _check_tree(self) -> list[TreeNode]:
         """Raises AssertionError naming the first broken structural invariant (links and child keys, node
-        sizes in whole pages, lock refs, size counters, the evictable set); returns every node's value."""
+        sizes in whole pages, lock refs, size counters, the evictable set); returns every node but the root."""
         root, page_bytes, ps = self.root_node, self._page_bytes, self.page_size
         if root.key or root.parent is not None or root.lock_ref or root.entry is not None:
             _fail("the root must have an empty key, no parent, no lock and no evictable entry")
         evictable = protected = leaves = 0
-        values = []
+        nodes = []
         stack = [root]
         while stack:
             node = stack.pop()
             for first, child in node.children.items():
-                n = len(child.value)
+                n = child.num_tokens
                 if child.parent is not node:
                     _fail(f"node {child.id}: parent is not node {node.id}, which lists it as a child")
                 if first != child.key[:page_bytes]:
                     _fail(f"node {child.id} is filed under a child key that is not its first page")
-                if n == 0 or n % ps or len(child.key) != n * TOKEN_BYTES:
-                    _fail(f"node {child.id}: {len(child.key) // TOKEN_BYTES} tokens and {n} slots "
-                          f"(must be equal, positive, whole pages of {ps})")
+                if n == 0 or n % ps or len(child.key) % TOKEN_BYTES:
+                    _fail(f"node {child.id}: {len(child.key)} key bytes (must be {n} > 0 tokens in whole pages "
+                          f"of {ps})")
                 if child.lock_ref < 0 or (node is not root and child.lock_ref > node.lock_ref):
                     _fail(f"node {child.id}: lock_ref {child.lock_ref} (parent {node.lock_ref}) must be "
                           f">= 0 and at most its parent's")
+                device = self._node_device_tokens(child)
                 if child.lock_ref:
-                    protected += n
+                    protected += device
                 else:
-                    evictable += n
+                    evictable += device
                 self._check_evictable_entry(child)
                 leaves += child.entry is not None
-                values.append(child.value)
+                nodes.append(child)
                 stack.append(child)
         if evictable != self._evictable_size or protected != self._protected_size:
             _fail(f"counters say evictable {self._evictable_size}, protected {self._protected_size}; "
                   f"the nodes hold {evictable} and {protected}")
         if leaves != len(self._evictable):
             _fail(f"the evictable set has {len(self._evictable)} entries for {leaves} unlocked leaves")
-        return values
+        return nodes
+
+    def _node_device_tokens(self, node: TreeNode) -> int:
+        """The tokens `node` holds in the (device) tier the sizes count; checks its value against its key."""
+        if len(node.value) != node.num_tokens:
+            _fail(f"node {node.id}: {node.num_tokens} tokens and {len(node.value)} slots (must be equal)")
+        return len(node.value)
+
+    def _is_evictable_leaf(self, node: TreeNode) -> bool:
+        return node.lock_ref == 0 and not node.children
 
     def _check_evictable_entry(self, node: TreeNode) -> None:
-        should = node.lock_ref == 0 and not node.children
+        should = self._is_evictable_leaf(node)
         if should != (node.entry is not None):
             _fail(f"node {node.id} (lock_ref {node.lock_ref}, {len(node.children)} children) is "
                   f"{'' if node.entry is not None else 'not '}in the evictable set")

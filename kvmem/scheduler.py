@@ -40,6 +40,8 @@ class SchedulerConfig:
     chunked_prefill_size: new tokens per extend step (None: no cap, no chunking); a request longer
         than what is left of the step is prefilled in chunks.
     lpm_window: how many waiting requests "lpm" matches against the tree per step (bounds its cost).
+    load_back_threshold: with a tiered cache, a prefix part held only by the host is loaded back when it has
+        at least this many tokens, and recomputed when shorter (a copy costs more than a few tokens' prefill).
     init_new_token_ratio / min_new_token_ratio / new_token_ratio_decay: the share of running requests'
         remaining output tokens that admission keeps free.
     """
@@ -48,6 +50,7 @@ class SchedulerConfig:
     max_running_requests: int | None = None
     chunked_prefill_size: int | None = 8192
     lpm_window: int = 128
+    load_back_threshold: int = 16
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
@@ -59,6 +62,7 @@ class SchedulerConfig:
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), minimum=1)
         check_int("lpm_window", self.lpm_window, minimum=1)
+        check_int("load_back_threshold", self.load_back_threshold, minimum=1)
         for name in ("init_new_token_ratio", "min_new_token_ratio", "new_token_ratio_decay"):
             check_number(name, getattr(self, name), 0)
         if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
@@ -154,6 +158,7 @@ class Scheduler:
         """
         if self._batch is not None:
             raise RuntimeError("step() called before process_batch_result() for the previous batch")
+        self.tree_cache.writing_check()
         batch = self._get_extend_batch()
         if batch is None and self.running:
             t0 = perf_counter()
@@ -298,12 +303,20 @@ class Scheduler:
         return int(sum(r.max_new_tokens - len(r.output_ids) for r in reqs) * self.new_token_ratio)
 
     def _match(self, req: Req) -> None:
+        """Matches the request's prefix; with a tiered cache, loads its host-only part back to the device when
+        it is long enough (else that part is recomputed)."""
         m = self.tree_cache.match_prefix(_match_key(req))
-        req.prefix_indices = m.indices
-        req.last_node = m.last_node
+        indices, node = m.indices, m.last_node
+        req.host_hit_len = 0
+        if m.host_hit_length >= self.config.load_back_threshold:
+            loaded = self.tree_cache.load_back(m.last_host_node, m.host_hit_length)
+            if loaded is not None:
+                indices, node, req.host_hit_len = loaded, m.last_host_node, m.host_hit_length
+        req.prefix_indices = indices
+        req.last_node = node
         # numel(), not len(): a tensor's len() goes through a Python wrapper that costs about 6x as much, and
         # admission and prepare_for_extend read each prefix length several times.
-        req.cache_protected_len = m.indices.numel()
+        req.cache_protected_len = indices.numel()
 
     def _sort_waiting_by_prefix(self) -> None:
         """Puts the first `lpm_window` waiting requests with the longest cached prefixes first. Ranking

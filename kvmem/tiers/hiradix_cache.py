@@ -1,0 +1,641 @@
+"""The hierarchical radix cache (HiCache-style): a radix tree whose nodes hold device slots, host slots or both.
+
+A node is *on device* (its `value` holds device slots) and/or *backed up* (its `host_value` holds host slots
+whose copy has completed). Two rules keep every path simple, and every operation local:
+
+- The device tier is prefix-closed: a node on device has its whole path on device. So a path is some device
+  nodes from the root, then host-only nodes; `match_prefix` returns the device part's slots and how many
+  tokens beyond it the host holds (`host_hit_length`).
+- The backed-up set is prefix-closed too: a node is backed up only after (or together with) its ancestors.
+  So a node that is not backed up has no host-only descendants, and removing it never orphans one.
+
+Device eviction pops the least valuable *device leaf* (on device, unlocked, no child on device) from an ordered
+set: a backed-up one stays in the tree as host-only, any other leaves it. Host eviction pops host-only leaves
+(unlocked, childless) from a second ordered set. Both are O(k log n) for k nodes, never a scan: SGLang's
+hierarchical cache collects every device leaf with a tree walk on each evict.
+
+Write policies: "write_through" backs a node up as soon as it is inserted, "write_through_selective" once a
+match has reached it twice, "write_back" only when device eviction would otherwise drop it.
+
+Backups are asynchronous on CUDA: a node being copied stays locked on device until its copy completes, and
+copies complete in the order they were issued. `writing_check()` (the Scheduler calls it every step) finishes
+them; with `tp_group`, a copy counts as complete only once every tensor-parallel rank has finished it
+(`all_reduce(MIN)` over the completed count, as SGLang does), so that all ranks take the same decisions. A
+copy that fails releases its host slots, and those of every backup issued after it (they may back up its
+descendants), and the nodes stay on device only: a fault costs hits, never correctness. A failed load leaves
+its nodes host-only and frees the device slots it took.
+
+Host tier sizes: `host_evictable_size()` counts host-only unlocked tokens, `host_protected_size()` every other
+host copy the tree holds (copies of device nodes, locked or loading host-only nodes, backups in flight), and
+`host_available_size() + host_evictable_size() + host_protected_size() == host_total_size()`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from sortedcontainers import SortedList
+
+from kvmem._checks import check_int
+from kvmem.allocator import PagedTokenAllocator, TokenAllocator
+from kvmem.events.schema import MEDIUM_CPU_PINNED, AllBlocksCleared, KVCacheEvent
+from kvmem.eviction import EvictionKey, eviction_key
+from kvmem.radix_cache import MatchResult, RadixCache
+from kvmem.radix_tree import TOKEN_BYTES, TreeNode, _fail, key_bytes
+from kvmem.req_to_token import ReqToTokenPool
+from kvmem.tiers.host_pool import Transfer
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+_NO_SLOTS = np.empty(0, dtype=np.int64)  # the value of a node that is not on device
+_SELECTIVE_HITS = 2  # write_through_selective backs a node up once this many matches reached it
+
+
+class HiTreeNode(TreeNode):
+    """A tree node of the hierarchical cache: `value` is its device slots (empty when host-only),
+    `host_value` its host slots (None when not backed up), `host_entry` its record in the host-evictable set,
+    `device_children` how many of its children are on device, `backup` the backup in flight for it, if any."""
+
+    __slots__ = ("host_value", "host_entry", "device_children", "backup")
+
+    def __init__(self, key: bytes, value: np.ndarray, parent: TreeNode | None, created: int, id: int) -> None:
+        super().__init__(key, value, parent, created, id)
+        self.host_value: np.ndarray | None = None
+        self.host_entry: tuple | None = None
+        self.device_children = 0
+        self.backup: _Backup | None = None
+
+
+@dataclass(eq=False)
+class _Backup:
+    """One device -> host copy in flight: the nodes it backs up (root first; a split adds its new head), the
+    node whose lock keeps their device copies alive until it completes, its token count."""
+
+    transfer: Transfer
+    nodes: list[HiTreeNode]
+    lock_node: HiTreeNode
+    tokens: int
+    discard: bool = False  # an earlier backup failed: this one may back up that one's descendants
+
+
+@dataclass
+class TierStats:
+    """Tokens moved between tiers since the cache was built."""
+
+    loaded_tokens: int = 0          # host -> device (load_back)
+    backed_up_tokens: int = 0       # device -> host (completed backups)
+    host_evicted_tokens: int = 0    # host copies dropped by evict_host
+    failed_transfers: int = 0       # copies that failed (their nodes stayed in their old tier)
+    discarded_backups: int = 0      # backups released because an earlier one failed
+
+
+class HiRadixCache(RadixCache):
+    """A radix cache over a device slot allocator and a host pool (see the module docstring).
+
+    Args:
+        req_to_token_pool, token_allocator, page_size, eviction_policy, event_sink: as for RadixCache.
+        host_pool: a `HostKVPool` (or `HostSlotPool`) with the same page size, larger than the device.
+        write_policy: "write_through", "write_through_selective" or "write_back".
+        host_eviction_policy: the host tier's eviction order (default: the device's).
+        tp_group: a torch.distributed process group of tensor-parallel ranks running the same cache.
+    """
+
+    node_class = HiTreeNode
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, token_allocator: TokenAllocator | PagedTokenAllocator,
+                 host_pool, *, page_size: int = 1, eviction_policy: str | EvictionKey = "lru",
+                 write_policy: str = "write_through", host_eviction_policy: str | EvictionKey | None = None,
+                 tp_group=None, event_sink: Callable[[KVCacheEvent], None] | None = None) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        host_allocator = getattr(host_pool, "allocator", None)
+        if not isinstance(host_allocator, (TokenAllocator, PagedTokenAllocator)) or not callable(
+                getattr(host_pool, "backup", None)) or not callable(getattr(host_pool, "load", None)):
+            raise TypeError(f"host_pool must be a HostKVPool or HostSlotPool, got {type(host_pool).__name__}")
+        if host_allocator.page_size != page_size:
+            raise ValueError(f"host_pool's page size {host_allocator.page_size} != page_size {page_size}")
+        if host_allocator.size <= token_allocator.size:
+            raise ValueError(f"host_pool ({host_allocator.size} tokens) must be larger than the device "
+                             f"({token_allocator.size} tokens)")
+        if getattr(host_pool, "device_pool", None) is not None and host_pool.device_pool.size != token_allocator.size:
+            raise ValueError(f"host_pool backs a device pool of {host_pool.device_pool.size} tokens, but "
+                             f"token_allocator has {token_allocator.size}")
+        self._host_policy = host_eviction_policy
+        super().__init__(req_to_token_pool, token_allocator, page_size, eviction_policy, event_sink)
+        self.host_pool = host_pool
+        self.host_allocator = host_allocator
+        self.write_policy = write_policy
+        self.tp_group = tp_group
+        self.stats = TierStats()
+
+    def _init_root(self) -> None:
+        super()._init_root()
+        if not hasattr(self, "_host_sort_key"):
+            self._host_sort_key = eviction_key(self._host_policy or self._sort_key)[1]
+            self._host_evictable = SortedList()
+        self._host_evictable.clear()
+        self._host_evictable_size = 0
+        self._host_protected_size = 0
+        self._pending: deque[_Backup] = deque()
+
+    # ---- sizes --------------------------------------------------------------------------------------
+    def device_evictable_size(self) -> int:
+        """Device tokens in unlocked nodes (`evictable_size()`)."""
+        return self._evictable_size
+
+    def host_evictable_size(self) -> int:
+        """Host tokens of unlocked host-only nodes: what `evict_host` can free."""
+        return self._host_evictable_size
+
+    def host_protected_size(self) -> int:
+        """Host tokens the tree holds that `evict_host` cannot free: copies of device nodes, locked host-only
+        nodes and backups in flight."""
+        return self._host_protected_size
+
+    def host_total_size(self) -> int:
+        """Host tokens held by the tree."""
+        return self._host_evictable_size + self._host_protected_size
+
+    def host_available_size(self) -> int:
+        return self.host_allocator.available_size()
+
+    # ---- match --------------------------------------------------------------------------------------
+    def match_prefix(self, key) -> MatchResult:
+        """The longest cached prefix of `key` in either tier (whole pages).
+
+        `indices` and `last_node` cover its device part (lock `last_node` to keep it on device); the next
+        `host_hit_length` tokens are on host only, down to `last_host_node` (`load_back(last_host_node,
+        host_hit_length)` brings them to the device). A match ending inside an edge splits that node.
+        """
+        view = key_bytes("key", key)
+        node = self._walk_to_node(self._descend(view, len(view) - len(view) % self._page_bytes))
+        if node is self.root_node:
+            return MatchResult(self._empty, node)
+        self._touch(node, hit=True)
+        device_node, host_tokens = self._device_ancestor(node)
+        if device_node.entry is not None:
+            self._rekey(device_node)
+        if node.host_entry is not None:
+            self._host_rekey(node)
+        if self.write_policy == "write_through_selective" and device_node is not self.root_node:
+            self._backup_hot_path(device_node)
+        if host_tokens == 0:
+            return MatchResult(self._path_indices(node), node)
+        return MatchResult(self._path_indices(device_node), device_node, host_tokens, node)
+
+    def _device_ancestor(self, node: HiTreeNode) -> tuple[HiTreeNode, int]:
+        """The deepest node on device on root..node, and the tokens of the host-only nodes below it."""
+        root, tokens = self.root_node, 0
+        while node is not root and not len(node.value):
+            tokens += node.num_tokens
+            node = node.parent
+        return node, tokens
+
+    # ---- insert (reviving host-only nodes) ----------------------------------------------------------
+    def _insert(self, key, value, priority: int, *, checked: bool = True) -> tuple[int, HiTreeNode]:
+        """As RadixCache's, but the walk may pass host-only nodes: the tree takes value's slots for them (the
+        tokens' KV is the same), so the count returned is only the leading tokens already on device."""
+        view = key_bytes("key", key)
+        nbytes = len(view)
+        if checked:
+            value, priority = self._check_insert(view, value, priority)
+        walk = self._descend(view, nbytes)
+        matched = walk.num_tokens
+        revived = self._host_tokens_on_walk(walk)
+        on_device = matched - revived
+        grows = matched * TOKEN_BYTES < nbytes
+        if checked and (grows or revived):
+            self._check_new_slots(value[on_device:])
+        last = self._walk_to_node(walk)
+        if revived:
+            self._revive_path(last, value[on_device:matched])
+        self._touch(last, hit=False, priority=priority)
+        if grows:
+            new_slots = value[matched:]
+            last = self._add_leaf(last, view[matched * TOKEN_BYTES:].tobytes(), new_slots.copy(), priority)
+            self._in_tree[new_slots] = True
+            if self._event_sink is not None:
+                self._report_stored(last)
+        elif last.entry is not None:
+            self._rekey(last)
+        if self.write_policy == "write_through" and (grows or revived):
+            self._backup_path(last)
+        return on_device, last
+
+    def _host_tokens_on_walk(self, walk) -> int:
+        """Tokens of the host-only nodes a walk went through (they end its path: the device is prefix-closed)."""
+        _, tokens = self._device_ancestor(walk.node)
+        if walk.child is not None and not len(walk.child.value):
+            tokens += walk.into_child // TOKEN_BYTES
+        return tokens
+
+    def _revive_path(self, last: HiTreeNode, slots: np.ndarray) -> None:
+        """Puts the host-only nodes at the end of root..last back on device, in `slots` (their tokens, root
+        side first)."""
+        nodes = []
+        node = last
+        while node is not self.root_node and not len(node.value):
+            nodes.append(node)
+            node = node.parent
+        offset = 0
+        for node in reversed(nodes):
+            n = node.num_tokens
+            self._to_device_tier(node, slots[offset:offset + n].copy())
+            offset += n
+
+    def _to_device_tier(self, node: HiTreeNode, slots: np.ndarray) -> None:
+        """A host-only node whose parent is on device gets device slots (its host copy stays)."""
+        n = len(slots)
+        node.value = slots
+        self._in_tree[slots] = True
+        parent = node.parent
+        parent.device_children += 1
+        if parent.entry is not None:  # no longer a device leaf
+            self._remove_evictable(parent)
+        if node.host_entry is not None:
+            self._remove_host_evictable(node)
+        if node.lock_ref:
+            self._protected_size += n  # its host copy was protected as a locked node, and stays so
+        else:
+            self._evictable_size += n
+            self._host_evictable_size -= n
+            self._host_protected_size += n
+            if node.device_children == 0:
+                self._add_evictable(node)
+        if self._event_sink is not None:
+            self._report_stored(node)
+
+    # ---- locks and leaves, per tier -----------------------------------------------------------------
+    def _add_leaf(self, parent: HiTreeNode, key: bytes, value: np.ndarray, priority: int) -> HiTreeNode:
+        leaf = super()._add_leaf(parent, key, value, priority)
+        parent.device_children += 1
+        return leaf
+
+    def _protect(self, node: HiTreeNode) -> None:
+        if len(node.value):
+            super()._protect(node)
+            return
+        n = node.num_tokens
+        self._host_evictable_size -= n
+        self._host_protected_size += n
+        if node.host_entry is not None:
+            self._remove_host_evictable(node)
+
+    def _unprotect(self, node: HiTreeNode) -> None:
+        n = len(node.value)
+        if n:
+            self._protected_size -= n
+            self._evictable_size += n
+            if node.device_children == 0:
+                self._add_evictable(node)
+            return
+        n = node.num_tokens
+        self._host_protected_size -= n
+        self._host_evictable_size += n
+        if not node.children:
+            self._add_host_evictable(node)
+
+    def _split(self, child: HiTreeNode, into_child: int) -> HiTreeNode:
+        host, backup = child.host_value, child.backup
+        head = super()._split(child, into_child)
+        k = into_child // TOKEN_BYTES
+        if host is not None:
+            head.host_value, child.host_value = host[:k].copy(), host[k:].copy()
+        head.device_children = 1 if len(child.value) else 0
+        head.backup = backup
+        if backup is not None:
+            backup.nodes.append(head)
+        return head
+
+    def _add_host_evictable(self, node: HiTreeNode) -> None:
+        node.host_entry = (self._host_sort_key(node), node.id, node)
+        self._host_evictable.add(node.host_entry)
+
+    def _remove_host_evictable(self, node: HiTreeNode) -> None:
+        self._host_evictable.remove(node.host_entry)
+        node.host_entry = None
+
+    def _host_rekey(self, node: HiTreeNode) -> None:
+        self._remove_host_evictable(node)
+        self._add_host_evictable(node)
+
+    # ---- device eviction: backed-up leaves stay as host-only ----------------------------------------
+    def _leave_device(self, node: HiTreeNode) -> None:
+        if node.host_value is None and self.write_policy == "write_back":
+            self._backup_now(node)
+        if node.host_value is not None and node.backup is None:
+            self._demote(node)
+            return
+        parent = node.parent
+        super()._leave_device(node)
+        parent.device_children -= 1
+        if parent.device_children == 0 and parent.entry is None and parent.lock_ref == 0 \
+                and parent is not self.root_node and len(parent.value):
+            self._add_evictable(parent)  # its remaining children, if any, are host-only
+
+    def _demote(self, node: HiTreeNode) -> None:
+        """A backed-up device leaf (unlocked) gives its device slots up (its caller frees them) and stays."""
+        node.value = _NO_SLOTS
+        parent = node.parent
+        parent.device_children -= 1
+        if parent.device_children == 0 and parent.entry is None and parent.lock_ref == 0 \
+                and parent is not self.root_node:
+            self._add_evictable(parent)
+        n = node.num_tokens
+        self._host_protected_size -= n
+        self._host_evictable_size += n
+        if not node.children:
+            self._add_host_evictable(node)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Frees at least `num_tokens` host tokens from unlocked host-only leaves in policy order (or all there
+        are); returns the number freed. O(k log n) for k nodes freed."""
+        num_tokens = check_int("num_tokens", num_tokens, minimum=0)
+        freed, values, removed = 0, [], []
+        while freed < num_tokens and self._host_evictable:
+            node = self._host_evictable.pop(0)[2]
+            node.host_entry = None
+            parent = node.parent
+            del parent.children[node.key[:self._page_bytes]]
+            node.parent = None
+            values.append(node.host_value)
+            removed.append(node)
+            freed += node.num_tokens
+            if parent is not self.root_node and not parent.children and parent.lock_ref == 0 \
+                    and not len(parent.value):
+                self._add_host_evictable(parent)
+        if values:
+            self._host_evictable_size -= freed
+            self.host_allocator.free(torch.from_numpy(np.concatenate(values)))
+            self.stats.host_evicted_tokens += freed
+            if self._event_sink is not None:
+                self._report_removed(removed, MEDIUM_CPU_PINNED)
+        return freed
+
+    # ---- backups ------------------------------------------------------------------------------------
+    def _backup_hot_path(self, node: HiTreeNode) -> None:
+        """write_through_selective: backs up root..(the deepest node a match reached twice) below `node`."""
+        while node is not self.root_node and node.hit_count < _SELECTIVE_HITS:
+            node = node.parent
+        if node is not self.root_node:
+            self._backup_path(node)
+
+    def _unbacked_path(self, node: HiTreeNode) -> list[HiTreeNode]:
+        """The device nodes from the first without a host copy down to `node`, root side first."""
+        nodes = []
+        while node is not self.root_node and node.host_value is None:
+            nodes.append(node)
+            node = node.parent
+        nodes.reverse()
+        return nodes
+
+    def _start_backup(self, nodes: list[HiTreeNode]) -> tuple[Transfer, np.ndarray] | None:
+        """Host slots for `nodes` (evicting host-only leaves when short) and the copy into them; None when the
+        host is short or the copy failed at once (nothing changed)."""
+        tokens = sum(n.num_tokens for n in nodes)
+        short = tokens - self.host_allocator.available_size()
+        if short > 0:
+            self.evict_host(short)
+        host = self.host_allocator.alloc(tokens)
+        if host is None:
+            return None
+        device = np.concatenate([n.value for n in nodes]) if len(nodes) > 1 else nodes[0].value
+        transfer = self.host_pool.backup(host, self._to_device(device))
+        if transfer.failed:
+            self.host_allocator.free(host)
+            self.stats.failed_transfers += 1
+            return None
+        host = host.numpy()
+        offset = 0
+        for node in nodes:
+            node.host_value = host[offset:offset + node.num_tokens].copy()
+            offset += node.num_tokens
+        self._host_protected_size += tokens
+        return transfer, host
+
+    def _backup_path(self, node: HiTreeNode) -> None:
+        """Starts backing up root..node's nodes that have no host copy; they stay locked on device until the
+        copy completes (`writing_check`)."""
+        nodes = self._unbacked_path(node)
+        started = self._start_backup(nodes) if nodes else None
+        if started is None:
+            return
+        record = _Backup(started[0], nodes, node, sum(n.num_tokens for n in nodes))
+        for n in nodes:
+            n.backup = record
+        self.inc_lock_ref(node)
+        self._pending.append(record)
+        self.writing_check(local_only=True)
+
+    def _backup_now(self, node: HiTreeNode) -> None:
+        """write_back, while `node` (an unlocked device leaf) is being evicted: backs up its unbacked path and
+        waits, so that it can stay as host-only; on failure nothing changes (it is then dropped)."""
+        nodes = self._unbacked_path(node)
+        started = self._start_backup(nodes) if nodes else None
+        if started is None:
+            return
+        transfer, _ = started
+        transfer.wait()
+        if transfer.failed:
+            self._release_host_copies(nodes)
+            self.stats.failed_transfers += 1
+            return
+        self.stats.backed_up_tokens += sum(n.num_tokens for n in nodes)
+        self._report_backed_up(nodes)
+
+    def writing_check(self, *, local_only: bool = False) -> int:
+        """Completes the backups whose copies have finished, in the order they were issued; with `tp_group`,
+        only those finished on every rank (unless `local_only`, which only finishes copies that cannot differ
+        between ranks: none on CUDA). Returns how many completed."""
+        done = 0
+        for record in self._pending:
+            if not record.transfer.done():
+                break
+            done += 1
+        if self.tp_group is not None:
+            if local_only:
+                return 0
+            done = _all_reduce_min(done, self.tp_group)
+        if done == 0:
+            return 0
+        records = [self._pending.popleft() for _ in range(done)]
+        ok = [not r.transfer.failed for r in records]
+        if self.tp_group is not None:
+            ok = _all_reduce_min(ok, self.tp_group)
+        for record, good in zip(records, ok):
+            if not good:
+                self.stats.failed_transfers += 1
+                for later in self._pending:
+                    later.discard = True
+            if good and not record.discard:
+                for node in record.nodes:
+                    node.backup = None
+                self.stats.backed_up_tokens += record.tokens
+                self._report_backed_up(record.nodes)
+            else:
+                self.stats.discarded_backups += record.discard
+                for node in record.nodes:
+                    node.backup = None
+                self._release_host_copies(record.nodes)
+            self.dec_lock_ref(record.lock_node)
+        return done
+
+    def _release_host_copies(self, nodes: list[HiTreeNode]) -> None:
+        """Drops the host copies of device nodes (a failed or discarded backup): they stay device-only."""
+        values = [n.host_value for n in nodes if n.host_value is not None]
+        for n in nodes:
+            n.host_value = None
+        if values:
+            slots = np.concatenate(values)
+            self._host_protected_size -= len(slots)
+            self.host_allocator.free(torch.from_numpy(slots))
+
+    def _report_backed_up(self, nodes: list[HiTreeNode]) -> None:
+        if self._event_sink is not None:
+            for node in nodes:
+                self._report_stored(node, MEDIUM_CPU_PINNED)
+
+    # ---- load back ----------------------------------------------------------------------------------
+    def load_back(self, node: HiTreeNode, host_hit_length: int) -> torch.Tensor | None:
+        """Brings the host-only nodes at the end of root..node (`host_hit_length` tokens, as `match_prefix`
+        returned them) to the device: allocates device slots (evicting if short), copies, and returns the
+        slots of the whole prefix root..node ([prefix_len] int64). None, with nothing changed, when the device
+        is short or the copy fails. Raises if `node` is not in the tree or the length does not match."""
+        self._check_node(node)
+        host_hit_length = check_int("host_hit_length", host_hit_length, minimum=1)
+        device_node, tokens = self._device_ancestor(node)
+        if tokens != host_hit_length:
+            raise ValueError(f"host_hit_length {host_hit_length} != the {tokens} host-only tokens ending at node "
+                             f"{node.id}: match again")
+        nodes = []
+        walker = node
+        while walker is not device_node:
+            nodes.append(walker)
+            walker = walker.parent
+        nodes.reverse()
+        self.inc_lock_ref(node)  # the device prefix stays, and the host nodes cannot be host-evicted
+        try:
+            short = tokens - self.token_allocator.available_size()
+            if short > 0:
+                self.evict(short)
+            device = self.token_allocator.alloc(tokens)
+            if device is None:
+                return None
+            host = np.concatenate([n.host_value for n in nodes]) if len(nodes) > 1 else nodes[0].host_value
+            transfer = self.host_pool.load(device, torch.from_numpy(host))
+            transfer.wait()
+            if transfer.failed:
+                self.stats.failed_transfers += 1
+                self.token_allocator.free(device)
+                return None
+            slots, offset = device.cpu().numpy(), 0
+            for n in nodes:
+                self._to_device_tier(n, slots[offset:offset + n.num_tokens].copy())
+                offset += n.num_tokens
+            self.stats.loaded_tokens += tokens
+            return self._path_indices(node)
+        finally:
+            self.dec_lock_ref(node)
+
+    # ---- whole tree ---------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Empties both tiers, once the backups in flight have completed. Raises RuntimeError, changing
+        nothing, while a request locks any node (on device or host)."""
+        if any(child.lock_ref > (child.backup is not None) for child in self.root_node.children.values()):
+            raise RuntimeError("reset() while requests lock cached tokens; release them (dec_lock_ref) first")
+        for record in self._pending:
+            record.transfer.wait()
+        while self._pending:
+            self.writing_check()
+        nodes = self._detach_all()
+        device = [n.value for n in nodes if len(n.value)]
+        host = [n.host_value for n in nodes if n.host_value is not None]
+        if device:
+            self._release(device)
+        if host:
+            self.host_allocator.free(torch.from_numpy(np.concatenate(host)))
+        self._init_root()
+        if self._event_sink is not None:
+            self._event_sink(AllBlocksCleared())
+
+    def check_invariants(self) -> None:
+        """RadixCache's checks over the device tier, then the host tier's: every node on device or host, both
+        tiers prefix-closed, device-child counts, the host-evictable set (exactly the unlocked, childless
+        host-only nodes, each under its current key), the host counters, and the host slots (distinct,
+        allocated, and with the free ones summing to the host pool's size)."""
+        super().check_invariants()
+        nodes = self._all_nodes()
+        root = self.root_node
+        host_evictable = host_protected = leaves = 0
+        host_values = []
+        for node in nodes:
+            on_device = len(node.value) > 0
+            parent = node.parent
+            if on_device and parent is not root and not len(parent.value):
+                _fail(f"node {node.id} is on device under a host-only parent")
+            if node.host_value is not None and parent is not root and parent.host_value is None:
+                _fail(f"node {node.id} has a host copy but its parent {parent.id} has none")
+            if not on_device and node.host_value is None:
+                _fail(f"node {node.id} is in neither tier")
+            device_children = sum(1 for c in node.children.values() if len(c.value))
+            if device_children != node.device_children:
+                _fail(f"node {node.id}: device_children {node.device_children}, counted {device_children}")
+            if node.host_value is not None:
+                if len(node.host_value) != node.num_tokens:
+                    _fail(f"node {node.id}: {len(node.host_value)} host slots for {node.num_tokens} tokens")
+                host_values.append(node.host_value)
+                if not on_device and node.lock_ref == 0:
+                    host_evictable += node.num_tokens
+                else:
+                    host_protected += node.num_tokens
+            should = not on_device and node.lock_ref == 0 and not node.children
+            if should != (node.host_entry is not None):
+                _fail(f"node {node.id} is {'' if node.host_entry else 'not '}in the host-evictable set")
+            if should and node.host_entry != (self._host_sort_key(node), node.id, node):
+                _fail(f"node {node.id}: host-evictable entry is stale")
+            leaves += should
+        if root.device_children != sum(1 for c in root.children.values() if len(c.value)):
+            _fail("the root's device_children count is wrong")
+        if leaves != len(self._host_evictable):
+            _fail(f"the host-evictable set has {len(self._host_evictable)} entries for {leaves} host-only leaves")
+        if (host_evictable, host_protected) != (self._host_evictable_size, self._host_protected_size):
+            _fail(f"host counters say evictable {self._host_evictable_size}, protected {self._host_protected_size};"
+                  f" the nodes hold {host_evictable} and {host_protected}")
+        slots = np.concatenate(host_values) if host_values else _NO_SLOTS
+        if len(np.unique(slots)) != len(slots):
+            _fail("the tree holds a host slot more than once")
+        if len(slots) and not self.host_allocator.is_allocated(torch.from_numpy(slots)).all():
+            _fail("the tree holds a host slot that the host allocator considers free")
+        if self.host_allocator.available_size() + len(slots) != self.host_allocator.size:
+            _fail(f"host: free {self.host_allocator.available_size()} + held {len(slots)} != "
+                  f"{self.host_allocator.size}")
+
+    def _node_device_tokens(self, node: HiTreeNode) -> int:
+        n = len(node.value)
+        if n not in (0, node.num_tokens):
+            _fail(f"node {node.id}: {n} device slots for {node.num_tokens} tokens (all or none)")
+        return n
+
+    def _is_evictable_leaf(self, node: HiTreeNode) -> bool:
+        return node.lock_ref == 0 and len(node.value) > 0 and node.device_children == 0
+
+    def _all_nodes(self) -> list[HiTreeNode]:
+        nodes, stack = [], [self.root_node]
+        while stack:
+            node = stack.pop()
+            nodes.extend(node.children.values())
+            stack.extend(node.children.values())
+        return nodes
+
+
+def _all_reduce_min(values, group):
+    """The element-wise minimum of `values` (an int or a list of bools) over the ranks of `group`."""
+    import torch.distributed as dist
+
+    scalar = isinstance(values, int)
+    tensor = torch.tensor([values] if scalar else [int(v) for v in values], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+    return int(tensor[0]) if scalar else [bool(v) for v in tensor.tolist()]

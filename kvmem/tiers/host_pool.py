@@ -1,0 +1,243 @@
+"""The host tier's memory: KV in host DRAM, in the device pool's exact storage format, with its own slots.
+
+A `HostKVPool` mirrors a device `MHAKVPool` / `MLAKVPool` buffer for buffer (K and V, their int8/int4 scales,
+or MLA's latent), stored as the device stores them (fp8 codes as uint8, int4 packed, scales float32), so a
+round trip device -> host -> device is bit-exact whatever the dtype. Its slots come from its own allocator
+(slot 0, page 0, reserved as on the device).
+
+Layouts: "layer_first" keeps one [num_slots, *row] tensor per layer and buffer (a per-layer load reads one
+tensor); "page_first" keeps one [num_slots, num_layers, *row] tensor per buffer, so all layers of a slot are
+contiguous (what a storage tier writes as one page).
+
+Copies: on CUDA the pool pins its memory and runs each copy on a side stream, recording an event that the
+returned `Transfer` waits on; on the CPU a copy runs at once. `HostSlotPool` is the same tier without bytes,
+for simulations that only account for slots (the replay).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvmem._checks import check_host_bytes, check_int, check_number
+from kvmem._index import as_index_array
+from kvmem.allocator import PagedTokenAllocator, TokenAllocator
+from kvmem.kv_pool import MHAKVPool, MLAKVPool
+
+HOST_LAYOUTS = ("layer_first", "page_first")
+
+
+@dataclass
+class Transfer:
+    """One copy between tiers. `done()` polls; `wait()` blocks until the copy has finished (a no-op for a copy
+    that already has). `error` is the exception that failed the copy, else None: a failed copy leaves both
+    tiers' bookkeeping to its caller to undo. `finish` runs once, at completion, on the host."""
+
+    event: torch.cuda.Event | None = None
+    error: BaseException | None = None
+    finish: object = field(default=None, repr=False)
+
+    def done(self) -> bool:
+        if self.event is not None and not self.event.query():
+            return False
+        self._run_finish()
+        return True
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        self._run_finish()
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def _run_finish(self) -> None:
+        finish, self.finish = self.finish, None
+        if finish is not None and self.error is None:
+            try:
+                finish()
+            except Exception as e:  # the copy's last step failed: report it as the copy's failure
+                self.error = e
+
+
+class HostKVPool:
+    """Host buffers for the KV of `device_pool`, and the copies between them.
+
+    Args:
+        device_pool: the MHAKVPool or MLAKVPool this tier backs up.
+        size: host slots (tokens), a multiple of the page size; default `ratio` x the device pool's size. Must
+            exceed the device pool's size: with write-through every cached device page also has a host copy,
+            so a host tier no larger than the device adds nothing (SGLang requires the same).
+        ratio: host size as a multiple of the device pool's, when `size` is None.
+        layout: "layer_first" or "page_first" (see the module docstring).
+        pin_memory: pin the host buffers (page-locked, for asynchronous copies); default: when the device
+            pool is on CUDA.
+    """
+
+    def __init__(self, device_pool: MHAKVPool | MLAKVPool, *, size: int | None = None, ratio: float = 2.0,
+                 layout: str = "layer_first", pin_memory: bool | None = None) -> None:
+        if not isinstance(device_pool, (MHAKVPool, MLAKVPool)):
+            raise TypeError(f"device_pool must be an MHAKVPool or MLAKVPool, got {type(device_pool).__name__}")
+        ps = device_pool.page_size
+        if size is None:
+            size = int(device_pool.size * check_number("ratio", ratio, 0, allow_minimum=False)) // ps * ps
+        else:
+            size = check_int("size", size, minimum=1)
+            if size % ps:
+                raise ValueError(f"size {size} must be a multiple of the page size {ps}")
+        if size <= device_pool.size:
+            raise ValueError(f"a host pool of {size} tokens must be larger than the device pool's {device_pool.size}")
+        if layout not in HOST_LAYOUTS:
+            raise ValueError(f"layout must be one of {HOST_LAYOUTS}, got {layout!r}")
+        on_cuda = device_pool.device.type == "cuda"
+        pin = on_cuda if pin_memory is None else bool(pin_memory)
+        if pin and not torch.cuda.is_available():
+            raise ValueError("pin_memory needs CUDA: page-locked memory is for copies to a GPU")
+        self.device_pool = device_pool
+        self.page_size = ps
+        self.size = size
+        self.layout = layout
+        self.layer_num = device_pool.layer_num
+        self.allocator = TokenAllocator(size) if ps == 1 else PagedTokenAllocator(size, ps)
+        formats = device_pool.row_formats()
+        num_slots = size + ps
+        row_bytes = sum(int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in formats)
+        check_host_bytes(f"a host KV pool of {size} tokens", num_slots * self.layer_num * row_bytes)
+        if layout == "layer_first":
+            self._buffers = [[torch.zeros((num_slots, *shape), dtype=dtype, pin_memory=pin)
+                              for _ in range(self.layer_num)] for shape, dtype in formats]
+        else:
+            self._buffers = [torch.zeros((num_slots, self.layer_num, *shape), dtype=dtype, pin_memory=pin)
+                             for shape, dtype in formats]
+        self._stream = torch.cuda.Stream(device_pool.device) if on_cuda else None
+
+    # ---- copies -------------------------------------------------------------------------------------
+    def backup(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> Transfer:
+        """Copies every layer's KV of `device_slots` [n] into `host_slots` [n] (held in `allocator`).
+        Asynchronous on CUDA (wait on the returned Transfer before reading the host copy)."""
+        host, device = self._check_slots(host_slots, device_slots)
+        return self._copy(lambda: self._backup(host, device))
+
+    def load(self, device_slots: torch.Tensor, host_slots: torch.Tensor, layer_id: int | None = None) -> Transfer:
+        """Copies the KV of `host_slots` [n] (held in `allocator`) into `device_slots` [n]: every layer, or
+        only `layer_id`, so that a model runner can load layer l + 1 while it computes layer l. Asynchronous on
+        CUDA: wait on the returned Transfer before the layer's attention reads it."""
+        host, device = self._check_slots(host_slots, device_slots)
+        layers = range(self.layer_num) if layer_id is None else [self._check_layer(layer_id)]
+        return self._copy(lambda: self._load(device, host, layers))
+
+    def _backup(self, host: np.ndarray, device: torch.Tensor):
+        # Device rows go to host staging first (pinned, asynchronous on CUDA); they are scattered into the
+        # host buffers only when the copy has landed, by the Transfer's finish step.
+        staged = []
+        for layer in range(self.layer_num):
+            for part, rows in enumerate(self.device_pool.slot_rows(layer, device)):
+                staging = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
+                staging.copy_(rows, non_blocking=rows.is_cuda)
+                staged.append((part, layer, staging))
+        host_index = torch.from_numpy(host)
+
+        def scatter():
+            for part, layer, staging in staged:
+                self._write_host(part, layer, host_index, staging)
+        return scatter
+
+    def _load(self, device: torch.Tensor, host: np.ndarray, layers):
+        host_index = torch.from_numpy(host)
+        pinned = self._stream is not None
+        staged = []  # kept alive until the copy has landed
+        for layer in layers:
+            rows = [self._read_host(part, layer, host_index) for part in range(len(self._buffers))]
+            if pinned:
+                rows = [r.pin_memory() for r in rows]
+            staged.append(rows)
+            self.device_pool.set_slot_rows(layer, device, [r.to(device.device, non_blocking=pinned) for r in rows])
+        return lambda: staged.clear()
+
+    def _copy(self, run) -> Transfer:
+        """Runs `run` (which returns the host step to run once the copy has landed): at once on the CPU, on
+        the side stream on CUDA. A copy that raises comes back as a failed Transfer, nothing raised."""
+        if self._stream is None:
+            try:
+                finish = run()
+            except Exception as e:  # noqa: BLE001 - a failed copy is reported, not raised: see Transfer
+                return Transfer(error=e)
+            transfer = Transfer(finish=finish)
+            transfer.wait()
+            return transfer
+        event = torch.cuda.Event()
+        self._stream.wait_stream(torch.cuda.current_stream(self.device_pool.device))
+        try:
+            with torch.cuda.stream(self._stream):
+                finish = run()
+                event.record(self._stream)
+        except Exception as e:  # noqa: BLE001
+            return Transfer(error=e)
+        return Transfer(event=event, finish=finish)
+
+    def host_rows(self, host_slots: torch.Tensor, layer_id: int) -> list[torch.Tensor]:
+        """The stored rows of `host_slots` in layer `layer_id` (copies), in the device pool's `row_formats()`."""
+        host = torch.from_numpy(self._check_host(host_slots))
+        return [self._read_host(part, self._check_layer(layer_id), host) for part in range(len(self._buffers))]
+
+    def _write_host(self, part: int, layer: int, host_index: torch.Tensor, rows: torch.Tensor) -> None:
+        if self.layout == "layer_first":
+            self._buffers[part][layer][host_index] = rows
+        else:
+            self._buffers[part][host_index, layer] = rows
+
+    def _read_host(self, part: int, layer: int, host_index: torch.Tensor) -> torch.Tensor:
+        if self.layout == "layer_first":
+            return self._buffers[part][layer][host_index]
+        return self._buffers[part][host_index, layer]
+
+    # ---- checks -------------------------------------------------------------------------------------
+    def _check_slots(self, host_slots, device_slots) -> tuple[np.ndarray, torch.Tensor]:
+        host = self._check_host(host_slots)
+        if not isinstance(device_slots, torch.Tensor):
+            raise TypeError(f"device_slots must be a tensor of slots, got {type(device_slots).__name__}")
+        device = self.device_pool._check_loc(device_slots.to(self.device_pool.device))
+        if len(device) != len(host):
+            raise ValueError(f"device_slots has {len(device)} slots and host_slots {len(host)}: one for one")
+        if len(device) and device.device.type == "cpu" and int(device.min()) < 1:
+            raise ValueError("device_slots holds slot 0, the padding slot")
+        return host, device
+
+    def _check_host(self, host_slots) -> np.ndarray:
+        host = as_index_array("host_slots", host_slots)
+        held = self.allocator.is_allocated(torch.from_numpy(host)).numpy()
+        if np.count_nonzero(held) != len(host):
+            raise ValueError(f"host_slots holds slot {host[~held][0]}, which this host pool has not handed out")
+        return host
+
+    def _check_layer(self, layer_id: int) -> int:
+        if not 0 <= check_int("layer_id", layer_id) < self.layer_num:
+            raise IndexError(f"layer_id {layer_id} out of range [0, {self.layer_num})")
+        return layer_id
+
+    def mem_usage_bytes(self) -> int:
+        """Bytes of all host buffers."""
+        tensors = [t for part in self._buffers for t in (part if isinstance(part, list) else [part])]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class HostSlotPool:
+    """A host tier of `size` slots with no bytes behind them: copies complete at once and move nothing. For
+    simulations (the replay) that account for where KV would be, not for the KV itself."""
+
+    def __init__(self, size: int, page_size: int = 1) -> None:
+        size = check_int("size", size, minimum=1)
+        self.page_size = check_int("page_size", page_size, minimum=1)
+        if size % self.page_size:
+            raise ValueError(f"size {size} must be a multiple of page_size {self.page_size}")
+        self.size = size
+        self.allocator = TokenAllocator(size) if page_size == 1 else PagedTokenAllocator(size, page_size)
+
+    def backup(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> Transfer:
+        return Transfer()
+
+    def load(self, device_slots: torch.Tensor, host_slots: torch.Tensor, layer_id: int | None = None) -> Transfer:
+        return Transfer()

@@ -1,0 +1,360 @@
+"""HiRadixCache: device and host tiers under one radix tree.
+
+Slots carry content here: a device "KV store" and a host one hold, for each slot, the token whose KV it is.
+Inserts write it, backups and loads copy it, so every check can ask the question that matters: does each
+slot the tree hands out hold the right token?
+"""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from kvmem import HiRadixCache, PagedTokenAllocator, RadixCache, ReqToTokenPool, TokenAllocator
+from kvmem.tiers import Transfer
+
+
+class ContentHost:
+    """A host tier of `size` slots whose 'KV' is one token id per slot; copies move ids. `fail` makes the next
+    copies fail; `delay` makes backups complete only after that many polls (an asynchronous copy)."""
+
+    def __init__(self, size, page_size, device_kv):
+        self.allocator = TokenAllocator(size) if page_size == 1 else PagedTokenAllocator(size, page_size)
+        self.kv = np.full(size + page_size, -1, dtype=np.int64)
+        self.device_kv = device_kv
+        self.fail = 0
+        self.delay = 0
+
+    def _transfer(self, copy):
+        if self.fail:
+            self.fail -= 1
+            return Transfer(error=RuntimeError("injected copy fault"))
+        if not self.delay:
+            copy()
+            return Transfer()
+        return DelayedTransfer(self.delay, copy)
+
+    def backup(self, host_slots, device_slots):
+        host, device = np.asarray(host_slots), np.asarray(device_slots)
+        return self._transfer(lambda: self.kv.__setitem__(host, self.device_kv[device]))
+
+    def load(self, device_slots, host_slots, layer_id=None):
+        host, device = np.asarray(host_slots), np.asarray(device_slots)
+        transfer = self._transfer(lambda: self.device_kv.__setitem__(device, self.kv[host]))
+        transfer.wait()
+        return transfer
+
+
+class DelayedTransfer(Transfer):
+    def __init__(self, polls, copy):
+        super().__init__(finish=copy)
+        self.polls = polls
+
+    def done(self):
+        self.polls -= 1
+        return self.polls < 0 and super().done()
+
+    def wait(self):
+        self.polls = -1
+        super().wait()
+
+
+class World:
+    def __init__(self, device=64, host=256, page_size=1, write_policy="write_through"):
+        self.ps = page_size
+        self.alloc = TokenAllocator(device) if page_size == 1 else PagedTokenAllocator(device, page_size)
+        self.device_kv = np.full(device + page_size, -1, dtype=np.int64)
+        self.host = ContentHost(host, page_size, self.device_kv)
+        self.cache = HiRadixCache(ReqToTokenPool(2, 64), self.alloc, self.host, page_size=page_size,
+                                  write_policy=write_policy)
+
+    def put(self, tokens):
+        """Inserts `tokens` the way a request finishing does: fresh slots holding them, duplicates freed."""
+        short = len(tokens) - self.alloc.available_size()
+        if short > 0:
+            self.cache.evict(short)
+        slots = self.alloc.alloc(len(tokens))
+        if slots is None:  # locked prefixes hold the device: a request would wait
+            return None
+        self.device_kv[slots.numpy()] = tokens
+        cached = self.cache.insert(tokens, slots)
+        if cached:
+            self.alloc.free(slots[:cached])
+        return cached
+
+    def check_content(self):
+        for node in self.cache._all_nodes():
+            path = path_tokens(node)[-node.num_tokens:]
+            if len(node.value):
+                assert self.device_kv[node.value].tolist() == path, f"node {node.id}: device slots hold other tokens"
+            if node.host_value is not None and node.backup is None:
+                assert self.host.kv[node.host_value].tolist() == path, f"node {node.id}: host slots hold other tokens"
+
+
+def path_tokens(node):
+    out = []
+    while node.parent is not None:
+        out = node.token_ids() + out
+        node = node.parent
+    return out
+
+
+def tokens(*runs):
+    return [t for start, n in runs for t in range(start, start + n)]
+
+
+# ---- the tiers in a few steps ----------------------------------------------------------------------------
+def test_an_evicted_backed_up_prefix_stays_on_host_and_loads_back_with_its_kv():
+    w = World(device=16, host=64)
+    key = tokens((100, 12))
+    w.put(key)
+    assert w.cache.host_protected_size() == 12  # write_through: backed up as soon as inserted
+    assert w.cache.evict(12) == 12 and w.cache.total_size() == 0
+    assert w.cache.host_evictable_size() == 12
+    m = w.cache.match_prefix(key)
+    assert (m.indices.numel(), m.host_hit_length) == (0, 12) and m.last_node is w.cache.root_node
+    indices = w.cache.load_back(m.last_host_node, 12)
+    assert w.device_kv[indices.numpy()].tolist() == key
+    assert w.cache.stats.loaded_tokens == 12 and w.cache.host_protected_size() == 12
+    w.cache.check_invariants()
+    w.check_content()
+
+
+def test_a_match_splits_between_the_device_part_and_the_host_part():
+    w = World(device=32, host=128)
+    w.put(tokens((1, 8)))
+    w.put(tokens((1, 8), (50, 8)))
+    w.cache.evict(8)  # the leaf [50..57] goes to the host only
+    m = w.cache.match_prefix(tokens((1, 8), (50, 8), (90, 3)))
+    assert (m.indices.numel(), m.host_hit_length) == (8, 8)
+    assert m.last_node.token_ids() == tokens((1, 8)) and m.last_host_node.token_ids() == tokens((50, 8))
+
+
+def test_write_back_backs_up_only_what_eviction_takes():
+    w = World(device=16, host=64, write_policy="write_back")
+    w.put(tokens((1, 10)))
+    assert w.cache.host_total_size() == 0
+    w.cache.evict(10)
+    assert w.cache.host_evictable_size() == 10 and w.cache.stats.backed_up_tokens == 10
+    w.check_content()
+
+
+def test_write_through_selective_backs_up_after_the_second_hit():
+    w = World(device=16, host=64, write_policy="write_through_selective")
+    key = tokens((1, 10))
+    w.put(key)
+    w.cache.match_prefix(key)
+    assert w.cache.host_total_size() == 0
+    w.cache.match_prefix(key)
+    assert w.cache.host_total_size() == 10
+    w.check_content()
+
+
+def test_host_eviction_takes_only_unlocked_host_only_leaves():
+    w = World(device=32, host=128)
+    w.put(tokens((1, 6)))            # stays on device (its host copy is protected)
+    w.put(tokens((20, 6)))
+    w.put(tokens((40, 6)))
+    w.cache.evict(12)                # [1..] and [20..] leave the device (LRU), host-only now
+    m = w.cache.match_prefix(tokens((1, 6)))
+    w.cache.inc_lock_ref(m.last_host_node)  # a request plans to load [1..]: it must stay
+    assert w.cache.evict_host(100) == 6     # only [20..] can go
+    assert w.cache.match_prefix(tokens((20, 6))).host_hit_length == 0
+    assert w.cache.stats.host_evicted_tokens == 6
+    w.cache.dec_lock_ref(m.last_host_node)
+    w.cache.check_invariants()
+
+
+def test_inserting_over_a_host_only_prefix_puts_it_back_on_device_with_the_new_slots():
+    w = World(device=32, host=128)
+    key = tokens((1, 8), (30, 4))
+    w.put(key)
+    w.cache.evict(12)
+    assert w.put(key + tokens((70, 4))) == 0  # nothing was on device: the tree takes all 16 new slots
+    m = w.cache.match_prefix(key)
+    assert m.host_hit_length == 0 and w.device_kv[m.indices.numpy()].tolist() == key
+    w.cache.check_invariants()
+    w.check_content()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_failed_backup_leaves_the_node_on_device_only_and_leaks_nothing(page_size):
+    w = World(device=32, host=64, page_size=page_size)
+    w.host.fail = 1
+    w.put(tokens((1, 8)))
+    assert w.cache.host_total_size() == 0 and w.host.allocator.available_size() == 64
+    assert w.cache.stats.failed_transfers == 1
+    assert w.cache.evict(8) == 8 and w.cache.match_prefix(tokens((1, 8))).host_hit_length == 0  # dropped, not kept
+    w.cache.check_invariants()
+
+
+def test_a_failed_load_leaves_the_nodes_on_host_and_frees_its_device_slots():
+    w = World(device=16, host=64)
+    key = tokens((1, 8))
+    w.put(key)
+    w.cache.evict(8)
+    m = w.cache.match_prefix(key)
+    w.host.fail = 1
+    assert w.cache.load_back(m.last_host_node, m.host_hit_length) is None
+    assert w.alloc.available_size() == 16 and w.cache.host_evictable_size() == 8
+    w.cache.check_invariants()
+    assert w.cache.load_back(m.last_host_node, m.host_hit_length) is not None  # the host copy is intact
+
+
+def test_an_asynchronous_backup_keeps_its_nodes_on_device_until_it_completes():
+    w = World(device=16, host=64)
+    w.host.delay = 3
+    w.put(tokens((1, 8)))
+    assert w.cache.protected_size() == 8 and w.cache.evict(8) == 0  # locked while the copy is in flight
+    polls = 1
+    while not w.cache.writing_check():
+        polls += 1
+        assert w.cache.protected_size() == 8 and w.cache.host_protected_size() == 8
+    assert polls > 1 and w.cache.protected_size() == 0
+    assert w.cache.evict(8) == 8 and w.cache.host_evictable_size() == 8
+    w.check_content()
+
+
+def test_a_backup_that_fails_late_discards_the_backups_issued_after_it():
+    w = World(device=32, host=64)
+    w.host.delay = 2
+    w.put(tokens((1, 4)))
+    w.put(tokens((1, 4), (9, 4)))           # backs up the child while its parent's copy is in flight
+    w.cache._pending[0].transfer.error = RuntimeError("late fault")
+    while w.cache._pending:
+        w.cache.writing_check()
+    assert w.cache.host_total_size() == 0 and w.host.allocator.available_size() == 64
+    assert (w.cache.stats.failed_transfers, w.cache.stats.discarded_backups) == (1, 1)
+    w.cache.check_invariants()
+
+
+def test_load_back_refuses_a_stale_length_and_a_foreign_node():
+    w = World(device=16, host=64)
+    w.put(tokens((1, 8)))
+    w.cache.evict(8)
+    m = w.cache.match_prefix(tokens((1, 8)))
+    with pytest.raises(ValueError, match="host_hit_length"):
+        w.cache.load_back(m.last_host_node, 4)
+    other = World()
+    with pytest.raises(ValueError, match="another tree"):
+        other.cache.load_back(m.last_host_node, 8)
+    w.cache.check_invariants()
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(write_policy="write_around"), ValueError, "write_policy"),
+    (dict(host=None), TypeError, "host_pool"),
+])
+def test_a_hiradix_cache_refuses_a_bad_configuration(kwargs, error, message):
+    alloc = TokenAllocator(64)
+    host = kwargs.pop("host", ContentHost(128, 1, np.zeros(65, dtype=np.int64)))
+    with pytest.raises(error, match=message):
+        HiRadixCache(ReqToTokenPool(2, 16), alloc, host, **kwargs)
+
+
+def test_a_host_tier_no_larger_than_the_device_or_of_another_page_size_is_refused():
+    alloc = PagedTokenAllocator(64, 4)
+    with pytest.raises(ValueError, match="larger than the device"):
+        HiRadixCache(ReqToTokenPool(2, 16), alloc, ContentHost(64, 4, None), page_size=4)
+    with pytest.raises(ValueError, match="page size"):
+        HiRadixCache(ReqToTokenPool(2, 16), alloc, ContentHost(256, 1, None), page_size=4)
+
+
+def test_a_plain_radix_cache_reports_no_host_hit():
+    alloc = TokenAllocator(16)
+    cache = RadixCache(ReqToTokenPool(2, 16), alloc)
+    cache.insert([1, 2, 3], alloc.alloc(3))
+    m = cache.match_prefix([1, 2, 3, 4])
+    assert (m.host_hit_length, m.last_host_node, cache.writing_check()) == (0, None, 0)
+
+
+def test_reset_empties_both_tiers_but_not_under_a_lock():
+    w = World(device=16, host=64)
+    w.put(tokens((1, 8)))
+    w.put(tokens((20, 8)))
+    w.cache.evict(8)
+    m = w.cache.match_prefix(tokens((20, 8)))
+    w.cache.inc_lock_ref(m.last_node)
+    with pytest.raises(RuntimeError, match="lock"):
+        w.cache.reset()
+    w.cache.dec_lock_ref(m.last_node)
+    w.cache.reset()
+    assert (w.alloc.available_size(), w.host.allocator.available_size()) == (16, 64)
+    w.cache.check_invariants()
+
+
+# ---- any sequence of operations ----------------------------------------------------------------------------
+class TieredCache(RuleBasedStateMachine):
+    locks = Bundle("locks")
+
+    def __init__(self):
+        super().__init__()
+        self.w = None
+
+    @rule(page_size=st.sampled_from([1, 2]), policy=st.sampled_from(["write_through", "write_through_selective",
+                                                                       "write_back"]))
+    def start(self, page_size, policy):
+        if self.w is None:
+            self.w = World(device=24, host=60, page_size=page_size, write_policy=policy)
+
+    def key(self, parts):
+        ps = self.w.ps
+        out = [t for p in parts for t in range(100 * p, 100 * p + 2 * ps)]
+        return out
+
+    @rule(parts=st.lists(st.integers(1, 4), min_size=1, max_size=4))
+    def insert(self, parts):
+        if self.w is None:
+            return
+        key = self.key(parts)
+        if len(key) > self.w.alloc.size:
+            return
+        if self.w.put(key) is None:
+            return
+        m = self.w.cache.match_prefix(key)
+        assert m.indices.numel() == len(key) and self.w.device_kv[m.indices.numpy()].tolist() == key
+
+    @rule(target=locks, parts=st.lists(st.integers(1, 4), min_size=1, max_size=4), load=st.booleans())
+    def match(self, parts, load):
+        if self.w is None:
+            return None
+        key = self.key(parts)
+        m = self.w.cache.match_prefix(key)
+        prefix = m.indices.numel()
+        assert self.w.device_kv[m.indices.numpy()].tolist() == key[:prefix]
+        node = m.last_node
+        if load and m.host_hit_length:
+            loaded = self.w.cache.load_back(m.last_host_node, m.host_hit_length)
+            if loaded is not None:
+                assert self.w.device_kv[loaded.numpy()].tolist() == key[:prefix + m.host_hit_length]
+                node = m.last_host_node
+        self.w.cache.inc_lock_ref(node)
+        return node
+
+    @rule(node=consumes(locks))
+    def unlock(self, node):  # each lock released once, as a request does
+        if node is not None:
+            self.w.cache.dec_lock_ref(node)
+
+    @rule(n=st.integers(0, 30))
+    def evict(self, n):
+        if self.w is not None:
+            self.w.cache.evict(n)
+
+    @rule(n=st.integers(0, 30))
+    def evict_host(self, n):
+        if self.w is not None:
+            self.w.cache.evict_host(n)
+
+    @invariant()
+    def tiers_hold_the_right_tokens(self):
+        if self.w is not None:
+            self.w.cache.check_invariants()
+            self.w.check_content()
+            assert self.w.alloc.available_size() + self.w.cache.total_size() == self.w.alloc.size
+
+
+TieredCache.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                         suppress_health_check=list(HealthCheck))
+test_any_sequence_of_operations_keeps_both_tiers_consistent = TieredCache.TestCase
