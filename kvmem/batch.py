@@ -166,6 +166,17 @@ class ScheduleBatch:
     def __init__(self, reqs: list[Req], req_to_token_pool: ReqToTokenPool,
                  token_allocator: TokenAllocator | PagedTokenAllocator, tree_cache: RadixCache) -> None:
         check_parts(req_to_token_pool, token_allocator, tree_cache)
+        self._setup(reqs, req_to_token_pool, token_allocator, tree_cache)
+
+    @classmethod
+    def _of(cls, reqs: list[Req], req_to_token_pool: ReqToTokenPool,
+            token_allocator: TokenAllocator | PagedTokenAllocator, tree_cache: RadixCache) -> ScheduleBatch:
+        """A batch over parts already known to belong together (the Scheduler's, checked when it was built)."""
+        batch = cls.__new__(cls)
+        batch._setup(reqs, req_to_token_pool, token_allocator, tree_cache)
+        return batch
+
+    def _setup(self, reqs, req_to_token_pool, token_allocator, tree_cache) -> None:
         self.reqs = reqs
         self.req_to_token_pool = req_to_token_pool
         self.token_allocator = token_allocator

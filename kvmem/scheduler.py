@@ -161,8 +161,8 @@ class Scheduler:
         self.tree_cache.writing_check()
         batch = self._get_extend_batch()
         if batch is None and self.running:
-            t0 = perf_counter()
-            batch = ScheduleBatch(self.running, self.req_to_token_pool, self.token_allocator, self.tree_cache)
+            t0 = perf_counter() if self.timer is not None else 0.0
+            batch = ScheduleBatch._of(self.running, self.req_to_token_pool, self.token_allocator, self.tree_cache)
             batch._prepare_for_decode()  # running requests, which add_request checked fit max_context_len
             if self.timer is not None:
                 self.timer.add("prepare_decode", perf_counter() - t0)
@@ -188,7 +188,7 @@ class Scheduler:
             raise RuntimeError("process_batch_result: no batch is pending (call step() first)")
         if batch is not self._batch:
             raise ValueError("batch is not the one the last step() returned")
-        t0 = perf_counter()
+        t0 = perf_counter() if self.timer is not None else 0.0
         tokens = _token_ids(next_token_ids)
         if len(tokens) != batch.batch_size():
             raise ValueError(f"next_token_ids has {len(tokens)} tokens for a batch of {batch.batch_size()}")
@@ -248,7 +248,7 @@ class Scheduler:
         while self.waiting and len(self.running) + len(reqs) < self.max_running and budget > 0 \
                 and self.chunked_req is None:
             req = self.waiting[0]
-            t0 = perf_counter()
+            t0 = perf_counter() if timer is not None else 0.0
             self._match(req)
             self.tree_cache.inc_lock_ref(req.last_node)
             if timer is not None:
@@ -261,8 +261,8 @@ class Scheduler:
             reqs.append(req)
         if not reqs:
             return None
-        t1 = perf_counter()
-        batch = ScheduleBatch(reqs, self.req_to_token_pool, self.token_allocator, self.tree_cache)
+        t1 = perf_counter() if timer is not None else 0.0
+        batch = ScheduleBatch._of(reqs, self.req_to_token_pool, self.token_allocator, self.tree_cache)
         ok = batch._prepare_for_extend(*batch._extend_lens())  # admission built a valid batch
         if timer is not None:
             timer.add("prepare_extend", perf_counter() - t1)

@@ -14,7 +14,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvmem.replay.config import EVICTION_POLICIES, SCHEDULE_POLICIES, ReplayConfig
+from kvmem.replay.config import (
+    DEFAULT_PCIE_GBPS,
+    EVICTION_POLICIES,
+    SCHEDULE_POLICIES,
+    WRITE_POLICIES,
+    ReplayConfig,
+)
 from kvmem.replay.report import require_matplotlib, write_sweep_plot
 from kvmem.replay.traces import Trace, TraceError, default_trace_path, read_trace
 
@@ -84,9 +90,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"KV-cache capacity in tokens (default {DEFAULT_CAPACITY_TOKENS})")
     cap.add_argument("--gpu-mem-gb", type=_positive_float, metavar="G",
                      help="KV-cache memory in GiB; needs --model")
-    p.add_argument("--model", metavar="CONFIG", help="model preset for --gpu-mem-gb (see kvmem.sizing)")
+    p.add_argument("--model", metavar="CONFIG", help="model preset (see kvmem.sizing): sizes --gpu-mem-gb and "
+                   "--host-mem-gb, and prices copies between tiers (default: llama-3-8b's bytes per token)")
     p.add_argument("--kv-cache-dtype", metavar="DTYPE", help="KV storage dtype for --gpu-mem-gb (default auto)")
     p.add_argument("--page-size", type=_positive_int, default=1, metavar="P", help="tokens per page (default 1)")
+    host = p.add_mutually_exclusive_group()
+    host.add_argument("--host-capacity-tokens", type=_positive_int, metavar="N",
+                      help="a host-memory tier of N tokens under the device cache (HiCache-style)")
+    host.add_argument("--host-mem-gb", type=_positive_float, metavar="G", help="the host tier in GiB; needs --model")
+    p.add_argument("--write-policy", default="write_through", choices=WRITE_POLICIES,
+                   help="when the host tier copies device pages (default write_through)")
+    p.add_argument("--h2d-gbps", type=_positive_float, default=DEFAULT_PCIE_GBPS, metavar="B",
+                   help=f"host-to-device copy bandwidth, GB/s (default {DEFAULT_PCIE_GBPS:g}, PCIe 5 x16)")
+    p.add_argument("--d2h-gbps", type=_positive_float, default=DEFAULT_PCIE_GBPS, metavar="B",
+                   help=f"device-to-host copy bandwidth, GB/s (default {DEFAULT_PCIE_GBPS:g})")
     p.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES)
     p.add_argument("--schedule-policy", default="lpm", choices=SCHEDULE_POLICIES)
     p.add_argument("--max-running", type=_positive_int, default=256, metavar="R",
@@ -189,37 +206,53 @@ def _load_trace(args: argparse.Namespace) -> Trace:
 
 
 def _replay_config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
-    if args.model is not None and args.gpu_mem_gb is None:
-        raise ValueError("--model only sizes the cache together with --gpu-mem-gb")
-    if args.kv_cache_dtype is not None and args.gpu_mem_gb is None:
-        raise ValueError("--kv-cache-dtype only sizes the cache together with --gpu-mem-gb and --model")
-    if args.gpu_mem_gb is not None:
-        capacity = _capacity_from_memory(args)
-    else:
-        capacity = args.capacity_tokens or DEFAULT_CAPACITY_TOKENS
+    if args.kv_cache_dtype is not None and args.gpu_mem_gb is None and args.host_mem_gb is None:
+        raise ValueError("--kv-cache-dtype only sizes the cache together with --gpu-mem-gb or --host-mem-gb")
+    tiers = {}
+    if args.model is not None or args.gpu_mem_gb is not None or args.host_mem_gb is not None:
+        model_bytes = _bytes_per_token(args)
+        tiers["kv_bytes_per_token"] = model_bytes
+    capacity = (_tokens_in(args.gpu_mem_gb, "--gpu-mem-gb", args) if args.gpu_mem_gb is not None
+                else args.capacity_tokens or DEFAULT_CAPACITY_TOKENS)
+    if args.host_mem_gb is not None:
+        tiers["host_capacity_tokens"] = _tokens_in(args.host_mem_gb, "--host-mem-gb", args)
+    elif args.host_capacity_tokens is not None:
+        tiers["host_capacity_tokens"] = args.host_capacity_tokens
     return ReplayConfig(
         capacity_tokens=capacity, max_context_len=trace.max_context_len, page_size=args.page_size,
         eviction_policy=args.eviction_policy, schedule_policy=args.schedule_policy,
         max_running=args.max_running,
         chunked_prefill_size=args.chunked_prefill_size if args.chunked_prefill_size > 0 else None,
-        honour_arrivals=args.arrivals == "honour", seed=args.seed)
+        honour_arrivals=args.arrivals == "honour", seed=args.seed, write_policy=args.write_policy,
+        h2d_gbps=args.h2d_gbps, d2h_gbps=args.d2h_gbps, **tiers)
 
 
-def _capacity_from_memory(args: argparse.Namespace) -> int:
-    if args.model is None:
-        raise ValueError("--gpu-mem-gb needs --model to know the bytes per token")
+def _model(args: argparse.Namespace):
     from kvmem import sizing
 
+    if args.model is None:
+        option = "--gpu-mem-gb" if args.gpu_mem_gb is not None else "--host-mem-gb"
+        raise ValueError(f"{option} needs --model to know the bytes per token")
     try:
-        model = sizing.get_model_config(args.model)
+        return sizing.get_model_config(args.model)
     except ValueError as e:
         raise ValueError(f"--model: {e}") from None
-    capacity = sizing.tokens_for_budget(model, gpu_mem_gb=args.gpu_mem_gb, page_size=args.page_size,
-                                        kv_cache_dtype=args.kv_cache_dtype or "auto")
-    if capacity <= 0:
-        raise ValueError(f"--gpu-mem-gb {args.gpu_mem_gb} holds no {args.page_size}-token page of "
-                         f"{args.model}'s KV cache")
-    return capacity
+
+
+def _bytes_per_token(args: argparse.Namespace) -> int:
+    from kvmem import sizing
+
+    return sizing.bytes_per_token(_model(args), args.kv_cache_dtype or "auto")
+
+
+def _tokens_in(mem_gb: float, option: str, args: argparse.Namespace) -> int:
+    from kvmem import sizing
+
+    tokens = sizing.tokens_for_budget(_model(args), gpu_mem_gb=mem_gb, page_size=args.page_size,
+                                      kv_cache_dtype=args.kv_cache_dtype or "auto")
+    if tokens <= 0:
+        raise ValueError(f"{option} {mem_gb} holds no {args.page_size}-token page of {args.model}'s KV cache")
+    return tokens
 
 
 def _sweep_capacities(args: argparse.Namespace, capacity: int) -> list[int] | None:

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmem._checks import check_host_bytes, check_int
+from kvmem._checks import check_host_bytes, check_int, check_number
 from kvmem.eviction import EVICTION_POLICIES as _POLICY_KEYS
 from kvmem.scheduler import SCHEDULE_POLICIES
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # kvmem.tiers.WRITE_POLICIES
+# Llama-3-8B's KV in bfloat16 (32 layers x 8 KV heads x (128 + 128) x 2 bytes): what a token weighs when
+# the replay prices copies between tiers and no --model says otherwise.
+DEFAULT_KV_BYTES_PER_TOKEN = 131072
+# PCIe 5.0 x16 moves 64 GB/s per direction (32 GT/s x 16 lanes, 128b/130b encoding); copies of pinned host
+# memory reach about 80% of it, and NVIDIA's H100 datasheet puts host-device bandwidth at 64 GB/s.
+DEFAULT_PCIE_GBPS = 50.0
 
 # The names the radix cache accepts, in its order; the replay offers exactly those.
 EVICTION_POLICIES = tuple(_POLICY_KEYS)
@@ -28,6 +36,12 @@ class ReplayConfig:
     honour_arrivals: True admits a request only once the simulated clock reaches its arrival_s; False
         queues every request at time 0, in trace order.
     seed: for any tie-break a simulator randomizes.
+    host_capacity_tokens: host-tier slots under the device cache (None: no host tier); more than the
+        device's capacity (rounded down to pages).
+    write_policy: when the host tier copies a device node: "write_through", "write_through_selective" or
+        "write_back" (see kvmem.tiers).
+    kv_bytes_per_token: KV bytes a token weighs, to price copies between tiers.
+    h2d_gbps / d2h_gbps: host-to-device and device-to-host copy bandwidth, GB/s (1e9 bytes).
     """
 
     capacity_tokens: int
@@ -39,6 +53,11 @@ class ReplayConfig:
     chunked_prefill_size: int | None = 8192
     honour_arrivals: bool = True
     seed: int = 0
+    host_capacity_tokens: int | None = None
+    write_policy: str = "write_through"
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+    h2d_gbps: float = DEFAULT_PCIE_GBPS
+    d2h_gbps: float = DEFAULT_PCIE_GBPS
 
     def __post_init__(self) -> None:
         for name in ("capacity_tokens", "max_context_len", "page_size", "max_running"):
@@ -55,6 +74,16 @@ class ReplayConfig:
         if not isinstance(self.honour_arrivals, bool):
             raise ValueError(f"honour_arrivals must be a bool, got {self.honour_arrivals!r}")
         check_int("seed", self.seed)
+        if self.host_capacity_tokens is not None:
+            check_int("host_capacity_tokens", self.host_capacity_tokens, minimum=1)
+            if self.host_pages * self.page_size <= self.capacity_tokens // self.page_size * self.page_size:
+                raise ValueError(f"host_capacity_tokens {self.host_capacity_tokens} must exceed the device's "
+                                 f"{self.capacity_tokens} (a host tier holds a copy of every cached device page)")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        check_int("kv_bytes_per_token", self.kv_bytes_per_token, minimum=1)
+        check_number("h2d_gbps", self.h2d_gbps, 0, allow_minimum=False)
+        check_number("d2h_gbps", self.d2h_gbps, 0, allow_minimum=False)
 
     @property
     def context_len(self) -> int:
@@ -63,9 +92,14 @@ class ReplayConfig:
         then rejected, instead of sizing every row after it."""
         return min(self.max_context_len, self.capacity_tokens // self.page_size * self.page_size)
 
+    @property
+    def host_pages(self) -> int:
+        return (self.host_capacity_tokens or 0) // self.page_size
+
     def check_host_memory(self) -> None:
         """Raises ValueError (one line) when the replay's host bookkeeping would not fit this machine: the
-        allocator (33 bytes a page), the tree's slot bitmap (1 byte a slot) and the req_to_token rows."""
+        allocators (33 bytes a page), the tree's slot bitmap (1 byte a slot) and the req_to_token rows."""
         table = self.max_running * self.context_len * 4
         check_host_bytes(f"a replay at capacity {self.capacity_tokens} tokens",
-                         self.capacity_tokens // self.page_size * 33 + self.capacity_tokens + table)
+                         (self.capacity_tokens // self.page_size + self.host_pages) * 33 + self.capacity_tokens
+                         + table)

@@ -31,6 +31,7 @@ class ReplayReport:
     """
 
     capacity_tokens: int
+    host_capacity_tokens: int | None = None
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -44,15 +45,30 @@ class ReplayReport:
     evictable_tokens: array = field(default_factory=lambda: array("q"), repr=False)
     running: array = field(default_factory=lambda: array("q"), repr=False)
     cumulative_hit_rate: array = field(default_factory=lambda: array("d"), repr=False)
+    host_cached_tokens: int = 0
+    loaded_tokens: int = 0
+    backed_up_tokens: int = 0
+    host_evicted_tokens: int = 0
+    transfer_seconds: float = 0.0
 
-    def record_admission(self, prompt_len: int, cached_len: int) -> None:
-        """Counts a request's first admission: its prompt length and its cached prefix length."""
-        if not 0 <= cached_len <= prompt_len:
-            raise ValueError(f"need 0 <= cached_len <= prompt_len, got cached_len={cached_len}, "
-                             f"prompt_len={prompt_len}")
+    def record_admission(self, prompt_len: int, cached_len: int, host_len: int = 0) -> None:
+        """Counts a request's first admission: its prompt length and its cached prefix length, of which
+        `host_len` tokens were loaded from the host tier."""
+        if not 0 <= host_len <= cached_len <= prompt_len:
+            raise ValueError(f"need 0 <= host_len <= cached_len <= prompt_len, got host_len={host_len}, "
+                             f"cached_len={cached_len}, prompt_len={prompt_len}")
         self.requests += 1
         self.prompt_tokens += prompt_len
         self.cached_tokens += cached_len
+        self.host_cached_tokens += host_len
+
+    def record_tiers(self, stats, config) -> None:
+        """Takes a tiered cache's copy counts and prices them: transfer_seconds = KV bytes moved / bandwidth."""
+        self.loaded_tokens = stats.loaded_tokens
+        self.backed_up_tokens = stats.backed_up_tokens
+        self.host_evicted_tokens = stats.host_evicted_tokens
+        self.transfer_seconds = config.kv_bytes_per_token * (stats.loaded_tokens / (config.h2d_gbps * 1e9)
+                                                             + stats.backed_up_tokens / (config.d2h_gbps * 1e9))
 
     def record_step(self, time_s: float, tokens_used: int, evictable_tokens: int, running: int) -> None:
         """Samples memory after a scheduler step; the cumulative hit rate is taken from the counters."""
@@ -65,6 +81,16 @@ class ReplayReport:
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def host_hit_rate(self) -> float:
+        """The share of prompt tokens loaded back from the host tier (part of hit_rate)."""
+        return self.host_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def device_hit_rate(self) -> float:
+        """The share of prompt tokens found on the device (hit_rate - host_hit_rate)."""
+        return (self.cached_tokens - self.host_cached_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def peak_tokens_used(self) -> int:
@@ -96,6 +122,21 @@ class ReplayReport:
             "steps": len(self.time_s),
             "cache_op_seconds": round(self.cache_op_seconds, 6),
             "replay_seconds": round(self.replay_seconds, 6),
+            **self._tier_json(),
+        }
+
+    def _tier_json(self) -> dict:
+        """The host tier's fields; none without a host tier, so that a device-only report is as it was."""
+        if self.host_capacity_tokens is None:
+            return {}
+        return {
+            "host_capacity_tokens": self.host_capacity_tokens,
+            "device_hit_rate": round(self.device_hit_rate, 6),
+            "host_hit_rate": round(self.host_hit_rate, 6),
+            "loaded_tokens": self.loaded_tokens,
+            "backed_up_tokens": self.backed_up_tokens,
+            "host_evicted_tokens": self.host_evicted_tokens,
+            "transfer_seconds": round(self.transfer_seconds, 6),
         }
 
     def write_plots(self, directory: str | os.PathLike) -> list[Path]:
@@ -128,16 +169,23 @@ class ReplayReport:
 
 
 def write_sweep_plot(reports: Sequence[ReplayReport], directory: str | os.PathLike) -> Path:
-    """Writes hit_rate_vs_capacity.png (one point per report) into `directory`; needs matplotlib."""
+    """Writes hit_rate_vs_capacity.png (one point per report; with a host tier, one curve per tier and their
+    total) into `directory`; needs matplotlib."""
     figure_cls = require_matplotlib()
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     ordered = sorted(reports, key=lambda r: r.capacity_tokens)
     fig = figure_cls(figsize=(8, 4.5))
     ax = fig.subplots()
-    ax.plot([r.capacity_tokens for r in ordered], [r.hit_rate for r in ordered], marker="o")
+    x = [r.capacity_tokens for r in ordered]
+    tiered = ordered[0].host_capacity_tokens is not None
+    ax.plot(x, [r.hit_rate for r in ordered], marker="o", label="any tier" if tiered else None)
+    if tiered:
+        ax.plot(x, [r.device_hit_rate for r in ordered], marker=".", label="device")
+        ax.plot(x, [r.host_hit_rate for r in ordered], marker=".", label=f"host ({ordered[0].host_capacity_tokens:,})")
+        ax.legend(loc="upper left")
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="KV capacity (tokens)", ylabel="hit rate", ylim=(0, 1), title="Hit rate vs KV capacity")
+    ax.set(xlabel="device KV capacity (tokens)", ylabel="hit rate", ylim=(0, 1), title="Hit rate vs KV capacity")
     ax.grid(True, alpha=0.3)
     path = out / "hit_rate_vs_capacity.png"
     fig.savefig(path, dpi=120, bbox_inches="tight")

@@ -24,6 +24,7 @@ from kvmem.replay.report import ReplayReport
 from kvmem.replay.traces import TraceRequest
 from kvmem.req_to_token import ReqToTokenPool
 from kvmem.scheduler import Scheduler, SchedulerConfig
+from kvmem.tiers import HiRadixCache, HostSlotPool
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,11 @@ def build_scheduler(config: ReplayConfig) -> Scheduler:
     capacity = config.capacity_tokens // ps * ps
     pool = ReqToTokenPool(config.max_running, config.context_len)
     alloc = TokenAllocator(capacity) if ps == 1 else PagedTokenAllocator(capacity, ps)
-    tree = RadixCache(pool, alloc, page_size=ps, eviction_policy=config.eviction_policy)
+    if config.host_capacity_tokens is None:
+        tree = RadixCache(pool, alloc, page_size=ps, eviction_policy=config.eviction_policy)
+    else:
+        tree = HiRadixCache(pool, alloc, HostSlotPool(config.host_pages * ps, ps), page_size=ps,
+                            eviction_policy=config.eviction_policy, write_policy=config.write_policy)
     return Scheduler(pool, alloc, tree, SchedulerConfig(
         schedule_policy=config.schedule_policy, max_running_requests=config.max_running,
         chunked_prefill_size=config.chunked_prefill_size))
@@ -69,6 +74,8 @@ def replay(requests: Sequence[TraceRequest], config: ReplayConfig, progress: boo
     """
     sched = build_scheduler(config)
     report = ReplayReport(capacity_tokens=sched.token_allocator.size)
+    if config.host_capacity_tokens is not None:
+        report.host_capacity_tokens = config.host_pages * config.page_size
     order = _arrival_order(requests, config.honour_arrivals)
     outputs: dict[int, np.ndarray] = {}
     admitted: set[int] = set()
@@ -107,7 +114,7 @@ def replay(requests: Sequence[TraceRequest], config: ReplayConfig, progress: boo
             for req in batch.reqs:
                 if req.rid not in admitted:
                     admitted.add(req.rid)
-                    report.record_admission(len(req.input_ids), len(req.prefix_indices))
+                    report.record_admission(len(req.input_ids), len(req.prefix_indices), req.host_hit_len)
             clock += cost.decode_step_s + int(batch.extend_lens.sum()) / cost.prefill_tokens_per_s
         else:
             clock += cost.decode_step_s
@@ -124,6 +131,8 @@ def replay(requests: Sequence[TraceRequest], config: ReplayConfig, progress: boo
         bar.close()
     report.evicted_tokens = sched.stats.evicted_tokens
     report.retractions = sched.stats.retractions
+    if isinstance(tree, HiRadixCache):
+        report.record_tiers(tree.stats, config)
     report.cache_op_seconds = cache_s
     report.replay_seconds = time.perf_counter() - t_start
     return report
