@@ -50,6 +50,9 @@ class Req:
         input_ids: prompt token ids (non-empty), kept as an int64 `array`.
         max_new_tokens: output tokens to generate (>= 1); the request finishes after that many.
         priority: larger is more valuable to the "priority" eviction policy.
+        namespace: the KV-sharing domain (a tenant salt, a LoRA or model id): requests in different namespaces
+            never share cached KV, in any tier, and cannot see each other's prompts through hit timing. None:
+            the default namespace.
 
     State, kept by the scheduler: `status` (a ReqStatus), `req_pool_idx` (its req_to_token row or None),
     `kv_len` (leading tokens of input_ids + output_ids whose slots are in the row), `prefix_indices` and
@@ -57,12 +60,16 @@ class Req:
     slots of the row belong to the tree; the rest are the request's: see `kvmem.radix_cache.CachedRequest`).
     """
 
-    def __init__(self, rid, input_ids: Sequence[int], max_new_tokens: int, *, priority: int = 0) -> None:
+    def __init__(self, rid, input_ids: Sequence[int], max_new_tokens: int, *, priority: int = 0,
+                 namespace: str | None = None) -> None:
         ids = _as_token_array(rid, input_ids)
         self.rid = rid
         self.input_ids: array = ids
         self.max_new_tokens = check_int(f"request {rid!r}: max_new_tokens", max_new_tokens, minimum=1)
         self.priority = check_int(f"request {rid!r}: priority", priority, minimum=-2**63, maximum=2**63 - 1)
+        if namespace is not None and not isinstance(namespace, str):
+            raise TypeError(f"request {rid!r}: namespace must be a str or None, got {type(namespace).__name__}")
+        self.namespace = namespace
         self.status = ReqStatus.NEW
         self.output_ids: list[int] = []
         self.req_pool_idx: int | None = None

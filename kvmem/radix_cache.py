@@ -28,7 +28,7 @@ from kvmem._index import as_index_array
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.events.schema import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvmem.eviction import EvictionKey
-from kvmem.page_hash import chain_page_hashes, namespace_prefix
+from kvmem.page_hash import DIGEST_BYTES, chain_page_digests, event_hash, event_hashes, namespace_prefix
 from kvmem.radix_tree import TOKEN_BYTES, RadixTree, TreeNode, _fail, key_bytes
 from kvmem.req_to_token import ReqToTokenPool
 
@@ -69,6 +69,7 @@ class CachedRequest(Protocol):
     priority: int
     input_ids: array
     output_ids: list[int]
+    namespace: str | None
 
 
 class RadixCache(RadixTree):
@@ -118,7 +119,7 @@ class RadixCache(RadixTree):
         if event_sink is not None and not callable(event_sink):
             raise TypeError(f"event_sink must be callable (or None), got {type(event_sink).__name__}")
         self._event_sink = event_sink
-        self._hash_prefix = namespace_prefix(None)
+        self._names = event_sink is not None  # keep page digests on nodes (events and storage name pages)
         self.req_to_token_pool = req_to_token_pool
         self.token_allocator = token_allocator
         self.device = token_allocator.device
@@ -127,42 +128,45 @@ class RadixCache(RadixTree):
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
 
     # ---- match and insert ---------------------------------------------------------------------------
-    def match_prefix(self, key) -> MatchResult:
+    def match_prefix(self, key, namespace: str | None = None) -> MatchResult:
         """The longest cached prefix of `key` (a sequence of int token ids, an int64 `array("q")` being the
-        cheapest), truncated down to whole pages.
+        cheapest), truncated down to whole pages, among the prefixes cached in `namespace` (None: the
+        default namespace; namespaces never share a prefix).
 
         An empty key, or one shorter than a page, matches nothing (empty indices, the root). A match ending
         inside an edge splits that node so that `last_node` covers exactly the prefix. Updates access time
         and hit count along the path.
         """
         view = key_bytes("key", key)
-        node = self._walk_to_node(self._descend(view, len(view) - len(view) % self._page_bytes))
-        if node is self.root_node:
+        node = self._walk_to_node(self._descend(view, len(view) - len(view) % self._page_bytes,
+                                                self._root(namespace)))
+        if node.parent is None:
             return MatchResult(self._empty, node)
         self._touch(node, hit=True)
         if node.entry is not None:
             self._rekey(node)
         return MatchResult(self._path_indices(node), node)
 
-    def prefix_len(self, key) -> int:
-        """How many leading tokens of `key` `match_prefix` would return (whole pages), without changing the
-        tree: no split, no access-time or hit-count update, no index gather. A scheduler ranks its waiting
-        queue with this and matches for real only the requests it admits."""
+    def prefix_len(self, key, namespace: str | None = None) -> int:
+        """How many leading tokens of `key` `match_prefix` would return (whole pages, in any tier), without
+        changing the tree: no split, no access-time or hit-count update, no index gather. A scheduler ranks
+        its waiting queue with this and matches for real only the requests it admits."""
         view = key_bytes("key", key)
-        return self._descend(view, len(view) - len(view) % self._page_bytes).num_tokens
+        return self._descend(view, len(view) - len(view) % self._page_bytes, self._root(namespace)).num_tokens
 
-    def insert(self, key, value: torch.Tensor, priority: int = 0) -> int:
+    def insert(self, key, value: torch.Tensor, priority: int = 0, namespace: str | None = None) -> int:
         """Caches slots `value` ([len(key)] integer tensor, any device; a numpy array works too) for tokens
-        `key` (a non-empty sequence of int token ids, whole pages). Returns how many leading tokens were
+        `key` (a non-empty sequence of int token ids, whole pages) in `namespace`. Returns how many leading tokens were
         already cached: the tree keeps its own slots there and the caller still owns (and should free)
         value[:returned]; the tree takes ownership of (a copy of) value[returned:].
 
         Raises, changing nothing, on an empty or misaligned key, a length mismatch, a non-integer value,
         or new slots that are 0, not allocated, not whole pages, or already in the tree.
         """
-        return self._insert(key, value, priority)[0]
+        return self._insert(key, value, priority, namespace)[0]
 
-    def _insert(self, key, value, priority: int, *, checked: bool = True) -> tuple[int, TreeNode]:
+    def _insert(self, key, value, priority: int, namespace: str | None = None, *,
+                checked: bool = True) -> tuple[int, TreeNode]:
         """insert's body: returns (tokens already cached, the node whose path is `key`). `checked=False` is for
         the Scheduler's own requests, whose keys are whole pages and whose slots it took from the allocator:
         it skips the argument and slot checks (key: an int64 array; value: host int64 slots)."""
@@ -170,7 +174,7 @@ class RadixCache(RadixTree):
         nbytes = len(view)
         if checked:
             value, priority = self._check_insert(view, value, priority)
-        walk = self._descend(view, nbytes)
+        walk = self._descend(view, nbytes, self._root(namespace))
         matched = walk.num_tokens
         grows = matched * TOKEN_BYTES < nbytes
         if grows:
@@ -183,8 +187,8 @@ class RadixCache(RadixTree):
         if grows:
             last = self._add_leaf(last, view[matched * TOKEN_BYTES:].tobytes(), new_slots.copy(), priority)
             self._in_tree[new_slots] = True
-            if self._event_sink is not None:
-                self._report_stored(last)
+            if self._names:
+                self._name_pages(last, namespace)
         elif last.entry is not None:
             self._rekey(last)
         return matched, last
@@ -266,24 +270,28 @@ class RadixCache(RadixTree):
         self._in_tree[slots] = False
         self.token_allocator.free(torch.from_numpy(slots))
 
-    # ---- events -------------------------------------------------------------------------------------
-    def _report_stored(self, node: TreeNode, medium: str = MEDIUM_GPU) -> None:
-        """Reports `node`'s pages stored in `medium`, giving them their page hashes first if they have
-        none (chained from the parent's last page, which every node in the tree has by then)."""
+    # ---- page names and events ---------------------------------------------------------------------
+    def _name_pages(self, node: TreeNode, namespace: str | None) -> None:
+        """Gives a new node its pages' digests (chained from its parent's last page) and reports them stored."""
         parent = node.parent
-        parent_hash = None if parent is self.root_node else int(parent.page_hashes[-1])
-        if node.page_hashes is None:
-            hashes = chain_page_hashes(self._hash_prefix, parent_hash, node.key, self._page_bytes)
-            node.page_hashes = np.array(hashes, dtype=np.uint64)
-        else:
-            hashes = node.page_hashes.tolist()
-        self._event_sink(BlockStored(hashes, parent_hash, array("q", node.key).tolist(), self.page_size,
-                                     medium=medium))
+        parent_digest = None if parent.parent is None else parent.page_digests[-DIGEST_BYTES:]
+        node.page_digests = chain_page_digests(namespace_prefix(namespace), parent_digest, node.key,
+                                               self._page_bytes)
+        self._report_stored(node)
+
+    def _report_stored(self, node: TreeNode, medium: str = MEDIUM_GPU) -> None:
+        """Reports `node`'s pages stored in `medium` (its digests named them when it entered the tree)."""
+        if self._event_sink is None:
+            return
+        parent = node.parent
+        parent_hash = None if parent.parent is None else event_hash(parent.page_digests[-DIGEST_BYTES:])
+        self._event_sink(BlockStored(event_hashes(node.page_digests), parent_hash, array("q", node.key).tolist(),
+                                     self.page_size, medium=medium))
 
     def _report_removed(self, nodes: list[TreeNode], medium: str = MEDIUM_GPU) -> None:
         """Reports the pages of `nodes` removed from `medium`, in one event."""
-        hashes = nodes[0].page_hashes if len(nodes) == 1 else np.concatenate([n.page_hashes for n in nodes])
-        self._event_sink(BlockRemoved(hashes.tolist(), medium))
+        if self._event_sink is not None:
+            self._event_sink(BlockRemoved(event_hashes(b"".join(n.page_digests for n in nodes)), medium))
 
     # ---- requests -----------------------------------------------------------------------------------
     def cache_finished_req(self, req: CachedRequest) -> None:
@@ -317,7 +325,7 @@ class RadixCache(RadixTree):
         cached, node = protected, req.last_node
         if aligned > protected:
             cached, node = self._insert(request_token_ids(req, aligned), slots[:aligned], req.priority,
-                                        checked=checked)
+                                        req.namespace, checked=checked)
         if finished:
             spare = np.concatenate((slots[protected:cached], slots[aligned:]))
             if len(spare):

@@ -35,6 +35,7 @@ from sortedcontainers import SortedList
 from kvmem._checks import check_int
 from kvmem._index import as_index_array
 from kvmem.eviction import EvictionKey, eviction_key
+from kvmem.page_hash import DIGEST_BYTES
 
 TOKEN_BYTES = 8  # keys hold int64 token ids
 
@@ -46,12 +47,13 @@ class TreeNode:
     the node's prefix; `last_access` and `created` are logical-clock ticks, `hit_count` counts the matches
     that reached it, `priority` is the highest request priority inserted through it, and `id` (unique,
     increasing) breaks ties. `entry` is its record in the evictable set, or None when it is not there.
-    `page_hashes` ([num_tokens // page_size] uint64, `kvmem.page_hash`) is kept only by a cache that
-    reports events, else None. A node removed by eviction or `reset` has `parent` None.
+    `page_digests` (its pages' 32-byte `kvmem.page_hash` digests, concatenated) is kept only by a cache that
+    needs page names (events, storage), else None. A root (one per namespace) has parent None and an empty
+    key; so has a node removed by eviction or `reset`.
     """
 
     __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "hit_count", "created",
-                 "priority", "id", "entry", "page_hashes")
+                 "priority", "id", "entry", "page_digests")
 
     def __init__(self, key: bytes, value: np.ndarray, parent: TreeNode | None, created: int, id: int) -> None:
         self.key = key
@@ -65,7 +67,7 @@ class TreeNode:
         self.priority = 0
         self.id = id
         self.entry: tuple | None = None
-        self.page_hashes: np.ndarray | None = None
+        self.page_digests: bytes | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -116,11 +118,25 @@ class RadixTree:
         self._init_root()
 
     def _init_root(self) -> None:
-        self.root_node = self.node_class(b"", np.empty(0, dtype=np.int64), None, 0, next(self._ids))
+        self.root_node = self._new_root()
+        self._roots: dict[str | None, TreeNode] = {None: self.root_node}
         self._clock = 0
         self._evictable.clear()
         self._evictable_size = 0
         self._protected_size = 0
+
+    def _new_root(self) -> TreeNode:
+        return self.node_class(b"", np.empty(0, dtype=np.int64), None, 0, next(self._ids))
+
+    def _root(self, namespace: str | None) -> TreeNode:
+        """The root of `namespace`'s tree (None: the default namespace). Namespaces share nothing but the
+        evictable sets and the slots: a prefix cached in one is never matched from another."""
+        root = self._roots.get(namespace)
+        if root is None:
+            if not isinstance(namespace, str):
+                raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")
+            root = self._roots[namespace] = self._new_root()
+        return root
 
     # ---- sizes --------------------------------------------------------------------------------------
     def evictable_size(self) -> int:
@@ -136,9 +152,9 @@ class RadixTree:
         return self._evictable_size + self._protected_size
 
     # ---- walking and growing ------------------------------------------------------------------------
-    def _descend(self, view: memoryview, nbytes: int) -> Walk:
-        """Walks the first `nbytes` (whole pages) of `view` down the tree without changing it."""
-        node, matched, page_bytes = self.root_node, 0, self._page_bytes
+    def _descend(self, view: memoryview, nbytes: int, root: TreeNode) -> Walk:
+        """Walks the first `nbytes` (whole pages) of `view` down from `root` without changing the tree."""
+        node, matched, page_bytes = root, 0, self._page_bytes
         while matched < nbytes:
             child = node.children.get(view[matched:matched + page_bytes].tobytes())
             if child is None:
@@ -174,9 +190,9 @@ class RadixTree:
         parent.children[child.key[:self._page_bytes]] = head
         child.key = child.key[into_child:]
         child.value = child.value[k:].copy()
-        if child.page_hashes is not None:  # hashes chain per page, so a split only divides them
-            pages = k // self.page_size
-            head.page_hashes, child.page_hashes = child.page_hashes[:pages].copy(), child.page_hashes[pages:].copy()
+        if child.page_digests is not None:  # digests chain per page, so a split only divides them
+            cut = k // self.page_size * DIGEST_BYTES
+            head.page_digests, child.page_digests = child.page_digests[:cut], child.page_digests[cut:]
         child.parent = head
         head.children[child.key[:self._page_bytes]] = child
         return head
@@ -195,8 +211,8 @@ class RadixTree:
         """Advances the clock and stamps the path root..last as accessed now (and matched, and inserted at
         `priority`). Its caller re-keys `last` if it is an evictable leaf (no other node on the path is)."""
         self._clock += 1
-        now, root, node = self._clock, self.root_node, last
-        while node is not root:
+        now, node = self._clock, last
+        while node.parent is not None:
             node.last_access = now
             if hit:
                 node.hit_count += 1
@@ -207,8 +223,7 @@ class RadixTree:
     def _path_values(self, node: TreeNode) -> list[np.ndarray]:
         """The values of the nodes root..node, in path order."""
         values = []
-        root = self.root_node
-        while node is not root:
+        while node.parent is not None:
             values.append(node.value)
             node = node.parent
         values.reverse()
@@ -260,19 +275,18 @@ class RadixTree:
             self._add_evictable(node)
 
     def _check_node(self, node: TreeNode) -> TreeNode:
-        """Returns this tree's root if `node` hangs from it; raises otherwise. A walk up the path (a lock
-        walks it anyway), so a node of another tree is refused before either tree changes."""
+        """Returns the root `node` hangs from, if it is one of this tree's roots; raises otherwise. A walk up
+        the path (a lock walks it anyway), so a node of another tree is refused before either tree changes."""
         if not isinstance(node, TreeNode):
             raise TypeError(f"node must be a TreeNode, got {type(node).__name__}")
-        root = self.root_node
         walker = node
         while walker.parent is not None:
             walker = walker.parent
-        if walker is node and node is not root:
+        if any(root is walker for root in self._roots.values()):
+            return walker
+        if walker is node:
             raise ValueError(f"node {node.id} is no longer in the tree (evicted, or from before reset())")
-        if walker is not root:
-            raise ValueError(f"node {node.id} is not in this tree: it belongs to another tree")
-        return root
+        raise ValueError(f"node {node.id} is not in this tree: it belongs to another tree")
 
     # ---- the evictable set --------------------------------------------------------------------------
     def _add_evictable(self, node: TreeNode) -> None:
@@ -311,13 +325,13 @@ class RadixTree:
         parent = node.parent
         del parent.children[node.key[:self._page_bytes]]
         node.parent = None
-        if not parent.children and parent.lock_ref == 0 and parent is not self.root_node:
+        if not parent.children and parent.lock_ref == 0 and parent.parent is not None:
             self._add_evictable(parent)
 
     def _detach_all(self) -> list[TreeNode]:
-        """Unlinks every node (each left with parent None) and returns them; the root stays."""
+        """Unlinks every node (each left with parent None) and returns them; the roots stay."""
         nodes = []
-        stack = [self.root_node]
+        stack = list(self._roots.values())
         while stack:
             node = stack.pop()
             for child in node.children.values():
@@ -330,12 +344,13 @@ class RadixTree:
     def _check_tree(self) -> list[TreeNode]:
         """Raises AssertionError naming the first broken structural invariant (links and child keys, node
         sizes in whole pages, lock refs, size counters, the evictable set); returns every node but the root."""
-        root, page_bytes, ps = self.root_node, self._page_bytes, self.page_size
-        if root.key or root.parent is not None or root.lock_ref or root.entry is not None:
-            _fail("the root must have an empty key, no parent, no lock and no evictable entry")
+        page_bytes, ps = self._page_bytes, self.page_size
+        for root in self._roots.values():
+            if root.key or root.parent is not None or root.lock_ref or root.entry is not None:
+                _fail("a root must have an empty key, no parent, no lock and no evictable entry")
         evictable = protected = leaves = 0
         nodes = []
-        stack = [root]
+        stack = list(self._roots.values())
         while stack:
             node = stack.pop()
             for first, child in node.children.items():
@@ -347,7 +362,7 @@ class RadixTree:
                 if n == 0 or n % ps or len(child.key) % TOKEN_BYTES:
                     _fail(f"node {child.id}: {len(child.key)} key bytes (must be {n} > 0 tokens in whole pages "
                           f"of {ps})")
-                if child.lock_ref < 0 or (node is not root and child.lock_ref > node.lock_ref):
+                if child.lock_ref < 0 or (node.parent is not None and child.lock_ref > node.lock_ref):
                     _fail(f"node {child.id}: lock_ref {child.lock_ref} (parent {node.lock_ref}) must be "
                           f">= 0 and at most its parent's")
                 device = self._node_device_tokens(child)

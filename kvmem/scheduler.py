@@ -305,7 +305,7 @@ class Scheduler:
     def _match(self, req: Req) -> None:
         """Matches the request's prefix; with a tiered cache, loads its host-only part back to the device when
         it is long enough (else that part is recomputed)."""
-        m = self.tree_cache.match_prefix(_match_key(req))
+        m = self.tree_cache.match_prefix(_match_key(req), req.namespace)
         indices, node = m.indices, m.last_node
         req.host_hit_len = 0
         if m.host_hit_length >= self.config.load_back_threshold:
@@ -324,7 +324,7 @@ class Scheduler:
         are admitted, and a full match (split, index gather) for each would dominate the loop."""
         window = [self.waiting.popleft() for _ in range(min(self.config.lpm_window, len(self.waiting)))]
         prefix_len = self.tree_cache.prefix_len
-        window.sort(key=lambda r: -prefix_len(_match_key(r)))  # stable: arrival order among equals
+        window.sort(key=lambda r: -prefix_len(_match_key(r), r.namespace))  # stable: arrival order among equals
         self.waiting.extendleft(reversed(window))
 
     # ---- checks -------------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def build_cascade_metadata(batch: ScheduleBatch, tree: RadixTree, *, min_shared_
         raise ValueError(f"tree.page_size {tree.page_size} != the batch's page_size {batch.page_size}")
     qo_lens = batch.extend_lens.numpy()
     prefix_lens = batch.seq_lens.numpy() - qo_lens
-    paths = [_cached_path(req, tree.root_node, int(p)) for req, p in zip(batch.reqs, prefix_lens.tolist())]
+    paths = [_cached_path(req, tree, int(p)) for req, p in zip(batch.reqs, prefix_lens.tolist())]
     table = batch.req_to_token_pool.req_to_token
     return cascade_metadata(table, batch.req_pool_indices.numpy(), batch.seq_lens.numpy(), qo_lens, paths,
                             tree.page_size, min_shared_tokens, max_levels)
@@ -143,14 +143,19 @@ def cascade_metadata(req_to_token: torch.Tensor, req_pool_indices: np.ndarray, s
                            torch.from_numpy(_query_order(order, qo_lens)).to(device))
 
 
-def _cached_path(req, root: TreeNode, prefix_len: int) -> list[TreeNode]:
-    """The nodes root..req.last_node (root excluded, root first), checked against the request's row."""
+def _cached_path(req, tree: RadixTree, prefix_len: int) -> list[TreeNode]:
+    """The nodes root..req.last_node (its namespace's root excluded, root first), checked against the
+    request's row."""
     nodes, num_tokens = [], 0
-    node = root if req.last_node is None else req.last_node
-    while node is not root:
-        if node.parent is None:
+    node = req.last_node
+    root = None
+    if node is not None:
+        try:
+            root = tree._check_node(node)
+        except ValueError:
             raise ValueError(f"request {req.rid!r}: its last_node {node.id} is not in this tree (evicted, reset, "
-                             "or another tree's)")
+                             "or another tree's)") from None
+    while node is not root:
         nodes.append(node)
         num_tokens += len(node.value)
         node = node.parent

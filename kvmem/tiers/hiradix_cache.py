@@ -163,7 +163,7 @@ class HiRadixCache(RadixCache):
         return self.host_allocator.available_size()
 
     # ---- match --------------------------------------------------------------------------------------
-    def match_prefix(self, key) -> MatchResult:
+    def match_prefix(self, key, namespace: str | None = None) -> MatchResult:
         """The longest cached prefix of `key` in either tier (whole pages).
 
         `indices` and `last_node` cover its device part (lock `last_node` to keep it on device); the next
@@ -171,8 +171,9 @@ class HiRadixCache(RadixCache):
         host_hit_length)` brings them to the device). A match ending inside an edge splits that node.
         """
         view = key_bytes("key", key)
-        node = self._walk_to_node(self._descend(view, len(view) - len(view) % self._page_bytes))
-        if node is self.root_node:
+        node = self._walk_to_node(self._descend(view, len(view) - len(view) % self._page_bytes,
+                                                self._root(namespace)))
+        if node.parent is None:
             return MatchResult(self._empty, node)
         self._touch(node, hit=True)
         device_node, host_tokens = self._device_ancestor(node)
@@ -180,7 +181,7 @@ class HiRadixCache(RadixCache):
             self._rekey(device_node)
         if node.host_entry is not None:
             self._host_rekey(node)
-        if self.write_policy == "write_through_selective" and device_node is not self.root_node:
+        if self.write_policy == "write_through_selective" and device_node.parent is not None:
             self._backup_hot_path(device_node)
         if host_tokens == 0:
             return MatchResult(self._path_indices(node), node)
@@ -188,21 +189,22 @@ class HiRadixCache(RadixCache):
 
     def _device_ancestor(self, node: HiTreeNode) -> tuple[HiTreeNode, int]:
         """The deepest node on device on root..node, and the tokens of the host-only nodes below it."""
-        root, tokens = self.root_node, 0
-        while node is not root and not len(node.value):
+        tokens = 0
+        while node.parent is not None and not len(node.value):
             tokens += node.num_tokens
             node = node.parent
         return node, tokens
 
     # ---- insert (reviving host-only nodes) ----------------------------------------------------------
-    def _insert(self, key, value, priority: int, *, checked: bool = True) -> tuple[int, HiTreeNode]:
+    def _insert(self, key, value, priority: int, namespace: str | None = None, *,
+                checked: bool = True) -> tuple[int, HiTreeNode]:
         """As RadixCache's, but the walk may pass host-only nodes: the tree takes value's slots for them (the
         tokens' KV is the same), so the count returned is only the leading tokens already on device."""
         view = key_bytes("key", key)
         nbytes = len(view)
         if checked:
             value, priority = self._check_insert(view, value, priority)
-        walk = self._descend(view, nbytes)
+        walk = self._descend(view, nbytes, self._root(namespace))
         matched = walk.num_tokens
         revived = self._host_tokens_on_walk(walk)
         on_device = matched - revived
@@ -217,8 +219,8 @@ class HiRadixCache(RadixCache):
             new_slots = value[matched:]
             last = self._add_leaf(last, view[matched * TOKEN_BYTES:].tobytes(), new_slots.copy(), priority)
             self._in_tree[new_slots] = True
-            if self._event_sink is not None:
-                self._report_stored(last)
+            if self._names:
+                self._name_pages(last, namespace)
         elif last.entry is not None:
             self._rekey(last)
         if self.write_policy == "write_through" and (grows or revived):
@@ -237,7 +239,7 @@ class HiRadixCache(RadixCache):
         side first)."""
         nodes = []
         node = last
-        while node is not self.root_node and not len(node.value):
+        while node.parent is not None and not len(node.value):
             nodes.append(node)
             node = node.parent
         offset = 0
@@ -265,8 +267,7 @@ class HiRadixCache(RadixCache):
             self._host_protected_size += n
             if node.device_children == 0:
                 self._add_evictable(node)
-        if self._event_sink is not None:
-            self._report_stored(node)
+        self._report_stored(node)
 
     # ---- locks and leaves, per tier -----------------------------------------------------------------
     def _add_leaf(self, parent: HiTreeNode, key: bytes, value: np.ndarray, priority: int) -> HiTreeNode:
@@ -333,7 +334,7 @@ class HiRadixCache(RadixCache):
         super()._leave_device(node)
         parent.device_children -= 1
         if parent.device_children == 0 and parent.entry is None and parent.lock_ref == 0 \
-                and parent is not self.root_node and len(parent.value):
+                and parent.parent is not None and len(parent.value):
             self._add_evictable(parent)  # its remaining children, if any, are host-only
 
     def _demote(self, node: HiTreeNode) -> None:
@@ -342,7 +343,7 @@ class HiRadixCache(RadixCache):
         parent = node.parent
         parent.device_children -= 1
         if parent.device_children == 0 and parent.entry is None and parent.lock_ref == 0 \
-                and parent is not self.root_node:
+                and parent.parent is not None:
             self._add_evictable(parent)
         n = node.num_tokens
         self._host_protected_size -= n
@@ -364,29 +365,28 @@ class HiRadixCache(RadixCache):
             values.append(node.host_value)
             removed.append(node)
             freed += node.num_tokens
-            if parent is not self.root_node and not parent.children and parent.lock_ref == 0 \
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0 \
                     and not len(parent.value):
                 self._add_host_evictable(parent)
         if values:
             self._host_evictable_size -= freed
             self.host_allocator.free(torch.from_numpy(np.concatenate(values)))
             self.stats.host_evicted_tokens += freed
-            if self._event_sink is not None:
-                self._report_removed(removed, MEDIUM_CPU_PINNED)
+            self._report_removed(removed, MEDIUM_CPU_PINNED)
         return freed
 
     # ---- backups ------------------------------------------------------------------------------------
     def _backup_hot_path(self, node: HiTreeNode) -> None:
         """write_through_selective: backs up root..(the deepest node a match reached twice) below `node`."""
-        while node is not self.root_node and node.hit_count < _SELECTIVE_HITS:
+        while node.parent is not None and node.hit_count < _SELECTIVE_HITS:
             node = node.parent
-        if node is not self.root_node:
+        if node.parent is not None:
             self._backup_path(node)
 
     def _unbacked_path(self, node: HiTreeNode) -> list[HiTreeNode]:
         """The device nodes from the first without a host copy down to `node`, root side first."""
         nodes = []
-        while node is not self.root_node and node.host_value is None:
+        while node.parent is not None and node.host_value is None:
             nodes.append(node)
             node = node.parent
         nodes.reverse()
@@ -494,9 +494,8 @@ class HiRadixCache(RadixCache):
             self.host_allocator.free(torch.from_numpy(slots))
 
     def _report_backed_up(self, nodes: list[HiTreeNode]) -> None:
-        if self._event_sink is not None:
-            for node in nodes:
-                self._report_stored(node, MEDIUM_CPU_PINNED)
+        for node in nodes:
+            self._report_stored(node, MEDIUM_CPU_PINNED)
 
     # ---- load back ----------------------------------------------------------------------------------
     def load_back(self, node: HiTreeNode, host_hit_length: int) -> torch.Tensor | None:
@@ -544,7 +543,8 @@ class HiRadixCache(RadixCache):
     def reset(self) -> None:
         """Empties both tiers, once the backups in flight have completed. Raises RuntimeError, changing
         nothing, while a request locks any node (on device or host)."""
-        if any(child.lock_ref > (child.backup is not None) for child in self.root_node.children.values()):
+        if any(child.lock_ref > (child.backup is not None) for root in self._roots.values()
+               for child in root.children.values()):
             raise RuntimeError("reset() while requests lock cached tokens; release them (dec_lock_ref) first")
         for record in self._pending:
             record.transfer.wait()
@@ -568,15 +568,14 @@ class HiRadixCache(RadixCache):
         allocated, and with the free ones summing to the host pool's size)."""
         super().check_invariants()
         nodes = self._all_nodes()
-        root = self.root_node
         host_evictable = host_protected = leaves = 0
         host_values = []
         for node in nodes:
             on_device = len(node.value) > 0
             parent = node.parent
-            if on_device and parent is not root and not len(parent.value):
+            if on_device and parent.parent is not None and not len(parent.value):
                 _fail(f"node {node.id} is on device under a host-only parent")
-            if node.host_value is not None and parent is not root and parent.host_value is None:
+            if node.host_value is not None and parent.parent is not None and parent.host_value is None:
                 _fail(f"node {node.id} has a host copy but its parent {parent.id} has none")
             if not on_device and node.host_value is None:
                 _fail(f"node {node.id} is in neither tier")
@@ -597,8 +596,9 @@ class HiRadixCache(RadixCache):
             if should and node.host_entry != (self._host_sort_key(node), node.id, node):
                 _fail(f"node {node.id}: host-evictable entry is stale")
             leaves += should
-        if root.device_children != sum(1 for c in root.children.values() if len(c.value)):
-            _fail("the root's device_children count is wrong")
+        for root in self._roots.values():
+            if root.device_children != sum(1 for c in root.children.values() if len(c.value)):
+                _fail("a root's device_children count is wrong")
         if leaves != len(self._host_evictable):
             _fail(f"the host-evictable set has {len(self._host_evictable)} entries for {leaves} host-only leaves")
         if (host_evictable, host_protected) != (self._host_evictable_size, self._host_protected_size):
@@ -623,7 +623,7 @@ class HiRadixCache(RadixCache):
         return node.lock_ref == 0 and len(node.value) > 0 and node.device_children == 0
 
     def _all_nodes(self) -> list[HiTreeNode]:
-        nodes, stack = [], [self.root_node]
+        nodes, stack = [], list(self._roots.values())
         while stack:
             node = stack.pop()
             nodes.extend(node.children.values())
