@@ -131,10 +131,12 @@ class RadixTree:
     def _root(self, namespace: str | None) -> TreeNode:
         """The root of `namespace`'s tree (None: the default namespace). Namespaces share nothing but the
         evictable sets and the slots: a prefix cached in one is never matched from another."""
+        if namespace is None:
+            return self.root_node
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")
         root = self._roots.get(namespace)
         if root is None:
-            if not isinstance(namespace, str):
-                raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")
             root = self._roots[namespace] = self._new_root()
         return root
 

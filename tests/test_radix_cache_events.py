@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvmem import PagedTokenAllocator, RadixCache, Req, ReqToTokenPool, Scheduler, SchedulerConfig, TokenAllocator
 from kvmem.events import AllBlocksCleared, BlockRemoved, BlockStored, EventCollector, decode_batch, encode_batch
-from kvmem.page_hash import page_hashes
+from kvmem.page_hash import DIGEST_BYTES, event_hashes, page_hashes
 from kvmem.router import BlockIndex
 
 CAPACITY = 48
@@ -32,8 +32,8 @@ def stored_hashes_on_nodes(cache: RadixCache) -> set[int]:
     out, stack = set(), list(cache.root_node.children.values())
     while stack:
         node = stack.pop()
-        assert len(node.page_hashes) == node.num_tokens // cache.page_size
-        out.update(node.page_hashes.tolist())
+        assert len(node.page_digests) == node.num_tokens // cache.page_size * DIGEST_BYTES
+        out.update(event_hashes(node.page_digests))
         stack.extend(node.children.values())
     return out
 
@@ -153,12 +153,12 @@ def test_reset_reports_all_blocks_cleared():
     assert sink.take_batch().events[-1] == AllBlocksCleared()
 
 
-def test_a_cache_without_a_sink_keeps_no_page_hashes():
+def test_a_cache_without_a_sink_keeps_no_page_digests():
     alloc = TokenAllocator(16)
     cache = RadixCache(ReqToTokenPool(2, 8), alloc)
     cache.insert([1, 2, 3], alloc.alloc(3))
     cache.match_prefix([1, 2])
-    assert all(n.page_hashes is None for n in cache.root_node.children.values())
+    assert all(n.page_digests is None for n in cache.root_node.children.values())
 
 
 def test_a_sink_that_is_not_callable_is_refused():
