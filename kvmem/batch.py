@@ -78,6 +78,8 @@ class Req:
         self.last_node = None
         self.cache_protected_len = 0
         self.host_hit_len = 0  # tokens of the prefix that the last admission loaded back from the host tier
+        self.storage_hit_len = 0  # of those, tokens the host tier had just read from the storage tier
+        self.prefetch = None  # pages being read from the storage tier for it, taken at its admission
         # Tokens this extend step brings the row up to; below len(fill_ids) while chunked prefill goes on.
         self.extend_end = 0
         self.num_retractions = 0

@@ -203,6 +203,15 @@ class RadixCache(RadixTree):
                              f"{self.page_size}: insert whole pages (the partial tail belongs to the request)")
         return self._check_value(value, nbytes // TOKEN_BYTES), check_int("priority", priority)
 
+    def prefetch(self, key, namespace: str | None = None):
+        """Starts reading a prompt's pages from a storage tier (a tiered cache's; see HiRadixCache). A cache
+        with no tier below the device has none: None."""
+        return None
+
+    def finish_prefetch(self, prefetch) -> int:
+        """Takes what a `prefetch` read (tokens); a cache with no tier below the device has none: 0."""
+        return 0
+
     def writing_check(self) -> int:
         """Completes copies to lower tiers that have finished (a tiered cache's; the Scheduler calls it every
         step). A single-tier cache has none: 0."""

@@ -146,6 +146,8 @@ class Scheduler:
             raise ValueError(f"request {req.rid!r} is already queued, running or finished ({req.status.value})")
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
+        # A storage tier starts reading the prompt's pages now, while the request waits to be admitted.
+        req.prefetch = self.tree_cache.prefetch(_match_key(req), req.namespace)
 
     def is_idle(self) -> bool:
         return not self.waiting and not self.running and self.chunked_req is None
@@ -305,13 +307,18 @@ class Scheduler:
     def _match(self, req: Req) -> None:
         """Matches the request's prefix; with a tiered cache, loads its host-only part back to the device when
         it is long enough (else that part is recomputed)."""
+        from_storage = 0
+        if req.prefetch is not None:
+            from_storage = self.tree_cache.finish_prefetch(req.prefetch)
+            req.prefetch = None
         m = self.tree_cache.match_prefix(_match_key(req), req.namespace)
         indices, node = m.indices, m.last_node
-        req.host_hit_len = 0
+        req.host_hit_len = req.storage_hit_len = 0
         if m.host_hit_length >= self.config.load_back_threshold:
             loaded = self.tree_cache.load_back(m.last_host_node, m.host_hit_length)
             if loaded is not None:
                 indices, node, req.host_hit_len = loaded, m.last_host_node, m.host_hit_length
+                req.storage_hit_len = min(from_storage, m.host_hit_length)
         req.prefix_indices = indices
         req.last_node = node
         # numel(), not len(): a tensor's len() goes through a Python wrapper that costs about 6x as much, and

@@ -149,6 +149,12 @@ def test_a_missing_trace_file_exits_2(capsys, fake_replay, tmp_path):
     (["--format", "synthetic-chat", "some.jsonl"], "drop TRACE"),
     (["--limit", "-1"], "positive int"),
     (["--bogus"], "unrecognized arguments"),
+    (["--storage", "file:/tmp/kvmem-x"], "needs a host tier"),
+    (["--host-capacity-tokens", "600000", "--storage", "s3:bucket"], "'file:DIR' or 'mooncake:HOST:PORT'"),
+    (["--host-capacity-tokens", "600000", "--storage", "file:/proc/kvmem-cannot-be-here"], "cannot hold a store"),
+    (["--host-capacity-tokens", "600000", "--storage", "mooncake:localhost"], "host:port"),
+    (["--host-capacity-tokens", "600000", "--storage", "mooncake:127.0.0.1:1"], "no master answers"),
+    (["--host-capacity-tokens", "600000", "--storage-capacity-tokens", "0"], "positive int"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, fake_replay, argv, fragment):
     assert_one_line_error(*run(capsys, *argv), fragment)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kvmem.replay.config import (
     DEFAULT_PCIE_GBPS,
+    DEFAULT_STORAGE_GBPS,
     EVICTION_POLICIES,
     SCHEDULE_POLICIES,
     WRITE_POLICIES,
@@ -104,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"host-to-device copy bandwidth, GB/s (default {DEFAULT_PCIE_GBPS:g}, PCIe 5 x16)")
     p.add_argument("--d2h-gbps", type=_positive_float, default=DEFAULT_PCIE_GBPS, metavar="B",
                    help=f"device-to-host copy bandwidth, GB/s (default {DEFAULT_PCIE_GBPS:g})")
+    p.add_argument("--storage", metavar="SPEC", help="a storage tier under the host tier: file:DIR (a directory, "
+                   "kept across runs) or mooncake:HOST:PORT (a Mooncake master; see kvmem.storage.mooncake_server)")
+    p.add_argument("--storage-metadata", default="P2PHANDSHAKE", metavar="URL",
+                   help="the Mooncake metadata server (default P2PHANDSHAKE: none)")
+    p.add_argument("--storage-capacity-tokens", type=_positive_int, metavar="N",
+                   help="what a file store may hold, in tokens (default: unbounded)")
+    p.add_argument("--storage-gbps", type=_positive_float, default=DEFAULT_STORAGE_GBPS, metavar="B",
+                   help=f"storage bandwidth, GB/s (default {DEFAULT_STORAGE_GBPS:g})")
     p.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES)
     p.add_argument("--schedule-policy", default="lpm", choices=SCHEDULE_POLICIES)
     p.add_argument("--max-running", type=_positive_int, default=256, metavar="R",
@@ -149,6 +158,7 @@ def _run(args: argparse.Namespace) -> int:
         capacities = _sweep_capacities(args, config.capacity_tokens)
         for capacity in capacities or [config.capacity_tokens]:
             dataclasses.replace(config, capacity_tokens=capacity).check_host_memory()
+        _check_storage(config)
     except TraceError as e:
         hint = " (--on-error skip skips malformed lines)" if e.line is not None and args.on_error == "stop" else ""
         return _error(f"{e}{hint}")
@@ -224,7 +234,20 @@ def _replay_config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
         max_running=args.max_running,
         chunked_prefill_size=args.chunked_prefill_size if args.chunked_prefill_size > 0 else None,
         honour_arrivals=args.arrivals == "honour", seed=args.seed, write_policy=args.write_policy,
-        h2d_gbps=args.h2d_gbps, d2h_gbps=args.d2h_gbps, **tiers)
+        h2d_gbps=args.h2d_gbps, d2h_gbps=args.d2h_gbps, storage=args.storage, storage_metadata=args.storage_metadata,
+        storage_capacity_tokens=args.storage_capacity_tokens, storage_gbps=args.storage_gbps, **tiers)
+
+
+def _check_storage(config: ReplayConfig) -> None:
+    """Opens the storage tier once before the replay, so that an unreachable store is a one-line error."""
+    if config.storage is None:
+        return
+    from kvmem.storage import open_store
+
+    try:
+        open_store(config.storage, metadata_server=config.storage_metadata).close()
+    except OSError as e:
+        raise RuntimeError(f"--storage {config.storage}: {e.strerror or e}") from None
 
 
 def _model(args: argparse.Namespace):

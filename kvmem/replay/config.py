@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvmem._checks import check_host_bytes, check_int, check_number
 from kvmem.eviction import EVICTION_POLICIES as _POLICY_KEYS
 from kvmem.scheduler import SCHEDULE_POLICIES
+from kvmem.storage import parse_store_spec
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # kvmem.tiers.WRITE_POLICIES
 # Llama-3-8B's KV in bfloat16 (32 layers x 8 KV heads x (128 + 128) x 2 bytes): what a token weighs when
@@ -15,6 +16,9 @@ DEFAULT_KV_BYTES_PER_TOKEN = 131072
 # PCIe 5.0 x16 moves 64 GB/s per direction (32 GT/s x 16 lanes, 128b/130b encoding); copies of pinned host
 # memory reach about 80% of it, and NVIDIA's H100 datasheet puts host-device bandwidth at 64 GB/s.
 DEFAULT_PCIE_GBPS = 50.0
+# A storage tier reached over a 100 Gb/s network (Mooncake's RDMA pools) or a striped NVMe array moves about
+# 10 GB/s to a node.
+DEFAULT_STORAGE_GBPS = 10.0
 
 # The names the radix cache accepts, in its order; the replay offers exactly those.
 EVICTION_POLICIES = tuple(_POLICY_KEYS)
@@ -42,6 +46,9 @@ class ReplayConfig:
         "write_back" (see kvmem.tiers).
     kv_bytes_per_token: KV bytes a token weighs, to price copies between tiers.
     h2d_gbps / d2h_gbps: host-to-device and device-to-host copy bandwidth, GB/s (1e9 bytes).
+    storage: a storage tier under the host tier, "file:DIR" (a FileStore) or "mooncake:HOST:PORT" (a Mooncake
+        master); None: none. storage_metadata: the Mooncake metadata server ("P2PHANDSHAKE" or a URL).
+    storage_capacity_tokens: what the file store may hold (None: unbounded). storage_gbps: storage bandwidth.
     """
 
     capacity_tokens: int
@@ -58,6 +65,10 @@ class ReplayConfig:
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
     h2d_gbps: float = DEFAULT_PCIE_GBPS
     d2h_gbps: float = DEFAULT_PCIE_GBPS
+    storage: str | None = None
+    storage_metadata: str = "P2PHANDSHAKE"
+    storage_capacity_tokens: int | None = None
+    storage_gbps: float = DEFAULT_STORAGE_GBPS
 
     def __post_init__(self) -> None:
         for name in ("capacity_tokens", "max_context_len", "page_size", "max_running"):
@@ -84,6 +95,15 @@ class ReplayConfig:
         check_int("kv_bytes_per_token", self.kv_bytes_per_token, minimum=1)
         check_number("h2d_gbps", self.h2d_gbps, 0, allow_minimum=False)
         check_number("d2h_gbps", self.d2h_gbps, 0, allow_minimum=False)
+        check_number("storage_gbps", self.storage_gbps, 0, allow_minimum=False)
+        if self.storage is not None:
+            parse_store_spec(self.storage)
+            if self.host_capacity_tokens is None:
+                raise ValueError("storage needs a host tier (--host-capacity-tokens or --host-mem-gb): pages reach "
+                                 "it through the host")
+        if self.storage_capacity_tokens is not None:
+            check_int("storage_capacity_tokens", self.storage_capacity_tokens, minimum=1)
+
 
     @property
     def context_len(self) -> int:

@@ -46,29 +46,45 @@ class ReplayReport:
     running: array = field(default_factory=lambda: array("q"), repr=False)
     cumulative_hit_rate: array = field(default_factory=lambda: array("d"), repr=False)
     host_cached_tokens: int = 0
+    storage_cached_tokens: int = 0
+    storage: str | None = None
+    prefetched_tokens: int = 0
+    stored_tokens: int = 0
+    storage_misses_corrupt: int = 0
+    storage_failed_ops: int = 0
     loaded_tokens: int = 0
     backed_up_tokens: int = 0
     host_evicted_tokens: int = 0
     transfer_seconds: float = 0.0
 
-    def record_admission(self, prompt_len: int, cached_len: int, host_len: int = 0) -> None:
+    def record_admission(self, prompt_len: int, cached_len: int, host_len: int = 0, storage_len: int = 0) -> None:
         """Counts a request's first admission: its prompt length and its cached prefix length, of which
-        `host_len` tokens were loaded from the host tier."""
-        if not 0 <= host_len <= cached_len <= prompt_len:
-            raise ValueError(f"need 0 <= host_len <= cached_len <= prompt_len, got host_len={host_len}, "
-                             f"cached_len={cached_len}, prompt_len={prompt_len}")
+        `host_len` tokens were loaded from the host tier (`storage_len` of them read from storage for it)."""
+        if not 0 <= storage_len <= host_len <= cached_len <= prompt_len:
+            raise ValueError(f"need 0 <= storage_len <= host_len <= cached_len <= prompt_len, got storage_len="
+                             f"{storage_len}, host_len={host_len}, cached_len={cached_len}, prompt_len={prompt_len}")
         self.requests += 1
         self.prompt_tokens += prompt_len
         self.cached_tokens += cached_len
-        self.host_cached_tokens += host_len
+        self.host_cached_tokens += host_len - storage_len
+        self.storage_cached_tokens += storage_len
 
-    def record_tiers(self, stats, config) -> None:
-        """Takes a tiered cache's copy counts and prices them: transfer_seconds = KV bytes moved / bandwidth."""
+    def record_tiers(self, tree, config) -> None:
+        """Takes a tiered cache's copy counts and prices them: transfer_seconds = KV bytes moved / bandwidth
+        (host to device, device to host, and the storage tier's reads and writes)."""
+        stats, link = tree.stats, tree.storage_link
         self.loaded_tokens = stats.loaded_tokens
         self.backed_up_tokens = stats.backed_up_tokens
         self.host_evicted_tokens = stats.host_evicted_tokens
-        self.transfer_seconds = config.kv_bytes_per_token * (stats.loaded_tokens / (config.h2d_gbps * 1e9)
-                                                             + stats.backed_up_tokens / (config.d2h_gbps * 1e9))
+        moved = stats.loaded_tokens / (config.h2d_gbps * 1e9) + stats.backed_up_tokens / (config.d2h_gbps * 1e9)
+        if link is not None:
+            self.storage = config.storage
+            self.prefetched_tokens = link.stats.prefetched_tokens
+            self.stored_tokens = link.stats.stored_tokens
+            self.storage_misses_corrupt = link.storage.stats.corrupt
+            self.storage_failed_ops = link.storage.stats.failed_ops
+            moved += (link.stats.prefetched_tokens + link.stats.stored_tokens) / (config.storage_gbps * 1e9)
+        self.transfer_seconds = config.kv_bytes_per_token * moved
 
     def record_step(self, time_s: float, tokens_used: int, evictable_tokens: int, running: int) -> None:
         """Samples memory after a scheduler step; the cumulative hit rate is taken from the counters."""
@@ -84,13 +100,19 @@ class ReplayReport:
 
     @property
     def host_hit_rate(self) -> float:
-        """The share of prompt tokens loaded back from the host tier (part of hit_rate)."""
+        """The share of prompt tokens loaded back from the host tier that it held already (part of hit_rate)."""
         return self.host_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
+    def storage_hit_rate(self) -> float:
+        """The share of prompt tokens read from the storage tier for the request (part of hit_rate)."""
+        return self.storage_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
     def device_hit_rate(self) -> float:
-        """The share of prompt tokens found on the device (hit_rate - host_hit_rate)."""
-        return (self.cached_tokens - self.host_cached_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
+        """The share of prompt tokens found on the device (hit_rate - host_hit_rate - storage_hit_rate)."""
+        below = self.host_cached_tokens + self.storage_cached_tokens
+        return (self.cached_tokens - below) / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def peak_tokens_used(self) -> int:
@@ -137,6 +159,19 @@ class ReplayReport:
             "backed_up_tokens": self.backed_up_tokens,
             "host_evicted_tokens": self.host_evicted_tokens,
             "transfer_seconds": round(self.transfer_seconds, 6),
+            **self._storage_json(),
+        }
+
+    def _storage_json(self) -> dict:
+        if self.storage is None:
+            return {}
+        return {
+            "storage": self.storage,
+            "storage_hit_rate": round(self.storage_hit_rate, 6),
+            "prefetched_tokens": self.prefetched_tokens,
+            "stored_tokens": self.stored_tokens,
+            "storage_misses_corrupt": self.storage_misses_corrupt,
+            "storage_failed_ops": self.storage_failed_ops,
         }
 
     def write_plots(self, directory: str | os.PathLike) -> list[Path]:

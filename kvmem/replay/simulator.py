@@ -24,6 +24,8 @@ from kvmem.replay.report import ReplayReport
 from kvmem.replay.traces import TraceRequest
 from kvmem.req_to_token import ReqToTokenPool
 from kvmem.scheduler import Scheduler, SchedulerConfig
+from kvmem.storage import open_store
+from kvmem.storage.page_format import CHECKSUM_BYTES, HEADER_BYTES
 from kvmem.tiers import HiRadixCache, HostSlotPool
 
 
@@ -58,11 +60,24 @@ def build_scheduler(config: ReplayConfig) -> Scheduler:
     if config.host_capacity_tokens is None:
         tree = RadixCache(pool, alloc, page_size=ps, eviction_policy=config.eviction_policy)
     else:
+        # A replay waits for every prefetch: its clock, not the store's speed, decides what arrives in time.
         tree = HiRadixCache(pool, alloc, HostSlotPool(config.host_pages * ps, ps), page_size=ps,
-                            eviction_policy=config.eviction_policy, write_policy=config.write_policy)
+                            eviction_policy=config.eviction_policy, write_policy=config.write_policy,
+                            storage=open_storage(config), prefetch_policy="wait_complete")
     return Scheduler(pool, alloc, tree, SchedulerConfig(
         schedule_policy=config.schedule_policy, max_running_requests=config.max_running,
         chunked_prefill_size=config.chunked_prefill_size))
+
+
+def open_storage(config: ReplayConfig):
+    """The storage tier of `config` (None without one). The replay's host tier holds slots, not bytes, so a
+    stored page is its header alone: a real store (keys, presence, persistence across runs) without KV bytes."""
+    if config.storage is None:
+        return None
+    capacity = config.storage_capacity_tokens
+    return open_store(config.storage, metadata_server=config.storage_metadata,
+                      capacity_bytes=None if capacity is None else
+                      max(1, capacity // config.page_size) * (HEADER_BYTES + CHECKSUM_BYTES))
 
 
 def replay(requests: Sequence[TraceRequest], config: ReplayConfig, progress: bool = False,
@@ -114,7 +129,8 @@ def replay(requests: Sequence[TraceRequest], config: ReplayConfig, progress: boo
             for req in batch.reqs:
                 if req.rid not in admitted:
                     admitted.add(req.rid)
-                    report.record_admission(len(req.input_ids), len(req.prefix_indices), req.host_hit_len)
+                    report.record_admission(len(req.input_ids), len(req.prefix_indices), req.host_hit_len,
+                                            req.storage_hit_len)
             clock += cost.decode_step_s + int(batch.extend_lens.sum()) / cost.prefill_tokens_per_s
         else:
             clock += cost.decode_step_s
@@ -132,7 +148,8 @@ def replay(requests: Sequence[TraceRequest], config: ReplayConfig, progress: boo
     report.evicted_tokens = sched.stats.evicted_tokens
     report.retractions = sched.stats.retractions
     if isinstance(tree, HiRadixCache):
-        report.record_tiers(tree.stats, config)
+        tree.close()
+        report.record_tiers(tree, config)
     report.cache_op_seconds = cache_s
     report.replay_seconds = time.perf_counter() - t_start
     return report

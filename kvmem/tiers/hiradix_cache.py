@@ -44,10 +44,12 @@ from kvmem._checks import check_int
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.events.schema import MEDIUM_CPU_PINNED, AllBlocksCleared, KVCacheEvent
 from kvmem.eviction import EvictionKey, eviction_key
+from kvmem.page_hash import DIGEST_BYTES, chain_page_digests, namespace_prefix
 from kvmem.radix_cache import MatchResult, RadixCache
 from kvmem.radix_tree import TOKEN_BYTES, TreeNode, _fail, key_bytes
 from kvmem.req_to_token import ReqToTokenPool
 from kvmem.tiers.host_pool import Transfer
+from kvmem.tiers.storage_link import Prefetch, StorageLink
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 _NO_SLOTS = np.empty(0, dtype=np.int64)  # the value of a node that is not on device
@@ -59,7 +61,7 @@ class HiTreeNode(TreeNode):
     `host_value` its host slots (None when not backed up), `host_entry` its record in the host-evictable set,
     `device_children` how many of its children are on device, `backup` the backup in flight for it, if any."""
 
-    __slots__ = ("host_value", "host_entry", "device_children", "backup")
+    __slots__ = ("host_value", "host_entry", "device_children", "backup", "stored")
 
     def __init__(self, key: bytes, value: np.ndarray, parent: TreeNode | None, created: int, id: int) -> None:
         super().__init__(key, value, parent, created, id)
@@ -67,6 +69,7 @@ class HiTreeNode(TreeNode):
         self.host_entry: tuple | None = None
         self.device_children = 0
         self.backup: _Backup | None = None
+        self.stored = False  # its pages were handed to the storage tier
 
 
 @dataclass(eq=False)
@@ -101,6 +104,11 @@ class HiRadixCache(RadixCache):
         write_policy: "write_through", "write_through_selective" or "write_back".
         host_eviction_policy: the host tier's eviction order (default: the device's).
         tp_group: a torch.distributed process group of tensor-parallel ranks running the same cache.
+        storage: a storage tier under the host (`kvmem.storage.FileStore`, `MooncakeStore`): pages are written
+            to it once backed up to the host, and `prefetch` reads a prompt's pages beyond the tree from it.
+        prefetch_policy: "best_effort", "wait_complete" or "timeout" (see kvmem.tiers.storage_link);
+            prefetch_timeout_s: the wait of "timeout". With tp_group every prefetch is waited for, so that all
+            ranks attach the same pages.
     """
 
     node_class = HiTreeNode
@@ -108,7 +116,8 @@ class HiRadixCache(RadixCache):
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_allocator: TokenAllocator | PagedTokenAllocator,
                  host_pool, *, page_size: int = 1, eviction_policy: str | EvictionKey = "lru",
                  write_policy: str = "write_through", host_eviction_policy: str | EvictionKey | None = None,
-                 tp_group=None, event_sink: Callable[[KVCacheEvent], None] | None = None) -> None:
+                 tp_group=None, event_sink: Callable[[KVCacheEvent], None] | None = None, storage=None,
+                 prefetch_policy: str = "best_effort", prefetch_timeout_s: float = 0.05) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
         host_allocator = getattr(host_pool, "allocator", None)
@@ -124,7 +133,11 @@ class HiRadixCache(RadixCache):
             raise ValueError(f"host_pool backs a device pool of {host_pool.device_pool.size} tokens, but "
                              f"token_allocator has {token_allocator.size}")
         self._host_policy = host_eviction_policy
+        link = None if storage is None else StorageLink(
+            storage, host_pool, "wait_complete" if tp_group is not None else prefetch_policy, prefetch_timeout_s)
         super().__init__(req_to_token_pool, token_allocator, page_size, eviction_policy, event_sink)
+        self.storage_link = link
+        self._names = self._names or link is not None  # storage keys are page digests
         self.host_pool = host_pool
         self.host_allocator = host_allocator
         self.write_policy = write_policy
@@ -139,6 +152,7 @@ class HiRadixCache(RadixCache):
         self._host_evictable.clear()
         self._host_evictable_size = 0
         self._host_protected_size = 0
+        self._prefetch_held = 0  # host slots reading pages for prefetches, not yet the tree's
         self._pending: deque[_Backup] = deque()
 
     # ---- sizes --------------------------------------------------------------------------------------
@@ -307,6 +321,7 @@ class HiRadixCache(RadixCache):
             head.host_value, child.host_value = host[:k].copy(), host[k:].copy()
         head.device_children = 1 if len(child.value) else 0
         head.backup = backup
+        head.stored = child.stored
         if backup is not None:
             backup.nodes.append(head)
         return head
@@ -396,10 +411,7 @@ class HiRadixCache(RadixCache):
         """Host slots for `nodes` (evicting host-only leaves when short) and the copy into them; None when the
         host is short or the copy failed at once (nothing changed)."""
         tokens = sum(n.num_tokens for n in nodes)
-        short = tokens - self.host_allocator.available_size()
-        if short > 0:
-            self.evict_host(short)
-        host = self.host_allocator.alloc(tokens)
+        host = self._alloc_host(tokens)
         if host is None:
             return None
         device = np.concatenate([n.value for n in nodes]) if len(nodes) > 1 else nodes[0].value
@@ -449,7 +461,10 @@ class HiRadixCache(RadixCache):
     def writing_check(self, *, local_only: bool = False) -> int:
         """Completes the backups whose copies have finished, in the order they were issued; with `tp_group`,
         only those finished on every rank (unless `local_only`, which only finishes copies that cannot differ
-        between ranks: none on CUDA). Returns how many completed."""
+        between ranks: none on CUDA). Returns how many completed. Also releases the host slots of prefetches
+        taken too late, once their reads have ended."""
+        if self.storage_link is not None and not local_only:
+            self._reap_prefetches()
         done = 0
         for record in self._pending:
             if not record.transfer.done():
@@ -494,8 +509,120 @@ class HiRadixCache(RadixCache):
             self.host_allocator.free(torch.from_numpy(slots))
 
     def _report_backed_up(self, nodes: list[HiTreeNode]) -> None:
+        """Backups of `nodes` completed: report them on host, and hand their pages to the storage tier."""
         for node in nodes:
             self._report_stored(node, MEDIUM_CPU_PINNED)
+        if self.storage_link is not None:
+            unstored = [n for n in nodes if not n.stored]
+            if unstored:
+                self.storage_link.write(b"".join(n.page_digests for n in unstored),
+                                        np.concatenate([n.host_value for n in unstored]))
+                for node in unstored:
+                    node.stored = True
+
+    # ---- the storage tier ---------------------------------------------------------------------------
+    def prefetch(self, key, namespace: str | None = None) -> Prefetch | None:
+        """Starts reading, from the storage tier into host slots, the whole pages of `key` after the prefix
+        the tree holds (in any tier); None when there is no storage tier or it has none of them. Take the pages
+        with `finish_prefetch` before matching the request (the Scheduler does both)."""
+        if self.storage_link is None:
+            return None
+        view = key_bytes("key", key)
+        nbytes = len(view) - len(view) % self._page_bytes
+        walk = self._descend(view, nbytes, self._root(namespace))
+        start = walk.num_tokens
+        if start * TOKEN_BYTES >= nbytes:
+            return None
+        digests = chain_page_digests(namespace_prefix(namespace), self._digest_at(walk),
+                                     view[start * TOKEN_BYTES:nbytes], self._page_bytes)
+        pages = self.storage_link.lookup(digests)
+        if self.tp_group is not None:
+            pages = _all_reduce_min(pages, self.tp_group)
+        host = self._alloc_host(pages * self.page_size) if pages else None
+        if host is None:
+            return None
+        host = host.numpy()
+        self._prefetch_held += len(host)
+        end = (start + pages * self.page_size) * TOKEN_BYTES
+        return self.storage_link.read(namespace, view[:end].tobytes(), start, digests[:pages * DIGEST_BYTES], host)
+
+    def finish_prefetch(self, prefetch: Prefetch | None) -> int:
+        """Attaches the pages of `prefetch` that arrived (by the prefetch policy) as host-only nodes, where the
+        tree's prefix still leads to them; returns the tokens attached. Pages the tree gained meanwhile, or whose
+        prefix left it, are released."""
+        if prefetch is None:
+            return 0
+        got = self.storage_link.arrived(prefetch)
+        if got is None:  # still reading: its slots stay held until the read ends (writing_check reaps them)
+            return 0
+        if self.tp_group is not None:
+            got = _all_reduce_min(got, self.tp_group)
+        slots = prefetch.host_slots
+        self._prefetch_held -= len(slots)
+        attached = self._attach(prefetch, got)
+        ps = self.page_size
+        unused = np.concatenate((slots[:attached[0] * ps], slots[attached[1] * ps:])) if got else slots
+        if len(unused):
+            self.host_allocator.free(torch.from_numpy(unused))
+        tokens = (attached[1] - attached[0]) * ps
+        self.storage_link.stats.prefetched_tokens += tokens
+        self.storage_link.stats.dropped_prefetch_tokens += got * ps - tokens
+        return tokens
+
+    def _attach(self, prefetch: Prefetch, got: int) -> tuple[int, int]:
+        """Hangs pages [skip, got) of `prefetch` under the node where the tree's prefix ends; returns (skip,
+        end) in pages ((0, 0) when nothing could be attached)."""
+        ps, page_bytes = self.page_size, self._page_bytes
+        if got == 0:
+            return 0, 0
+        view = memoryview(prefetch.key)
+        end_tokens = prefetch.start + got * ps
+        walk = self._descend(view, end_tokens * TOKEN_BYTES, self._root(prefetch.namespace))
+        now = walk.num_tokens
+        if now < prefetch.start or now >= end_tokens:
+            return 0, 0  # the prefix the pages hang from left the tree, or the tree has them all by now
+        skip = (now - prefetch.start) // ps
+        parent = self._walk_to_node(walk)
+        if parent.parent is not None and parent.host_value is None:
+            self._backup_path(parent)  # a host-only child needs a parent with a host copy (prefix-closed)
+            if parent.host_value is None:
+                return 0, 0
+        node = self.node_class(view[now * TOKEN_BYTES:end_tokens * TOKEN_BYTES].tobytes(), _NO_SLOTS, parent,
+                               self._clock, next(self._ids))
+        node.host_value = prefetch.host_slots[skip * ps:got * ps].copy()
+        node.page_digests = prefetch.digests[skip * DIGEST_BYTES:got * DIGEST_BYTES]
+        node.stored = True
+        parent.children[node.key[:page_bytes]] = node
+        if parent.host_entry is not None:
+            self._remove_host_evictable(parent)
+        self._host_evictable_size += node.num_tokens
+        self._add_host_evictable(node)
+        self._report_stored(node, MEDIUM_CPU_PINNED)
+        return skip, got
+
+    def _digest_at(self, walk) -> bytes | None:
+        """The digest of the page that ends where `walk` stopped (None at a root)."""
+        if walk.child is not None:
+            pages = walk.into_child // self._page_bytes
+            return walk.child.page_digests[(pages - 1) * DIGEST_BYTES:pages * DIGEST_BYTES]
+        return None if walk.node.parent is None else walk.node.page_digests[-DIGEST_BYTES:]
+
+    def _alloc_host(self, tokens: int) -> torch.Tensor | None:
+        short = tokens - self.host_allocator.available_size()
+        if short > 0:
+            self.evict_host(short)
+        return self.host_allocator.alloc(tokens)
+
+    def close(self) -> None:
+        """Waits for the storage tier's queued writes and reads and stops its worker (a no-op without one)."""
+        if self.storage_link is not None:
+            self.storage_link.close()
+            self._reap_prefetches()
+
+    def _reap_prefetches(self) -> None:
+        for slots in self.storage_link.reap():
+            self._prefetch_held -= len(slots)
+            self.host_allocator.free(torch.from_numpy(slots))
 
     # ---- load back ----------------------------------------------------------------------------------
     def load_back(self, node: HiTreeNode, host_hit_length: int) -> torch.Tensor | None:
@@ -550,6 +677,8 @@ class HiRadixCache(RadixCache):
             record.transfer.wait()
         while self._pending:
             self.writing_check()
+        if self.storage_link is not None:
+            self.storage_link.drain_writes()
         nodes = self._detach_all()
         device = [n.value for n in nodes if len(n.value)]
         host = [n.host_value for n in nodes if n.host_value is not None]
@@ -609,8 +738,9 @@ class HiRadixCache(RadixCache):
             _fail("the tree holds a host slot more than once")
         if len(slots) and not self.host_allocator.is_allocated(torch.from_numpy(slots)).all():
             _fail("the tree holds a host slot that the host allocator considers free")
-        if self.host_allocator.available_size() + len(slots) != self.host_allocator.size:
-            _fail(f"host: free {self.host_allocator.available_size()} + held {len(slots)} != "
+        free = self.host_allocator.available_size()
+        if free + len(slots) + self._prefetch_held != self.host_allocator.size:
+            _fail(f"host: free {free} + held by the tree {len(slots)} + prefetching {self._prefetch_held} != "
                   f"{self.host_allocator.size}")
 
     def _node_device_tokens(self, node: HiTreeNode) -> int:

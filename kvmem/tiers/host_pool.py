@@ -75,10 +75,14 @@ class HostKVPool:
         layout: "layer_first" or "page_first" (see the module docstring).
         pin_memory: pin the host buffers (page-locked, for asynchronous copies); default: when the device
             pool is on CUDA.
+        model_id: names the model whose KV this is (e.g. a checkpoint and revision). It goes into the format
+            fingerprint of pages this pool writes to a storage tier, so that a page of another model (or of
+            another dtype, or of another shape) is never loaded here; give each model its own `namespace` too,
+            so that models sharing a store do not compete for the same page keys.
     """
 
     def __init__(self, device_pool: MHAKVPool | MLAKVPool, *, size: int | None = None, ratio: float = 2.0,
-                 layout: str = "layer_first", pin_memory: bool | None = None) -> None:
+                 layout: str = "layer_first", pin_memory: bool | None = None, model_id: str = "") -> None:
         if not isinstance(device_pool, (MHAKVPool, MLAKVPool)):
             raise TypeError(f"device_pool must be an MHAKVPool or MLAKVPool, got {type(device_pool).__name__}")
         ps = device_pool.page_size
@@ -96,15 +100,22 @@ class HostKVPool:
         pin = on_cuda if pin_memory is None else bool(pin_memory)
         if pin and not torch.cuda.is_available():
             raise ValueError("pin_memory needs CUDA: page-locked memory is for copies to a GPU")
+        if not isinstance(model_id, str):
+            raise TypeError(f"model_id must be a str, got {type(model_id).__name__}")
         self.device_pool = device_pool
+        self.model_id = model_id
         self.page_size = ps
         self.size = size
         self.layout = layout
         self.layer_num = device_pool.layer_num
         self.allocator = TokenAllocator(size) if ps == 1 else PagedTokenAllocator(size, ps)
         formats = device_pool.row_formats()
+        self._formats = formats
         num_slots = size + ps
-        row_bytes = sum(int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in formats)
+        part_row_bytes = [int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in formats]
+        row_bytes = sum(part_row_bytes)
+        # bytes of each stored buffer in one page's payload (every layer): what read_page / write_page move
+        self._part_page_bytes = [b * self.layer_num * ps for b in part_row_bytes]
         check_host_bytes(f"a host KV pool of {size} tokens", num_slots * self.layer_num * row_bytes)
         if layout == "layer_first":
             self._buffers = [[torch.zeros((num_slots, *shape), dtype=dtype, pin_memory=pin)
@@ -218,6 +229,57 @@ class HostKVPool:
             raise IndexError(f"layer_id {layer_id} out of range [0, {self.layer_num})")
         return layer_id
 
+    # ---- pages, for the storage tier ------------------------------------------------------------------
+    def storage_format(self) -> str:
+        """What a stored page of this pool must match to be loaded here: the model, the stored dtypes and row
+        shapes, the layers and the page size (not the host or device layout: a payload is canonical)."""
+        dev = self.device_pool
+        parts = ";".join(f"{'x'.join(map(str, shape))}:{str(dtype).removeprefix('torch.')}"
+                         for shape, dtype in self._formats)
+        dtype = str(dev.dtype).removeprefix("torch.")
+        return (f"kvmem-kv-page-v1|{type(dev).__name__}|model={self.model_id}|dtype={dtype}"
+                f"|kv_cache_dtype={dev.kv_cache_dtype}|layers={self.layer_num}|page_size={self.page_size}|parts={parts}")
+
+    def page_payload_bytes(self) -> int:
+        """Bytes of one page's payload: every stored row of its slots, in every layer."""
+        return sum(self._part_page_bytes)
+
+    def read_page(self, host_slots: np.ndarray) -> bytes:
+        """The payload of the page in `host_slots` ([page_size] slots): each stored buffer's rows, layer by
+        layer, token by token, whatever the host layout."""
+        index = torch.from_numpy(np.asarray(host_slots))
+        chunks = []
+        for part in range(len(self._buffers)):
+            if self.layout == "layer_first":
+                rows = [self._buffers[part][layer][index] for layer in range(self.layer_num)]
+            else:
+                rows = [self._buffers[part][index].transpose(0, 1).contiguous()]
+            # through uint8: numpy has no bfloat16
+            chunks.extend(r.view(torch.uint8).numpy().tobytes() for r in rows)
+        return b"".join(chunks)
+
+    def write_page(self, host_slots: np.ndarray, payload) -> None:
+        """Writes a payload (as `read_page` returns it) into the page at `host_slots`."""
+        payload = memoryview(payload).cast("B")
+        if len(payload) != self.page_payload_bytes():
+            raise ValueError(f"payload has {len(payload)} bytes, a page of this pool {self.page_payload_bytes()}")
+        index = torch.from_numpy(np.asarray(host_slots))
+        offset = 0
+        for part, (shape, dtype) in enumerate(self._formats):
+            nbytes = self._part_page_bytes[part]
+            rows = torch.frombuffer(bytearray(payload[offset:offset + nbytes]), dtype=dtype)
+            rows = rows.view(self.layer_num, len(index), *shape)
+            offset += nbytes
+            if self.layout == "layer_first":
+                for layer in range(self.layer_num):
+                    self._buffers[part][layer][index] = rows[layer]
+            else:
+                self._buffers[part][index] = rows.transpose(0, 1)
+
+    def check_host_slots(self, host_slots) -> np.ndarray:
+        """`host_slots` as host int64 slots, each one this pool has handed out; raises otherwise."""
+        return self._check_host(host_slots)
+
     def mem_usage_bytes(self) -> int:
         """Bytes of all host buffers."""
         tensors = [t for part in self._buffers for t in (part if isinstance(part, list) else [part])]
@@ -241,3 +303,25 @@ class HostSlotPool:
 
     def load(self, device_slots: torch.Tensor, host_slots: torch.Tensor, layer_id: int | None = None) -> Transfer:
         return Transfer()
+
+    # Pages without bytes: a storage tier stores their headers only, so that a simulation exercises a real
+    # store (keys, presence, persistence across runs) without writing KV it does not have.
+    def storage_format(self) -> str:
+        return f"kvmem-slots-only-v1|page_size={self.page_size}"
+
+    def page_payload_bytes(self) -> int:
+        return 0
+
+    def read_page(self, host_slots: np.ndarray) -> bytes:
+        return b""
+
+    def write_page(self, host_slots: np.ndarray, payload) -> None:
+        if len(memoryview(payload)):
+            raise ValueError("payload must be empty: a HostSlotPool holds no bytes")
+
+    def check_host_slots(self, host_slots) -> np.ndarray:
+        host = as_index_array("host_slots", host_slots)
+        held = self.allocator.is_allocated(torch.from_numpy(host)).numpy()
+        if np.count_nonzero(held) != len(host):
+            raise ValueError(f"host_slots holds slot {host[~held][0]}, which this host pool has not handed out")
+        return host

@@ -1,0 +1,160 @@
+"""The storage tier's protocol, and what its backends share.
+
+A backend stores KV pages under their keys (`kvmem.page_hash.storage_key`: the hex of the page's digest, which
+names the page's whole prefix and namespace, so any process computing the same prefix finds the same key):
+
+- `batch_exists(keys) -> int`: how many leading keys are present;
+- `batch_get(keys, host_pool, host_slots) -> int`: reads the leading pages it has into host slots
+  (`page_size` slots per key, in key order) and returns how many; a value that fails its checks
+  (`kvmem.storage.page_format`) ends the run, counted, and is never loaded;
+- `batch_set(keys, host_pool, host_slots) -> int`: writes pages from host slots, returns how many it stored.
+
+A store is a cache, not a database: any page may be gone at the next call, a failed operation is a miss, and
+none of the three raises for a fault of the store itself (they count it in `stats` instead); only bad
+arguments raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from kvmem.storage.page_format import CHECKSUM_BYTES, HEADER_BYTES, decode_page, encode_page, fingerprint
+
+
+class StorageBackend(Protocol):
+    def batch_exists(self, keys: Sequence[str]) -> int: ...
+
+    def batch_get(self, keys: Sequence[str], host_pool, host_slots) -> int: ...
+
+    def batch_set(self, keys: Sequence[str], host_pool, host_slots) -> int: ...
+
+
+@dataclass
+class StorageStats:
+    """What a store did, in pages, since it was opened."""
+
+    hits: int = 0           # pages read and loaded into host slots
+    stored: int = 0         # pages written
+    corrupt: int = 0        # values that failed their checks (counted as misses, never loaded)
+    failed_ops: int = 0     # calls the store itself failed (down, full, I/O error): misses or unstored pages
+
+
+class PageStore:
+    """A backend over raw values: subclasses implement `_exists`, `_read` and `_write` on whole values, this
+    class turns host pages into values and back (`kvmem.storage.page_format`) and checks the arguments.
+
+    batch_size: keys per backend call (lookups stop at the first missing key of a batch).
+    """
+
+    def __init__(self, batch_size: int = 64) -> None:
+        self.batch_size = batch_size
+        self.stats = StorageStats()
+
+    # ---- the protocol -------------------------------------------------------------------------------
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        keys = _check_keys(keys)
+        found = 0
+        for start in range(0, len(keys), self.batch_size):
+            chunk = keys[start:start + self.batch_size]
+            present = self._exists(chunk)
+            found += present
+            if present < len(chunk):
+                break
+        return found
+
+    def batch_get(self, keys: Sequence[str], host_pool, host_slots) -> int:
+        keys = _check_keys(keys)
+        slots = self._check_slots(keys, host_pool, host_slots)
+        ps, fp = host_pool.page_size, fingerprint(host_pool.storage_format())
+        value_bytes = HEADER_BYTES + host_pool.page_payload_bytes() + CHECKSUM_BYTES
+        loaded = 0
+        for start in range(0, len(keys), self.batch_size):
+            chunk = keys[start:start + self.batch_size]
+            values = self._read(chunk, value_bytes)
+            for i, (key, value) in enumerate(zip(chunk, values)):
+                payload = decode_page(value, bytes.fromhex(key), fp, ps)
+                if payload is None:
+                    if value is not None:
+                        self.stats.corrupt += 1
+                        self._discard(key)
+                    self.stats.hits += loaded
+                    return loaded
+                page = start + i
+                host_pool.write_page(slots[page * ps:(page + 1) * ps], payload)
+                loaded += 1
+            if len(values) < len(chunk):
+                break
+        self.stats.hits += loaded
+        return loaded
+
+    def batch_set(self, keys: Sequence[str], host_pool, host_slots) -> int:
+        keys = _check_keys(keys)
+        slots = self._check_slots(keys, host_pool, host_slots)
+        ps, fp = host_pool.page_size, fingerprint(host_pool.storage_format())
+        stored = 0
+        for start in range(0, len(keys), self.batch_size):
+            chunk = keys[start:start + self.batch_size]
+            values = [encode_page(bytes.fromhex(key), fp, ps,
+                                  host_pool.read_page(slots[(start + i) * ps:(start + i + 1) * ps]))
+                      for i, key in enumerate(chunk)]
+            stored += self._write(chunk, values)
+        self.stats.stored += stored
+        return stored
+
+    # ---- what a backend implements --------------------------------------------------------------------
+    def _exists(self, keys: list[str]) -> int:
+        """How many leading keys are present."""
+        raise NotImplementedError
+
+    def _read(self, keys: list[str], value_bytes: int) -> list[bytes | None]:
+        """The values of the leading keys it has (None or a short list where a key is missing); an intact
+        value is `value_bytes` long (a backend reading into fixed buffers sizes them so)."""
+        raise NotImplementedError
+
+    def _write(self, keys: list[str], values: list[bytes]) -> int:
+        """Stores values (a key already present keeps its value: pages are content-addressed); returns how
+        many are stored."""
+        raise NotImplementedError
+
+    def _discard(self, key: str) -> None:
+        """Drops a value that failed its checks, so that it can be written again."""
+
+    def close(self) -> None:
+        """Releases the store's resources."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @staticmethod
+    def _check_slots(keys: list[str], host_pool, host_slots) -> np.ndarray:
+        if not hasattr(host_pool, "read_page") or not hasattr(host_pool, "storage_format"):
+            raise TypeError(f"host_pool must be a HostKVPool or HostSlotPool, got {type(host_pool).__name__}")
+        slots = host_pool.check_host_slots(host_slots)
+        if len(slots) != len(keys) * host_pool.page_size:
+            raise ValueError(f"host_slots has {len(slots)} slots for {len(keys)} pages of {host_pool.page_size}")
+        return slots
+
+
+def _check_keys(keys) -> list[str]:
+    if isinstance(keys, (str, bytes)):
+        raise TypeError(f"keys must be a sequence of page keys, got {type(keys).__name__}")
+    keys = list(keys)
+    for key in keys:
+        if not isinstance(key, str) or len(key) != 64 or not _is_hex(key):
+            raise ValueError(f"keys must hold page keys (64 hex characters, kvmem.page_hash.storage_key), got {key!r}")
+    return keys
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,69 @@
+"""How a KV page is stored: a header, the page's bytes in the pool's storage format, and a checksum.
+
+    offset  size  field
+    0       4     magic b"KVMP"
+    4       2     format version (1), little-endian
+    6       2     reserved (0)
+    8       4     page size (tokens), little-endian
+    12      8     payload length (bytes), little-endian
+    20      32    the page's digest (`kvmem.page_hash`): the prefix this page ends
+    52      32    the pool format fingerprint: SHA-256 of the model id, dtypes, layouts and row shapes
+    84      n     payload: the page's stored rows (codes and scales as the device stores them)
+    84 + n  4     CRC-32 (zlib's) of everything before it, little-endian
+
+A value is loaded only if every field matches what the reader expects: its magic and version, its page size,
+the digest of the page the reader is looking for (so a value filed under the wrong key is never taken for
+the right page), the fingerprint of the reader's pool (another model, dtype or layout is a miss, not a wrong
+load), and its checksum (a corrupt or truncated value is a miss). `decode_page` returns None for any of these;
+the store counts it.
+
+The checksum guards against corruption (bit rot, a torn or truncated write), not forgery: whoever can write a
+value can compute any checksum of it, so a store is trusted as much as its writers. CRC-32 catches every burst
+of up to 32 flipped bits and misses random damage with probability 2**-32, and runs at about 7 GB/s here
+against 1.4 GB/s for BLAKE2b: on a 64 KiB page it is 9 us of the read instead of 47 us.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import zlib
+
+MAGIC = b"KVMP"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sHHIQ32s32s")
+HEADER_BYTES = _HEADER.size
+CHECKSUM_BYTES = 4
+_CHECKSUM = struct.Struct("<I")
+
+
+def fingerprint(description: str) -> bytes:
+    """A 32-byte fingerprint of a pool's storage format, from its canonical description."""
+    return hashlib.sha256(description.encode("utf-8")).digest()
+
+
+def encode_page(digest: bytes, format_fingerprint: bytes, page_size: int, payload) -> bytes:
+    """The stored value of one page (see the module docstring)."""
+    payload = memoryview(payload).cast("B")
+    header = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, page_size, len(payload), digest, format_fingerprint)
+    return b"".join((header, payload, _CHECKSUM.pack(zlib.crc32(payload, zlib.crc32(header)))))
+
+
+def decode_page(value, digest: bytes, format_fingerprint: bytes, page_size: int) -> memoryview | None:
+    """The payload of `value` if it is an intact page with the expected digest, fingerprint and page size;
+    None otherwise (the caller counts it as a miss)."""
+    if value is None:
+        return None
+    view = memoryview(value).cast("B")
+    if len(view) < HEADER_BYTES + CHECKSUM_BYTES:
+        return None
+    magic, version, _, size, length, stored_digest, stored_fingerprint = _HEADER.unpack(view[:HEADER_BYTES])
+    if (magic, version, size, stored_digest, stored_fingerprint) != (MAGIC, FORMAT_VERSION, page_size, digest,
+                                                                      format_fingerprint):
+        return None
+    end = HEADER_BYTES + length
+    if len(view) != end + CHECKSUM_BYTES:
+        return None
+    if _CHECKSUM.unpack(view[end:])[0] != zlib.crc32(view[:end]):
+        return None
+    return view[HEADER_BYTES:end]

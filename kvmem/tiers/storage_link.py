@@ -1,0 +1,153 @@
+"""The hierarchical cache's link to a storage tier: writes behind host backups, prefetches ahead of admission.
+
+Store calls run on one background thread, in the order they were issued, so a request's admission never waits
+for a slow store unless its prefetch policy says so. Two rules keep them safe and repeatable:
+
+- A write copies its pages' bytes out of the host pool before it is queued (`_PageSnapshot`), so the host tier
+  may evict or reuse those slots at once.
+- A lookup (`lookup`) first waits for the writes queued before it, so a cache always finds what it stored
+  itself ("read your writes"), and a replay gives the same result on every run.
+
+Prefetch policies (when admission takes a prefetch's pages): "best_effort" takes the pages that have arrived,
+"wait_complete" waits for all of them, "timeout" waits at most `prefetch_timeout_s`. A prefetch still running
+when it is taken keeps its host slots until the read ends (`reap`), and is then released.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvmem._checks import check_number
+from kvmem.page_hash import DIGEST_BYTES
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+@dataclass
+class Prefetch:
+    """Pages read from storage into host slots for a request, to be attached to the tree at its admission.
+
+    namespace / key: where they go (`key`: the token bytes up to the end of the last page read); start: the
+    tokens the tree held when the prefetch began; digests: the pages' digests; host_slots: where they are read
+    into (held by the prefetch, not the tree, until attached); pages: how many the store said it had."""
+
+    namespace: str | None
+    key: bytes
+    start: int
+    digests: bytes
+    host_slots: np.ndarray
+    pages: int
+    future: concurrent.futures.Future = field(repr=False)
+
+
+@dataclass
+class StorageTierStats:
+    """What the link moved, in tokens."""
+
+    prefetched_tokens: int = 0      # read from storage and attached to the tree as host-only pages
+    stored_tokens: int = 0          # written to storage
+    dropped_prefetch_tokens: int = 0  # read, but no longer attachable (their prefix left the tree) or too late
+
+
+class _PageSnapshot:
+    """The bytes of some host pages, copied when a write is queued: what the worker stores, whatever the host
+    tier does meanwhile. Looks like a host pool to a store (`read_page` by position)."""
+
+    def __init__(self, host_pool, host_slots: np.ndarray) -> None:
+        self.page_size = host_pool.page_size
+        self._format = host_pool.storage_format()
+        ps = self.page_size
+        self._payloads = [host_pool.read_page(host_slots[i:i + ps]) for i in range(0, len(host_slots), ps)]
+
+    def storage_format(self) -> str:
+        return self._format
+
+    def check_host_slots(self, host_slots) -> np.ndarray:
+        return np.asarray(host_slots)
+
+    def read_page(self, host_slots: np.ndarray) -> bytes:
+        return self._payloads[int(host_slots[0]) // self.page_size]
+
+
+class StorageLink:
+    """A store, its worker thread, and the writes and reads a hierarchical cache issues to it."""
+
+    def __init__(self, storage, host_pool, prefetch_policy: str = "best_effort",
+                 prefetch_timeout_s: float = 0.05) -> None:
+        for method in ("batch_exists", "batch_get", "batch_set"):
+            if not callable(getattr(storage, method, None)):
+                raise TypeError(f"storage must implement batch_exists, batch_get and batch_set "
+                                f"(kvmem.storage), got {type(storage).__name__}")
+        if prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"prefetch_policy must be one of {PREFETCH_POLICIES}, got {prefetch_policy!r}")
+        self.storage = storage
+        self.host_pool = host_pool
+        self.prefetch_policy = prefetch_policy
+        self.prefetch_timeout_s = check_number("prefetch_timeout_s", prefetch_timeout_s, 0)
+        self.stats = StorageTierStats()
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-storage")
+        self._writes: list[concurrent.futures.Future] = []
+        self._late: list[Prefetch] = []  # taken before their read ended: their slots wait for it
+
+    def write(self, digests: bytes, host_slots: np.ndarray) -> None:
+        """Queues the pages in `host_slots` (named by `digests`) for the store."""
+        keys = [digests[i:i + DIGEST_BYTES].hex() for i in range(0, len(digests), DIGEST_BYTES)]
+        snapshot = _PageSnapshot(self.host_pool, host_slots)
+        positions = np.arange(len(host_slots), dtype=np.int64)
+
+        def store() -> int:
+            stored = self.storage.batch_set(keys, snapshot, positions)
+            self.stats.stored_tokens += stored * snapshot.page_size
+            return stored
+        self._writes.append(self._worker.submit(store))
+        if len(self._writes) > 1024:
+            self._writes = [f for f in self._writes if not f.done()]
+
+    def lookup(self, digests: bytes) -> int:
+        """How many leading pages of `digests` the store has, once the writes queued so far are done."""
+        self.drain_writes()
+        keys = [digests[i:i + DIGEST_BYTES].hex() for i in range(0, len(digests), DIGEST_BYTES)]
+        return self.storage.batch_exists(keys)
+
+    def read(self, namespace, key: bytes, start: int, digests: bytes, host_slots: np.ndarray) -> Prefetch:
+        """Starts reading the pages `digests` into `host_slots` on the worker."""
+        keys = [digests[i:i + DIGEST_BYTES].hex() for i in range(0, len(digests), DIGEST_BYTES)]
+        future = self._worker.submit(self.storage.batch_get, keys, self.host_pool, host_slots)
+        return Prefetch(namespace, key, start, digests, host_slots, len(keys), future)
+
+    def arrived(self, prefetch: Prefetch) -> int | None:
+        """Pages of `prefetch` to attach now, by the prefetch policy: None when it is still running (its slots
+        must wait for it: see `reap`)."""
+        if self.prefetch_policy == "wait_complete":
+            concurrent.futures.wait([prefetch.future])
+        elif self.prefetch_policy == "timeout":
+            concurrent.futures.wait([prefetch.future], timeout=self.prefetch_timeout_s)
+        if not prefetch.future.done():
+            self._late.append(prefetch)
+            return None
+        try:
+            return int(prefetch.future.result())
+        except Exception:  # noqa: BLE001 - a store that raises is a store that failed: a miss
+            return 0
+
+    def reap(self) -> list[np.ndarray]:
+        """The host slots of late prefetches whose reads have ended (for the cache to free)."""
+        done = [p for p in self._late if p.future.done()]
+        self._late = [p for p in self._late if not p.future.done()]
+        for p in done:
+            self.stats.dropped_prefetch_tokens += len(p.host_slots)
+        return [p.host_slots for p in done]
+
+    def late_tokens(self) -> int:
+        return sum(len(p.host_slots) for p in self._late)
+
+    def drain_writes(self) -> None:
+        concurrent.futures.wait(self._writes)
+        self._writes.clear()
+
+    def close(self) -> None:
+        """Waits for every queued write and read, then stops the worker."""
+        self._worker.shutdown(wait=True)

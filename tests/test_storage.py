@@ -1,0 +1,415 @@
+"""The storage tier: the page format, the file store, and a hierarchical cache over a store: pages written behind
+host backups, read back by another cache (another replica, or the same one after a restart), and never loaded
+unless they are the page asked for."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kvmem import HiRadixCache, HostKVPool, MHAKVPool, PagedTokenAllocator, ReqToTokenPool
+from kvmem.page_hash import page_digests, storage_key
+from kvmem.storage import FileStore, PageStore
+from kvmem.storage.page_format import CHECKSUM_BYTES, HEADER_BYTES, decode_page, encode_page, fingerprint
+from kvmem.tiers import HostSlotPool
+
+PS = 4
+PROMPT = list(range(100, 132))  # 8 pages
+
+
+def keys_of(tokens, namespace=None):
+    return [storage_key(d) for d in page_digests(tokens, PS, namespace=namespace)]
+
+
+# ---- the page format -------------------------------------------------------------------------------------
+def test_a_page_decodes_only_with_its_digest_fingerprint_and_page_size_intact():
+    digest, fp = bytes(range(32)), fingerprint("model-a|fp16")
+    value = encode_page(digest, fp, PS, b"kv bytes")
+    assert bytes(decode_page(value, digest, fp, PS)) == b"kv bytes"
+    assert decode_page(value, bytes(32), fp, PS) is None                 # filed under another page's key
+    assert decode_page(value, digest, fingerprint("model-b|fp16"), PS) is None  # another model or format
+    assert decode_page(value, digest, fp, 16) is None                    # another page size
+    corrupt = bytearray(value)
+    corrupt[90] ^= 1
+    assert decode_page(bytes(corrupt), digest, fp, PS) is None
+    assert decode_page(value[:-3], digest, fp, PS) is None               # truncated
+    assert decode_page(b"", digest, fp, PS) is None
+
+
+# ---- the file store -------------------------------------------------------------------------------------------
+def kv_world(layout="layer_first", model_id="m", kv_cache_dtype="int8"):
+    device = MHAKVPool(64, PS, torch.bfloat16, 2, 8, 2, kv_cache_dtype=kv_cache_dtype)
+    host = HostKVPool(device, ratio=4, layout=layout, model_id=model_id)
+    slots = host.allocator.alloc(len(PROMPT))
+    g = torch.Generator().manual_seed(0)
+    src = torch.arange(PS, PS + len(PROMPT))
+    for layer in range(2):
+        device.set_kv_buffer(layer, src, torch.randn(len(src), 2, 8, generator=g).bfloat16(),
+                             torch.randn(len(src), 2, 8, generator=g).bfloat16())
+    host.backup(slots, src)
+    return device, host, slots
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "int8", "int4"])
+def test_pages_round_trip_through_a_file_store_bit_exactly_across_host_layouts(tmp_path, kv_cache_dtype):
+    _, host, slots = kv_world("layer_first", kv_cache_dtype=kv_cache_dtype)
+    store = FileStore(tmp_path)
+    assert store.batch_set(keys_of(PROMPT), host, slots) == 8 and store.batch_exists(keys_of(PROMPT)) == 8
+    _, other_host, _ = kv_world("page_first", kv_cache_dtype=kv_cache_dtype)  # a reader laying pages out otherwise
+    dst = other_host.allocator.alloc(len(PROMPT))
+    assert FileStore(tmp_path).batch_get(keys_of(PROMPT), other_host, dst) == 8  # a second store: another process
+    for layer in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(host.host_rows(slots, layer), other_host.host_rows(dst, layer)))
+    assert not list(tmp_path.rglob("*.tmp"))  # writes land by rename
+
+
+def test_a_corrupt_or_truncated_page_file_is_a_counted_miss_and_is_dropped(tmp_path):
+    _, host, slots = kv_world()
+    store = FileStore(tmp_path)
+    keys = keys_of(PROMPT)
+    store.batch_set(keys, host, slots)
+    files = {f.stem: f for f in tmp_path.rglob("*.page")}
+    data = bytearray(files[keys[2]].read_bytes())
+    data[200] ^= 0xFF
+    files[keys[2]].write_bytes(bytes(data))
+    files[keys[5]].write_bytes(files[keys[5]].read_bytes()[:50])
+    dst = host.allocator.alloc(len(PROMPT))
+    assert store.batch_get(keys, host, dst) == 2 and store.stats.corrupt == 1
+    assert not files[keys[2]].exists()
+    assert store.batch_get(keys[3:], host, dst[:20]) == 2 and store.stats.corrupt == 2
+
+
+def test_a_page_of_another_model_is_a_miss(tmp_path):
+    _, host, slots = kv_world(model_id="model-a")
+    FileStore(tmp_path).batch_set(keys_of(PROMPT), host, slots)
+    _, other, _ = kv_world(model_id="model-b")
+    assert FileStore(tmp_path).batch_get(keys_of(PROMPT), other, other.allocator.alloc(len(PROMPT))) == 0
+
+
+def test_a_capped_file_store_deletes_its_least_recently_used_pages(tmp_path):
+    pool = HostSlotPool(64, PS)
+    slots = pool.allocator.alloc(4 * PS)
+    page = len(encode_page(bytes(32), fingerprint(pool.storage_format()), PS, b""))
+    store = FileStore(tmp_path, capacity_bytes=3 * page)
+    a, b = keys_of(list(range(8))), keys_of(list(range(50, 58)))
+    store.batch_set(a, pool, slots[:8])
+    store.batch_get(a[:1], pool, slots[8:12])        # a[0] is now the most recently used
+    store.batch_set(b, pool, slots[:8])              # room for one more: a[1] goes, then a[0]... by age
+    assert store.used_bytes() <= 3 * page
+    assert store.batch_exists(a[:1]) == 1 and store.batch_exists(a[1:]) == 0 and store.batch_exists(b) == 2
+    assert FileStore(tmp_path, capacity_bytes=3 * page).used_bytes() == 3 * page  # reopened: it knows its pages
+
+
+def test_bad_arguments_to_a_store_are_refused(tmp_path):
+    pool = HostSlotPool(64, PS)
+    store = FileStore(tmp_path)
+    with pytest.raises(ValueError, match="keys"):
+        store.batch_exists(["not-a-key"])
+    with pytest.raises(TypeError, match="keys"):
+        store.batch_exists(keys_of(PROMPT)[0])
+    with pytest.raises(ValueError, match="host_slots"):
+        store.batch_set(keys_of(PROMPT)[:1], pool, torch.arange(1, 5))   # slots the pool never handed out
+    with pytest.raises(ValueError, match="host_slots"):
+        store.batch_set(keys_of(PROMPT)[:2], pool, pool.allocator.alloc(PS))
+    with pytest.raises(ValueError, match="path"):
+        FileStore("/proc/kvmem-cannot-be-here")
+
+
+# ---- a hierarchical cache over a store -------------------------------------------------------------------
+def cache_over(store, policy="wait_complete", device_pool=None, host_pool=None):
+    device = device_pool or MHAKVPool(64, PS, torch.float32, 1, 1, 1)
+    host = host_pool or HostKVPool(device, ratio=4)
+    alloc = PagedTokenAllocator(device.size, PS)
+    return HiRadixCache(ReqToTokenPool(2, 64), alloc, host, page_size=PS, storage=store,
+                        prefetch_policy=policy), device, alloc
+
+
+def put(cache, device, alloc, tokens, namespace=None):
+    slots = alloc.alloc(len(tokens))
+    kv = torch.tensor(tokens, dtype=torch.float32).reshape(-1, 1, 1)
+    device.set_kv_buffer(0, slots, kv, kv)
+    cached = cache.insert(tokens, slots, namespace=namespace)
+    if cached:
+        alloc.free(slots[:cached])
+
+
+def test_a_second_cache_reads_what_the_first_stored_and_gets_the_right_kv(tmp_path):
+    first, device, alloc = cache_over(FileStore(tmp_path))
+    put(first, device, alloc, PROMPT)
+    first.close()
+    second, device2, _ = cache_over(FileStore(tmp_path))         # another replica, or a restart
+    prefetch = second.prefetch(PROMPT + [1])
+    assert second.finish_prefetch(prefetch) == len(PROMPT)
+    m = second.match_prefix(PROMPT + [1])
+    assert (m.indices.numel(), m.host_hit_length) == (0, len(PROMPT))
+    indices = second.load_back(m.last_host_node, m.host_hit_length)
+    assert device2.read_kv(0, indices)[0].flatten().long().tolist() == PROMPT
+    second.check_invariants()
+    assert second.storage_link.stats.prefetched_tokens == len(PROMPT)
+
+
+def test_pages_are_found_only_in_their_namespace(tmp_path):
+    first, device, alloc = cache_over(FileStore(tmp_path))
+    put(first, device, alloc, PROMPT, namespace="tenant-a")
+    first.close()
+    second, _, _ = cache_over(FileStore(tmp_path))
+    assert second.prefetch(PROMPT + [1], "tenant-b") is None
+    assert second.prefetch(PROMPT + [1]) is None
+    assert second.finish_prefetch(second.prefetch(PROMPT + [1], "tenant-a")) == len(PROMPT)
+
+
+def test_only_the_pages_beyond_the_trees_own_prefix_are_read(tmp_path):
+    first, device, alloc = cache_over(FileStore(tmp_path))
+    put(first, device, alloc, PROMPT)
+    first.close()
+    second, device2, alloc2 = cache_over(FileStore(tmp_path))
+    put(second, device2, alloc2, PROMPT[:12])                    # 3 pages already cached here
+    prefetch = second.prefetch(PROMPT + [1])
+    assert prefetch.start == 12 and prefetch.pages == 5
+    assert second.finish_prefetch(prefetch) == 20
+    second.check_invariants()
+
+
+class GatedStore(PageStore):
+    """A store whose reads wait for a gate: a slow store, on demand (no sleeps)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.gate = inner, threading.Event()
+
+    def batch_exists(self, keys):
+        return self.inner.batch_exists(keys)
+
+    def batch_get(self, keys, host_pool, host_slots):
+        self.gate.wait(timeout=10)
+        return self.inner.batch_get(keys, host_pool, host_slots)
+
+    def batch_set(self, keys, host_pool, host_slots):
+        return self.inner.batch_set(keys, host_pool, host_slots)
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "timeout"])
+def test_admission_does_not_wait_for_a_slow_store_and_its_slots_come_back(tmp_path, policy):
+    first, device, alloc = cache_over(FileStore(tmp_path))
+    put(first, device, alloc, PROMPT)
+    first.close()
+    store = GatedStore(FileStore(tmp_path))
+    second, _, _ = cache_over(store, policy)
+    free = second.host_allocator.available_size()
+    prefetch = second.prefetch(PROMPT + [1])
+    assert second.finish_prefetch(prefetch) == 0                   # not arrived: admission goes on without it
+    assert second.host_allocator.available_size() == free - len(PROMPT)
+    second.check_invariants()                                     # its slots are held by the read, counted
+    store.gate.set()
+    prefetch.future.result(timeout=10)
+    second.writing_check()                                        # the read ended: its slots are released
+    assert second.host_allocator.available_size() == free
+    second.check_invariants()
+
+
+def test_wait_complete_waits_for_the_read(tmp_path):
+    first, device, alloc = cache_over(FileStore(tmp_path))
+    put(first, device, alloc, PROMPT)
+    first.close()
+    store = GatedStore(FileStore(tmp_path))
+    second, _, _ = cache_over(store, "wait_complete")
+    prefetch = second.prefetch(PROMPT + [1])
+    threading.Timer(0.01, store.gate.set).start()
+    assert second.finish_prefetch(prefetch) == len(PROMPT)
+
+
+def test_a_store_that_fails_costs_hits_not_correctness(tmp_path):
+    class BrokenStore(PageStore):
+        def batch_exists(self, keys):
+            return len(keys)            # claims everything...
+
+        def batch_get(self, keys, host_pool, host_slots):
+            raise OSError("disk gone")  # ...and then fails
+
+        def batch_set(self, keys, host_pool, host_slots):
+            raise OSError("disk gone")
+
+    cache, device, alloc = cache_over(BrokenStore())
+    put(cache, device, alloc, PROMPT)  # the write fails on the worker: nothing changes here
+    assert cache.finish_prefetch(cache.prefetch(list(range(500, 540)))) == 0
+    cache.check_invariants()
+    m = cache.match_prefix(PROMPT)
+    assert m.indices.numel() == len(PROMPT)
+
+
+def test_a_prefetch_whose_prefix_left_the_tree_is_released(tmp_path):
+    first, device, alloc = cache_over(FileStore(tmp_path))
+    put(first, device, alloc, PROMPT)
+    first.close()
+    second, device2, alloc2 = cache_over(FileStore(tmp_path))
+    put(second, device2, alloc2, PROMPT[:8])
+    prefetch = second.prefetch(PROMPT + [1])
+    second.evict(64)
+    second.evict_host(1 << 20)                                   # the 2 pages it hangs from are gone
+    assert second.finish_prefetch(prefetch) == 0
+    second.check_invariants()
+
+
+def test_a_full_file_store_costs_hits_not_correctness(tmp_path):
+    store = FileStore(tmp_path, capacity_bytes=HEADER_BYTES + CHECKSUM_BYTES)  # smaller than any page
+    cache, device, alloc = cache_over(store)
+    put(cache, device, alloc, PROMPT)
+    cache.storage_link.drain_writes()
+    assert store.stats.failed_ops > 0 and store.stats.stored == 0 and store.used_bytes() == 0
+    assert cache.prefetch(PROMPT + [1]) is None                  # nothing was stored: a miss, no error
+    cache.check_invariants()
+    assert cache.match_prefix(PROMPT).indices.numel() == len(PROMPT)
+
+
+def test_storage_needs_a_real_store_and_a_known_policy(tmp_path):
+    with pytest.raises(TypeError, match="storage"):
+        cache_over(object())
+    with pytest.raises(ValueError, match="prefetch_policy"):
+        cache_over(FileStore(tmp_path), policy="eager")
+
+
+# ---- the Mooncake store ---------------------------------------------------------------------------------------
+def mooncake_or_skip():
+    try:
+        from kvmem.storage import MooncakeServer, MooncakeStore
+        from kvmem.storage.mooncake_store import _mooncake_store_class
+        _mooncake_store_class()
+    except RuntimeError as e:
+        pytest.skip(f"the Mooncake store cannot load here: {e}")
+    return MooncakeServer, MooncakeStore
+
+
+@pytest.mark.mooncake
+def test_mooncake_pages_outlive_the_client_that_wrote_them():
+    MooncakeServer, MooncakeStore = mooncake_or_skip()
+    _, host, slots = kv_world()
+    with MooncakeServer(64) as server:
+        writer = MooncakeStore(server.master_addr, server.metadata_server)
+        assert writer.batch_set(keys_of(PROMPT), host, slots) == 8
+        writer.close()
+        reader = MooncakeStore(server.master_addr, server.metadata_server)
+        dst = host.allocator.alloc(len(PROMPT))
+        assert reader.batch_exists(keys_of(PROMPT)) == 8 and reader.batch_get(keys_of(PROMPT), host, dst) == 8
+        assert all(torch.equal(a, b) for a, b in zip(host.host_rows(slots, 1), host.host_rows(dst, 1)))
+        reader.close()
+
+
+@pytest.mark.mooncake
+def test_a_killed_mooncake_master_costs_hits_and_nothing_hangs():
+    MooncakeServer, MooncakeStore = mooncake_or_skip()
+    with MooncakeServer(64) as server:
+        store = MooncakeStore(server.master_addr, server.metadata_server)
+        cache, device, alloc = cache_over(store)
+        put(cache, device, alloc, PROMPT)
+        cache.storage_link.drain_writes()
+        server.kill_master()
+        put(cache, device, alloc, list(range(300, 316)))       # its write fails, counted
+        assert cache.prefetch(list(range(900, 940))) is None  # lookups miss at once (no 4 s stall per call)
+        cache.storage_link.drain_writes()
+        assert store.stats.failed_ops >= 1
+        cache.check_invariants()
+        cache.close()
+        store.close()
+
+
+@pytest.mark.mooncake
+def test_a_mooncake_master_that_cannot_be_reached_is_a_clear_error():
+    MooncakeServer, MooncakeStore = mooncake_or_skip()
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RuntimeError, match="cannot join"):
+        MooncakeStore(f"127.0.0.1:{port}")
+
+
+def test_a_storage_key_has_no_collision_across_namespaces_by_construction():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 1000, 64).tolist()
+    names = [set(keys_of(tokens, ns)) for ns in (None, "a", "b", "a:b", "")]
+    assert sum(len(n) for n in names) == len(set().union(*names))
+
+
+# ---- replays over a store ---------------------------------------------------------------------------------
+def replay_twice(storage, **extra):
+    from kvmem.replay.config import ReplayConfig
+    from kvmem.replay.simulator import replay
+    from kvmem.replay.synthetic import multi_turn_chat
+
+    trace = multi_turn_chat(60, system_len=64, turns=(2, 3), user_len=(16, 32), output_len=(4, 8), seed=1)
+    config = ReplayConfig(capacity_tokens=512, max_context_len=trace.max_context_len, page_size=PS,
+                          host_capacity_tokens=1024, storage=storage, honour_arrivals=False, max_running=8,
+                          **extra)
+    return [replay(trace, config).to_json() for _ in range(2)]
+
+
+def test_a_replay_finds_its_previous_runs_pages_in_a_file_store(tmp_path):
+    first, second = replay_twice(f"file:{tmp_path}")
+    assert first["stored_tokens"] > 0 and first["storage_misses_corrupt"] == 0
+    assert second["storage_hit_rate"] > first["storage_hit_rate"] and second["hit_rate"] > first["hit_rate"]
+    assert second["prefetched_tokens"] > 0
+
+
+@pytest.mark.mooncake
+def test_a_replay_finds_its_previous_runs_pages_in_mooncake():
+    MooncakeServer, _ = mooncake_or_skip()
+    with MooncakeServer(64) as server:
+        first, second = replay_twice(f"mooncake:{server.master_addr}", storage_metadata=server.metadata_server)
+    assert second["storage_hit_rate"] > 0 and second["hit_rate"] > first["hit_rate"]
+    assert first["storage_failed_ops"] == second["storage_failed_ops"] == 0
+
+
+@pytest.mark.mooncake
+def test_serving_goes_on_with_device_and_host_tiers_when_the_mooncake_master_dies():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_tiered_scheduler import TokenModel, expected, workload
+
+    from kvmem import Req, Scheduler, SchedulerConfig
+
+    MooncakeServer, MooncakeStore = mooncake_or_skip()
+    with MooncakeServer(64) as server:
+        store = MooncakeStore(server.master_addr, server.metadata_server)
+        device = MHAKVPool(160, 1, torch.float32, 1, 1, 1)
+        alloc, rows = __import__("kvmem").TokenAllocator(160), ReqToTokenPool(8, 256)
+        tree = HiRadixCache(rows, alloc, HostKVPool(device, ratio=8), storage=store, prefetch_policy="wait_complete")
+        sched = Scheduler(rows, alloc, tree, SchedulerConfig(schedule_policy="fcfs", max_running_requests=4,
+                                                             chunked_prefill_size=48))
+        model = TokenModel(sched, device)
+        reqs = workload(seed=1, sessions=8)
+        for rid, prompt, n in reqs:
+            sched.add_request(Req(rid, prompt, n))
+        finished, steps = {}, 0
+        while not sched.is_idle():
+            steps += 1
+            if steps == 30:
+                server.kill_master()
+            batch = sched.step()
+            for r in sched.process_batch_result(batch, model.forward(batch)):
+                finished[r.rid] = r.output_ids
+            sched.check_invariants()
+        assert finished == {rid: expected(p, n) for rid, p, n in reqs}
+        tree.close()
+        assert store.stats.failed_ops > 0
+        store.close()
+
+
+@pytest.mark.mooncake
+def test_a_full_mooncake_store_costs_hits_not_correctness():
+    MooncakeServer, MooncakeStore = mooncake_or_skip()
+    device = MHAKVPool(256, PS, torch.float32, 8, 128, 4)          # 128 KiB pages: 16 MiB holds ~100
+    with MooncakeServer(16) as server:
+        store = MooncakeStore(server.master_addr, server.metadata_server)
+        cache, device, alloc = cache_over(store, device_pool=device, host_pool=HostKVPool(device, ratio=16))
+        for start in range(0, 40 * 32, 32):                        # 320 pages: three times what the store holds
+            cache.insert(list(range(10_000 + start, 10_000 + start + 32)), alloc.alloc(32))  # KV left as it is
+            cache.evict(1 << 20)
+        cache.storage_link.drain_writes()
+        assert store.stats.failed_ops > 0 and 0 < store.stats.stored < 320
+        cache.check_invariants()
+        cache.close()
+        store.close()
