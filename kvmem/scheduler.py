@@ -247,16 +247,20 @@ class Scheduler:
         # Ranking the waiting window costs a tree walk per request: only when someone can be admitted.
         if can_admit and self.config.schedule_policy == "lpm":
             self._sort_waiting_by_prefix()
+        tree, alloc = self.tree_cache, self.token_allocator
         while self.waiting and len(self.running) + len(reqs) < self.max_running and budget > 0 \
                 and self.chunked_req is None:
             req = self.waiting[0]
             t0 = perf_counter() if timer is not None else 0.0
-            self._match(req)
-            self.tree_cache.inc_lock_ref(req.last_node)
+            free_before = alloc.available_size()
+            self._match(req, free_tokens + tree.evictable_size())
+            # A load-back takes free slots (evicting first when short): free_tokens follows what it took.
+            free_tokens += alloc.available_size() - free_before
+            tree.inc_lock_ref(req.last_node)
             if timer is not None:
                 timer.add("match", perf_counter() - t0)
-            if self._charge(req, req.prefix_indices.numel()) > free_tokens + self.tree_cache.evictable_size():
-                self.tree_cache.dec_lock_ref(req.last_node)
+            if self._charge(req, req.prefix_indices.numel()) > free_tokens + tree.evictable_size():
+                tree.dec_lock_ref(req.last_node)
                 break
             self.waiting.popleft()
             budget, free_tokens = self._plan_extend(req, budget, free_tokens)
@@ -304,9 +308,10 @@ class Scheduler:
         reqs = self.running
         return int(sum(r.max_new_tokens - len(r.output_ids) for r in reqs) * self.new_token_ratio)
 
-    def _match(self, req: Req) -> None:
+    def _match(self, req: Req, room: int) -> None:
         """Matches the request's prefix; with a tiered cache, loads its host-only part back to the device when
-        it is long enough (else that part is recomputed)."""
+        it is long enough (else that part is recomputed) and the request then fits in `room` (free plus
+        evictable slots not yet charged to this step's batch)."""
         from_storage = 0
         if req.prefetch is not None:
             from_storage = self.tree_cache.finish_prefetch(req.prefetch)
@@ -314,11 +319,12 @@ class Scheduler:
         m = self.tree_cache.match_prefix(_match_key(req), req.namespace)
         indices, node = m.indices, m.last_node
         req.host_hit_len = req.storage_hit_len = 0
-        if m.host_hit_length >= self.config.load_back_threshold:
-            loaded = self.tree_cache.load_back(m.last_host_node, m.host_hit_length)
+        host = m.host_hit_length
+        if host >= self.config.load_back_threshold and host + self._charge(req, indices.numel() + host) <= room:
+            loaded = self.tree_cache.load_back(m.last_host_node, host)
             if loaded is not None:
-                indices, node, req.host_hit_len = loaded, m.last_host_node, m.host_hit_length
-                req.storage_hit_len = min(from_storage, m.host_hit_length)
+                indices, node, req.host_hit_len = loaded, m.last_host_node, host
+                req.storage_hit_len = min(from_storage, host)
         req.prefix_indices = indices
         req.last_node = node
         # numel(), not len(): a tensor's len() goes through a Python wrapper that costs about 6x as much, and

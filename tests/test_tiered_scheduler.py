@@ -116,6 +116,48 @@ def test_a_host_hit_shorter_than_the_threshold_is_recomputed():
     assert batch.prefix_lens.tolist() == [0] and tree.stats.loaded_tokens == 0  # 10 host tokens < 16
 
 
+def test_a_host_hit_that_needs_eviction_to_load_is_admitted():
+    alloc = TokenAllocator(64)
+    rows = ReqToTokenPool(4, 64)
+    tree = HiRadixCache(rows, alloc, HostSlotPool(256))
+    sched = Scheduler(rows, alloc, tree, SchedulerConfig(load_back_threshold=16))
+    prompt = list(range(100, 148))
+    tree.insert(prompt, alloc.alloc(48))
+    tree.evict(48)                                   # on host only now
+    tree.insert(list(range(500, 554)), alloc.alloc(54))
+    assert (alloc.available_size(), tree.evictable_size()) == (10, 54)
+    sched.add_request(Req("a", prompt + [7, 8], 2))
+    batch = sched.step()                             # loading the 48 host tokens evicts the other prefix
+    assert batch.prefix_lens.tolist() == [48] and tree.stats.loaded_tokens == 48
+    sched.process_batch_result(batch, [9])
+    sched.check_invariants()
+
+
+def test_admission_charges_a_load_back_for_the_slots_it_took():
+    # 10 free slots, 54 evictable ones in 2-token leaves, 64 held by a running request. Loading the 48-token host
+    # hit would evict 38 and leave 16 slots for the 20 tokens still to compute: the request does not fit, so its
+    # hit must not be loaded (admission once counted the 10 free slots as still free after the load, admitted
+    # it, failed to allocate, and stalled with the prefix loaded).
+    alloc = TokenAllocator(128)
+    rows = ReqToTokenPool(4, 128)
+    tree = HiRadixCache(rows, alloc, HostSlotPool(512))
+    sched = Scheduler(rows, alloc, tree, SchedulerConfig(load_back_threshold=16))
+    prompt = list(range(100, 148))
+    tree.insert(prompt, alloc.alloc(48))
+    tree.evict(48)
+    held = alloc.alloc(64)
+    for i in range(27):
+        tree.insert([1000 + 2 * i, 1001 + 2 * i], alloc.alloc(2))
+    assert (alloc.available_size(), tree.evictable_size()) == (10, 54)
+    sched.add_request(Req("a", prompt + list(range(7, 27)), 2))
+    assert sched.step() is None and tree.stats.loaded_tokens == 0 and tree.evictable_size() == 54
+    alloc.free(held)                                 # the running request finished
+    batch = sched.step()
+    assert batch.prefix_lens.tolist() == [48] and tree.stats.loaded_tokens == 48
+    sched.process_batch_result(batch, [9])
+    sched.check_invariants()
+
+
 # ---- tensor parallelism ------------------------------------------------------------------------------------
 class RankDelayedHost(HostSlotPool):
     """A host tier whose backups complete after a random, rank-dependent number of polls."""
