@@ -46,8 +46,7 @@ def host_pages(layers: int, heads: int, head_dim: int, page_size: int, pages: in
     host = HostKVPool(device, size=3 * tokens)
     src = host.allocator.alloc(tokens).numpy()
     rng = np.random.default_rng(0)
-    for start in range(0, tokens, page_size):
-        host.write_page(src[start:start + page_size], rng.bytes(host.page_payload_bytes()))
+    host.write_pages(src, [rng.bytes(host.page_payload_bytes()) for _ in range(pages)])
     keys = [storage_key(d) for d in page_digests(rng.integers(0, 128_256, tokens).tolist(), page_size)]
     return host, src, keys
 
@@ -69,8 +68,7 @@ def time_backend(store, host, src, keys, repeats: int) -> dict:
         if (stored, present, got) != (len(keys),) * 3:
             raise RuntimeError(f"{type(store).__name__}: stored {stored}, found {present}, read {got} of "
                                f"{len(keys)} pages")
-        ps = host.page_size
-        if any(host.read_page(src[i:i + ps]) != host.read_page(dst[i:i + ps]) for i in range(0, len(src), ps)):
+        if host.read_pages(src) != host.read_pages(dst):
             raise RuntimeError(f"{type(store).__name__}: the pages read differ from the pages written")
         _clear(store, keys)
     out = {}
@@ -95,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="32 pages, one repeat, the small shapes only")
     ap.add_argument("--out", help="also write the JSON report here")
     args = ap.parse_args(argv)
+    torch.set_num_threads(1)  # page gathers are small copies: a thread pool only waits on a shared machine
     pages, repeats, shapes = (32, 1, SHAPES[1:]) if args.quick else (args.pages, args.repeats, SHAPES)
 
     report = {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads", "pages": pages,

@@ -26,11 +26,13 @@ class ContentPages(ContentHost):
     def page_payload_bytes(self):
         return 8 * self.page_size
 
-    def read_page(self, host_slots):
-        return self.kv[np.asarray(host_slots)].tobytes()
+    def read_pages(self, host_slots):
+        pages = self.kv[np.asarray(host_slots)].reshape(-1, self.page_size)
+        return [page.tobytes() for page in pages]
 
-    def write_page(self, host_slots, payload):
-        self.kv[np.asarray(host_slots)] = np.frombuffer(payload, dtype=np.int64)
+    def write_pages(self, host_slots, payloads):
+        if len(host_slots):
+            self.kv[np.asarray(host_slots)] = np.frombuffer(b"".join(payloads), dtype=np.int64)
 
     def check_host_slots(self, host_slots):
         return np.asarray(host_slots)

@@ -244,7 +244,7 @@ def _hash_tuple(block_hashes) -> tuple:
     if bool not in set(map(type, hashes)):
         try:  # the common case, checked at C speed: unsigned 64-bit ints (numpy's become ints)
             return tuple(array("Q", hashes).tolist())
-        except (TypeError, OverflowError):
+        except (TypeError, OverflowError, RuntimeError):  # RuntimeError: a tensor without values (meta)
             pass
     # signed (SGLang's), bytes, or a bad hash that the slow path names
     return tuple([_check_hash("block_hashes", h) for h in hashes])

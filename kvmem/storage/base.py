@@ -71,25 +71,23 @@ class PageStore:
         slots = self._check_slots(keys, host_pool, host_slots)
         ps, fp = host_pool.page_size, fingerprint(host_pool.storage_format())
         value_bytes = HEADER_BYTES + host_pool.page_payload_bytes() + CHECKSUM_BYTES
-        loaded = 0
+        payloads = []
         for start in range(0, len(keys), self.batch_size):
             chunk = keys[start:start + self.batch_size]
             values = self._read(chunk, value_bytes)
-            for i, (key, value) in enumerate(zip(chunk, values)):
+            for key, value in zip(chunk, values):
                 payload = decode_page(value, bytes.fromhex(key), fp, ps)
                 if payload is None:
                     if value is not None:
                         self.stats.corrupt += 1
                         self._discard(key)
-                    self.stats.hits += loaded
-                    return loaded
-                page = start + i
-                host_pool.write_page(slots[page * ps:(page + 1) * ps], payload)
-                loaded += 1
-            if len(values) < len(chunk):
+                    break
+                payloads.append(payload)
+            if len(payloads) < start + len(chunk):
                 break
-        self.stats.hits += loaded
-        return loaded
+        host_pool.write_pages(slots[:len(payloads) * ps], payloads)
+        self.stats.hits += len(payloads)
+        return len(payloads)
 
     def batch_set(self, keys: Sequence[str], host_pool, host_slots) -> int:
         keys = _check_keys(keys)
@@ -98,9 +96,8 @@ class PageStore:
         stored = 0
         for start in range(0, len(keys), self.batch_size):
             chunk = keys[start:start + self.batch_size]
-            values = [encode_page(bytes.fromhex(key), fp, ps,
-                                  host_pool.read_page(slots[(start + i) * ps:(start + i + 1) * ps]))
-                      for i, key in enumerate(chunk)]
+            payloads = host_pool.read_pages(slots[start * ps:(start + len(chunk)) * ps])
+            values = [encode_page(bytes.fromhex(key), fp, ps, payload) for key, payload in zip(chunk, payloads)]
             stored += self._write(chunk, values)
         self.stats.stored += stored
         return stored
@@ -134,7 +131,7 @@ class PageStore:
 
     @staticmethod
     def _check_slots(keys: list[str], host_pool, host_slots) -> np.ndarray:
-        if not hasattr(host_pool, "read_page") or not hasattr(host_pool, "storage_format"):
+        if not hasattr(host_pool, "read_pages") or not hasattr(host_pool, "storage_format"):
             raise TypeError(f"host_pool must be a HostKVPool or HostSlotPool, got {type(host_pool).__name__}")
         slots = host_pool.check_host_slots(host_slots)
         if len(slots) != len(keys) * host_pool.page_size:
@@ -145,7 +142,10 @@ class PageStore:
 def _check_keys(keys) -> list[str]:
     if isinstance(keys, (str, bytes)):
         raise TypeError(f"keys must be a sequence of page keys, got {type(keys).__name__}")
-    keys = list(keys)
+    try:
+        keys = list(keys)
+    except TypeError:
+        raise TypeError(f"keys must be a sequence of page keys, got {type(keys).__name__}") from None
     for key in keys:
         if not isinstance(key, str) or len(key) != 64 or not _is_hex(key):
             raise ValueError(f"keys must hold page keys (64 hex characters, kvmem.page_hash.storage_key), got {key!r}")

@@ -114,7 +114,7 @@ class HostKVPool:
         num_slots = size + ps
         part_row_bytes = [int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in formats]
         row_bytes = sum(part_row_bytes)
-        # bytes of each stored buffer in one page's payload (every layer): what read_page / write_page move
+        # bytes of each stored buffer in one page's payload (every layer): what read_pages / write_pages move
         self._part_page_bytes = [b * self.layer_num * ps for b in part_row_bytes]
         check_host_bytes(f"a host KV pool of {size} tokens", num_slots * self.layer_num * row_bytes)
         if layout == "layer_first":
@@ -244,32 +244,43 @@ class HostKVPool:
         """Bytes of one page's payload: every stored row of its slots, in every layer."""
         return sum(self._part_page_bytes)
 
-    def read_page(self, host_slots: np.ndarray) -> bytes:
-        """The payload of the page in `host_slots` ([page_size] slots): each stored buffer's rows, layer by
-        layer, token by token, whatever the host layout."""
-        index = torch.from_numpy(np.asarray(host_slots))
-        chunks = []
+    def read_pages(self, host_slots) -> list[bytes]:
+        """The payloads of the whole pages in `host_slots` (page_size slots each, in order from a page start),
+        one per page: each stored buffer's rows, layer by layer, token by token, whatever the host layout."""
+        host = self.check_host_slots(host_slots)
+        num_pages, ps = len(host) // self.page_size, self.page_size
+        if num_pages == 0:
+            return []
+        index = torch.from_numpy(host)
+        per_part = []
         for part in range(len(self._buffers)):
             if self.layout == "layer_first":
-                rows = [self._buffers[part][layer][index] for layer in range(self.layer_num)]
+                rows = torch.stack([self._buffers[part][layer][index] for layer in range(self.layer_num)])
             else:
-                rows = [self._buffers[part][index].transpose(0, 1).contiguous()]
-            # through uint8: numpy has no bfloat16
-            chunks.extend(r.view(torch.uint8).numpy().tobytes() for r in rows)
-        return b"".join(chunks)
+                rows = self._buffers[part][index].transpose(0, 1)
+            # [layers, pages * ps, ...] -> [pages, layers, ps, ...]; through uint8: numpy has no bfloat16
+            rows = rows.reshape(self.layer_num, num_pages, ps, -1).transpose(0, 1).contiguous()
+            per_part.append(rows.view(torch.uint8).reshape(num_pages, -1).numpy())
+        if len(per_part) == 1:
+            return [page.tobytes() for page in per_part[0]]
+        return [b"".join(part[page].tobytes() for part in per_part) for page in range(num_pages)]
 
-    def write_page(self, host_slots: np.ndarray, payload) -> None:
-        """Writes a payload (as `read_page` returns it) into the page at `host_slots`."""
-        payload = memoryview(payload).cast("B")
-        if len(payload) != self.page_payload_bytes():
-            raise ValueError(f"payload has {len(payload)} bytes, a page of this pool {self.page_payload_bytes()}")
-        index = torch.from_numpy(np.asarray(host_slots))
+    def write_pages(self, host_slots, payloads) -> None:
+        """Writes payloads (as `read_pages` returns them, one per page) into the whole pages of `host_slots`."""
+        host = self.check_host_slots(host_slots)
+        num_pages, ps = len(host) // self.page_size, self.page_size
+        data = _page_bytes(payloads, num_pages, self.page_payload_bytes())
+        if num_pages == 0:
+            return
+        index = torch.from_numpy(host)
         offset = 0
         for part, (shape, dtype) in enumerate(self._formats):
             nbytes = self._part_page_bytes[part]
-            rows = torch.frombuffer(bytearray(payload[offset:offset + nbytes]), dtype=dtype)
-            rows = rows.view(self.layer_num, len(index), *shape)
+            rows = torch.from_numpy(data[:, offset:offset + nbytes].copy()).view(dtype)
             offset += nbytes
+            # [pages, layers, ps, ...] -> [layers, pages * ps, ...]
+            rows = rows.reshape(num_pages, self.layer_num, ps, *shape).transpose(0, 1).reshape(
+                self.layer_num, num_pages * ps, *shape)
             if self.layout == "layer_first":
                 for layer in range(self.layer_num):
                     self._buffers[part][layer][index] = rows[layer]
@@ -277,8 +288,9 @@ class HostKVPool:
                 self._buffers[part][index] = rows.transpose(0, 1)
 
     def check_host_slots(self, host_slots) -> np.ndarray:
-        """`host_slots` as host int64 slots, each one this pool has handed out; raises otherwise."""
-        return self._check_host(host_slots)
+        """`host_slots` as host int64 slots of whole pages this pool has handed out (page_size slots each, in order
+        from a page start); raises otherwise."""
+        return _check_whole_pages(self._check_host(host_slots), self.page_size)
 
     def mem_usage_bytes(self) -> int:
         """Bytes of all host buffers."""
@@ -312,16 +324,45 @@ class HostSlotPool:
     def page_payload_bytes(self) -> int:
         return 0
 
-    def read_page(self, host_slots: np.ndarray) -> bytes:
-        return b""
+    def read_pages(self, host_slots) -> list[bytes]:
+        return [b""] * (len(self.check_host_slots(host_slots)) // self.page_size)
 
-    def write_page(self, host_slots: np.ndarray, payload) -> None:
-        if len(memoryview(payload)):
-            raise ValueError("payload must be empty: a HostSlotPool holds no bytes")
+    def write_pages(self, host_slots, payloads) -> None:
+        _page_bytes(payloads, len(self.check_host_slots(host_slots)) // self.page_size, 0)
 
     def check_host_slots(self, host_slots) -> np.ndarray:
         host = as_index_array("host_slots", host_slots)
         held = self.allocator.is_allocated(torch.from_numpy(host)).numpy()
         if np.count_nonzero(held) != len(host):
             raise ValueError(f"host_slots holds slot {host[~held][0]}, which this host pool has not handed out")
-        return host
+        return _check_whole_pages(host, self.page_size)
+
+
+def _check_whole_pages(host: np.ndarray, page_size: int) -> np.ndarray:
+    """Raises unless `host` holds whole pages: page_size slots each, in order from a multiple of page_size."""
+    if len(host) % page_size:
+        raise ValueError(f"host_slots has {len(host)} slots, not whole pages of {page_size}")
+    if page_size > 1 and len(host):
+        pages = host.reshape(-1, page_size)
+        if (pages[:, 0] % page_size).any() or (pages != pages[:, :1] + np.arange(page_size)).any():
+            raise ValueError(f"host_slots must hold whole pages (page_size {page_size}, each page's slots in "
+                             f"order from its first), got {host[:2 * page_size].tolist()}...")
+    return host
+
+
+def _page_bytes(payloads, num_pages: int, page_bytes: int) -> np.ndarray:
+    """`payloads` (one bytes-like per page, each `page_bytes` long) as a [num_pages, page_bytes] uint8 array."""
+    if isinstance(payloads, (bytes, bytearray, memoryview, str)):
+        raise TypeError(f"payloads must be a sequence of page payloads, got {type(payloads).__name__}")
+    try:
+        payloads = list(payloads)
+        sizes = {memoryview(p).nbytes for p in payloads}
+    except TypeError:
+        raise TypeError("payloads must be a sequence of bytes-like page payloads") from None
+    if len(payloads) != num_pages or sizes - {page_bytes}:
+        raise ValueError(f"payloads must be {num_pages} pages of {page_bytes} bytes, got {len(payloads)} of "
+                         f"{sorted(sizes)} bytes")
+    out = np.empty((num_pages, page_bytes), dtype=np.uint8)
+    for row, payload in zip(out, payloads):
+        row[:] = np.frombuffer(payload, dtype=np.uint8)
+    return out

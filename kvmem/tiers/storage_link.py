@@ -54,13 +54,13 @@ class StorageTierStats:
 
 class _PageSnapshot:
     """The bytes of some host pages, copied when a write is queued: what the worker stores, whatever the host
-    tier does meanwhile. Looks like a host pool to a store (`read_page` by position)."""
+    tier does meanwhile. Looks like a host pool to a store, its pages addressed by position (page i: slots
+    i * page_size ..)."""
 
     def __init__(self, host_pool, host_slots: np.ndarray) -> None:
         self.page_size = host_pool.page_size
         self._format = host_pool.storage_format()
-        ps = self.page_size
-        self._payloads = [host_pool.read_page(host_slots[i:i + ps]) for i in range(0, len(host_slots), ps)]
+        self._payloads = host_pool.read_pages(host_slots)
 
     def storage_format(self) -> str:
         return self._format
@@ -68,8 +68,8 @@ class _PageSnapshot:
     def check_host_slots(self, host_slots) -> np.ndarray:
         return np.asarray(host_slots)
 
-    def read_page(self, host_slots: np.ndarray) -> bytes:
-        return self._payloads[int(host_slots[0]) // self.page_size]
+    def read_pages(self, host_slots: np.ndarray) -> list[bytes]:
+        return [self._payloads[int(first) // self.page_size] for first in host_slots[::self.page_size]]
 
 
 class StorageLink:
