@@ -33,42 +33,20 @@ import time
 from array import array
 from pathlib import Path
 
-from bench_radix_cache import EVICT_AMOUNT, EVICT_LEAVES, SHARED_PREFIX, run_rows, summary, timed
+from bench_radix_cache import EVICT_AMOUNT, EVICT_LEAVES, SHARED_PREFIX, kvmem_side_factory, run_rows, summary, timed
 
 
 def side_factory(tiered: str | None):
-    """A bench_radix_cache side over RadixCache (tiered None) or HiRadixCache with that write policy."""
-    import torch
-
-    from kvmem import HiRadixCache, RadixCache, ReqToTokenPool, TokenAllocator
+    """bench_radix_cache's kvmem side over RadixCache (tiered None) or HiRadixCache with that write policy."""
+    from kvmem import HiRadixCache, ReqToTokenPool
     from kvmem.tiers import HostSlotPool
 
-    class Side:
+    class Side(kvmem_side_factory()):
         def __init__(self, size: int) -> None:
-            self.alloc_ = TokenAllocator(size)
-            pool = ReqToTokenPool(1, 1)
-            if tiered is None:
-                self.cache = RadixCache(pool, self.alloc_)
-            else:
-                self.cache = HiRadixCache(pool, self.alloc_, HostSlotPool(4 * size), write_policy=tiered)
-
-        def alloc(self, n):
-            return self.alloc_.alloc(n)
-
-        @staticmethod
-        def cat(a, b):
-            return torch.cat((a, b))
-
-        def insert(self, key, value):
-            return self.cache.insert(key, value)
-
-        def match(self, key):
-            return self.cache.match_prefix(key)
-
-        match_with_indices = match
-
-        def evict(self, n):
-            return self.cache.evict(n)
+            super().__init__(size)
+            if tiered is not None:
+                self.cache = HiRadixCache(ReqToTokenPool(1, 1), self.alloc_, HostSlotPool(4 * size),
+                                          write_policy=tiered)
 
     return Side
 

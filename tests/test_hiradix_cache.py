@@ -84,12 +84,17 @@ class World:
         return cached
 
     def check_content(self):
-        for node in self.cache._all_nodes():
-            path = path_tokens(node)[-node.num_tokens:]
-            if len(node.value):
-                assert self.device_kv[node.value].tolist() == path, f"node {node.id}: device slots hold other tokens"
-            if node.host_value is not None and node.backup is None:
-                assert self.host.kv[node.host_value].tolist() == path, f"node {node.id}: host slots hold other tokens"
+        check_content(self.cache, self.device_kv, self.host.kv)
+
+
+def check_content(cache, device_kv, host_kv):
+    """Every slot of either tier that the tree holds (host copies once complete) holds its node's tokens."""
+    for node in cache._all_nodes():
+        path = path_tokens(node)[-node.num_tokens:]
+        if len(node.value):
+            assert device_kv[node.value].tolist() == path, f"node {node.id}: device slots hold other tokens"
+        if node.host_value is not None and node.backup is None:
+            assert host_kv[node.host_value].tolist() == path, f"node {node.id}: host slots hold other tokens"
 
 
 def path_tokens(node):

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from test_hiradix_cache import ContentHost, path_tokens
+from test_hiradix_cache import ContentHost, check_content
 
 from kvmem import HiRadixCache, PagedTokenAllocator, ReqToTokenPool, TokenAllocator
 from kvmem.storage import PageStore
@@ -90,12 +90,7 @@ class Replica:
             self.alloc.free(slots[:cached])
 
     def check_content(self):
-        for node in self.cache._all_nodes():
-            path = path_tokens(node)[-node.num_tokens:]
-            if len(node.value):
-                assert self.device_kv[node.value].tolist() == path, f"node {node.id}: device slots hold other tokens"
-            if node.host_value is not None and node.backup is None:
-                assert self.host.kv[node.host_value].tolist() == path, f"node {node.id}: host slots hold other tokens"
+        check_content(self.cache, self.device_kv, self.host.kv)
 
 
 class SharedStore(RuleBasedStateMachine):
