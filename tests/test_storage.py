@@ -413,3 +413,27 @@ def test_a_full_mooncake_store_costs_hits_not_correctness():
         cache.check_invariants()
         cache.close()
         store.close()
+
+
+@pytest.mark.mooncake
+def test_the_mooncake_server_command_stops_its_processes_on_sigterm():
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    mooncake_or_skip()
+    proc = subprocess.Popen([sys.executable, "-m", "kvmem.storage.mooncake_server", "--segment-mb", "16"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()          # printed once the master and the storage process listen
+        host, port = line.split()[1].removeprefix("mooncake:").rsplit(":", 1)
+        socket.create_connection((host, int(port)), 1).close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+        with pytest.raises(OSError):
+            socket.create_connection((host, int(port)), 1).close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

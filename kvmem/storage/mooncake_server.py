@@ -135,12 +135,19 @@ def _wait_for_port(port: int, timeout_s: float, proc: subprocess.Popen) -> None:
     raise RuntimeError(f"{proc.args[0]} did not listen on port {port} within {timeout_s} s")
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run a local Mooncake master and storage process until "
                                                  "interrupted; prints the addresses for kvmem-replay --storage.")
     parser.add_argument("--segment-mb", type=int, default=4096)
     parser.add_argument("--metadata", choices=("p2p", "http"), default="p2p")
     args = parser.parse_args(argv)
+    # SIGTERM (what `kill` and service managers send; a background job of a script ignores SIGINT) stops the
+    # master and the storage process too, instead of leaving them behind.
+    signal.signal(signal.SIGTERM, _interrupt)
     with MooncakeServer(args.segment_mb, metadata=args.metadata) as server:
         print(f"--storage mooncake:{server.master_addr} --storage-metadata {server.metadata_server}", flush=True)
         try:
