@@ -168,17 +168,17 @@ class _KVPool:
         if not 0 <= check_int("layer_id", layer_id) < self.layer_num:
             raise IndexError(f"layer_id {layer_id} out of range [0, {self.layer_num})")
 
-    def _check_loc(self, loc: torch.Tensor) -> torch.Tensor:
-        """Validates `loc` and returns it as int64."""
+    def _check_loc(self, loc: torch.Tensor, name: str = "loc") -> torch.Tensor:
+        """Validates `loc` (the argument `name`) and returns it as int64."""
         if not isinstance(loc, torch.Tensor):
-            raise TypeError(f"loc must be a torch.Tensor of slots, got {type(loc).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor of slots, got {type(loc).__name__}")
         # uint8/bool index tensors would be read as masks, so only int32/int64 are slots.
         if loc.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"loc must be int64 or int32, got dtype {loc.dtype}")
+            raise TypeError(f"{name} must be int64 or int32, got dtype {loc.dtype}")
         if loc.dim() != 1:
-            raise ValueError(f"loc must be 1-D, got shape {tuple(loc.shape)}")
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(loc.shape)}")
         if loc.device != self.device:
-            raise ValueError(f"loc is on {loc.device}, the pool on {self.device}")
+            raise ValueError(f"{name} is on {loc.device}, the pool on {self.device}")
         # Slot values are checked on host tensors only, as kernels/ does: on CUDA the check would read loc
         # back (a sync: 54 us per call on an H100, measured, i.e. per layer per step) and a CUDA graph cannot
         # sync at all. On the host a negative slot would otherwise wrap around silently.
@@ -186,7 +186,7 @@ class _KVPool:
             low, high = torch.stack(torch.aminmax(loc)).tolist()
             if low < 0 or high >= self.num_slots:
                 bad = low if low < 0 else high
-                raise IndexError(f"loc holds slot {bad}, out of range [0, {self.num_slots})")
+                raise IndexError(f"{name} holds slot {bad}, out of range [0, {self.num_slots})")
         return loc if loc.dtype == torch.int64 else loc.long()
 
     def _check_cache(self, name: str, cache: torch.Tensor, n: int, row_shape: tuple[int, ...]) -> None:

@@ -210,7 +210,9 @@ class HostKVPool:
         host = self._check_host(host_slots)
         if not isinstance(device_slots, torch.Tensor):
             raise TypeError(f"device_slots must be a tensor of slots, got {type(device_slots).__name__}")
-        device = self.device_pool._check_loc(device_slots.to(self.device_pool.device))
+        if device_slots.device.type == "meta":
+            raise ValueError("device_slots is on the 'meta' device, which holds no values")
+        device = self.device_pool._check_loc(device_slots.to(self.device_pool.device), "device_slots")
         if len(device) != len(host):
             raise ValueError(f"device_slots has {len(device)} slots and host_slots {len(host)}: one for one")
         if len(device) and device.device.type == "cpu" and int(device.min()) < 1:
