@@ -27,7 +27,7 @@ class FlakyHost(HostSlotPool):
         if self.fail:
             self.fail -= 1
             return Transfer(error=RuntimeError("injected copy fault"))
-        return DelayedTransfer(self.delay) if self.delay else Transfer()
+        return Transfer(event=PolledCopy(self.delay))
 
     def load(self, device_slots, host_slots, layer_id=None):
         if self.fail:
@@ -36,16 +36,17 @@ class FlakyHost(HostSlotPool):
         return Transfer()
 
 
-class DelayedTransfer(Transfer):
+class PolledCopy:
+    """Stands in for a copy's CUDA event: done after `polls` queries, or once synchronized."""
+
     def __init__(self, polls):
-        super().__init__()
         self.polls = polls
 
-    def done(self):
+    def query(self):
         self.polls -= 1
         return self.polls < 0
 
-    def wait(self):
+    def synchronize(self):
         self.polls = -1
 
 
