@@ -1,10 +1,14 @@
 """`kvmem-replay --replicas N --router POLICY`: the cluster replay on the command line."""
 
 import json
+import runpy
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from kvmem.replay.cli import main
+from kvmem.replay.traces import default_trace_path
 from kvmem.router import POLICIES
 
 SMALL = ["--format", "synthetic-chat", "--limit", "24", "--capacity-tokens", "4096", "--no-progress"]
@@ -68,3 +72,19 @@ def test_bad_cluster_options_are_one_line_errors(capsys, argv, fragment):
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("kvmem-replay: error: ") and fragment in err
+
+
+def test_the_cluster_table_script_replays_each_policy_then_a_shared_store(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the script makes its fresh stores
+    script = Path(__file__).resolve().parents[1] / "scripts" / "replay_cluster.py"
+    main_ = runpy.run_path(str(script), run_name="script")["main"]
+    out = tmp_path / "table.json"
+    assert main_([str(default_trace_path()), "--limit", "30", "--replicas", "2", "--capacity-tokens", "200000",
+                  "--page-size", "512", "--routers", "round-robin,cache-aware", "--host-capacity-tokens", "400000",
+                  "--out", str(out)]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert json.loads(out.read_text())["rows"] == rows
+    assert [r["options"].split("--router ")[1] for r in rows] == [
+        "round-robin", "cache-aware", "round-robin --host-capacity-tokens 400000 --storage file:TMPDIR"]
+    assert rows[0]["vs_first"] == 1.0 and "storage_hit_rate" in rows[2] and rows[2]["requests_per_replica"] == [15, 15]
+    assert not list(tmp_path.glob("kvmem-cluster-store-*"))  # the store was removed after its point
