@@ -158,6 +158,13 @@ class ClusterReplay:
 
     Raises ValueError (before building anything) for a replica count below 1 or an unknown policy.
     `router_params` are the policy's parameters (see `kvmem.router.Router`).
+
+    >>> from kvmem.replay.synthetic import shared_system_prompts
+    >>> trace = shared_system_prompts(40, num_prompts=4, prompt_len=512, arrival_rate=5.0)
+    >>> config = ReplayConfig(capacity_tokens=1536, max_context_len=trace.max_context_len, page_size=16)
+    >>> report = ClusterReplay(trace, config, replicas=2, policy="cache-aware").run()
+    >>> report.routed, round(report.hit_rate, 2), round(report.load_imbalance, 2)
+    ([18, 22], 0.62, 1.1)
     """
 
     def __init__(self, requests: Sequence[TraceRequest], config: ReplayConfig, replicas: int, policy: str, *,
