@@ -44,7 +44,7 @@ def test_lists_of_replica_counts_and_policies_sweep_every_pair(capsys):
 
 
 def test_sweep_with_replicas_doubles_the_count_up_to_n_under_every_policy(capsys, tmp_path):
-    code, out, _ = run(capsys, "--replicas", "3", "--sweep", "--plot", str(tmp_path))
+    code, out, _ = run(capsys, "--replicas", "3", "--sweep", "--plot", str(tmp_path), "--limit", "8")
     assert code == 0
     report = json.loads(out)
     assert [(r["replicas"], r["router"]) for r in report["sweep"]] == [(n, p) for n in (1, 2, 3) for p in POLICIES]
@@ -79,12 +79,12 @@ def test_the_cluster_table_script_replays_each_policy_then_a_shared_store(capsys
     script = Path(__file__).resolve().parents[1] / "scripts" / "replay_cluster.py"
     main_ = runpy.run_path(str(script), run_name="script")["main"]
     out = tmp_path / "table.json"
-    assert main_([str(default_trace_path()), "--limit", "30", "--replicas", "2", "--capacity-tokens", "200000",
+    assert main_([str(default_trace_path()), "--limit", "12", "--replicas", "2", "--capacity-tokens", "200000",
                   "--page-size", "512", "--routers", "round-robin,cache-aware", "--host-capacity-tokens", "400000",
                   "--out", str(out)]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert json.loads(out.read_text())["rows"] == rows
     assert [r["options"].split("--router ")[1] for r in rows] == [
         "round-robin", "cache-aware", "round-robin --host-capacity-tokens 400000 --storage file:TMPDIR"]
-    assert rows[0]["vs_first"] == 1.0 and "storage_hit_rate" in rows[2] and rows[2]["requests_per_replica"] == [15, 15]
+    assert rows[0]["vs_first"] == 1.0 and "storage_hit_rate" in rows[2] and rows[2]["requests_per_replica"] == [6, 6]
     assert not list(tmp_path.glob("kvmem-cluster-store-*"))  # the store was removed after its point

@@ -173,6 +173,13 @@ def test_a_config_that_is_not_a_replay_config_or_a_bad_router_parameter_is_refus
         ClusterReplay(CHAT, config_for(CHAT), 2, "cache-aware", cache_threshold=2.0)
 
 
+def test_a_cluster_replay_runs_once():
+    sim = ClusterReplay([CHAT[0]], config_for(CHAT), 2, "round-robin")
+    assert sim.run().routed == [1, 0]
+    with pytest.raises(RuntimeError, match="has run"):
+        sim.run()
+
+
 def test_replicas_that_would_not_fit_this_machines_memory_are_refused():
     config = ReplayConfig(capacity_tokens=2**34, max_context_len=64)
     with pytest.raises(ValueError, match="1000 replicas of a replay"):

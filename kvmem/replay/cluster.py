@@ -190,10 +190,15 @@ class ClusterReplay:
         self._index_cached_tokens = 0
         self._routing_s = 0.0
         self._bar = None
+        self._ran = False
         self._key_prefix = namespace_prefix(None)
 
     def run(self) -> ClusterReport:
-        """Replays every request; returns the cluster's report."""
+        """Replays every request; returns the cluster's report. A ClusterReplay runs once (its replicas keep
+        what they cached): a second call raises RuntimeError."""
+        if self._ran:
+            raise RuntimeError("this ClusterReplay has run; build a new one to replay again")
+        self._ran = True
         t_start = time.perf_counter()
         requests, honour = self.requests, self.config.honour_arrivals
         self._bar = _progress_bar(len(requests), self.progress)
