@@ -27,9 +27,10 @@ Wire forms (msgpack), both as vLLM's msgspec structs encode them:
 int64) or bytes (vLLM with integer block hashes turned off), and ignores fields and trailing elements it
 does not know, as msgspec does. Anything else raises `EventDecodeError` and produces nothing.
 
-Media: "GPU" (device memory), "CPU_PINNED" (host memory) and "DISK" (the storage tier), SGLang's names
-for its three HiCache tiers. vLLM itself says "CPU" and "STORAGE" for its offloading tiers; `medium` is a
-free string on the wire, so both decode.
+Media: "GPU" (device memory), "CPU_PINNED" (host memory) and "DISK" (a replica's own disk), SGLang's names
+for its HiCache tiers. kvmem's caches report "GPU" and "CPU_PINNED"; its storage tier is shared by every
+replica and reports nothing (see `kvmem.tiers.hiradix_cache`). vLLM itself says "CPU" and "STORAGE" for its
+offloading tiers; `medium` is a free string on the wire, so every name decodes.
 """
 
 from __future__ import annotations

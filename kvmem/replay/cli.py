@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvmem.replay.cluster_cli import add_cluster_arguments, cluster_runs, run_cluster
 from kvmem.replay.config import (
     DEFAULT_PCIE_GBPS,
     DEFAULT_STORAGE_GBPS,
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "x 1/8, 1/4, 1/2, 1, 2, 4) and report the hit-rate curve")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--seed", type=_non_negative_int, default=0, help="seed for synthetic workloads and the simulator")
+    add_cluster_arguments(p)
     return p
 
 
@@ -158,6 +160,7 @@ def _run(args: argparse.Namespace) -> int:
         capacities = _sweep_capacities(args, config.capacity_tokens)
         for capacity in capacities or [config.capacity_tokens]:
             dataclasses.replace(config, capacity_tokens=capacity).check_host_memory()
+        runs = cluster_runs(args, config)
         _check_storage(config)
     except TraceError as e:
         hint = " (--on-error skip skips malformed lines)" if e.line is not None and args.on_error == "stop" else ""
@@ -172,6 +175,11 @@ def _run(args: argparse.Namespace) -> int:
     trace_format = args.format if args.format in SYNTHETIC_FORMATS else trace.format
     out = {"trace": trace.name, "format": trace_format, "skipped_lines": len(trace.skipped),
            "config": dataclasses.asdict(config)}
+    if runs is not None:  # a cluster replay
+        try:
+            return _print_report(run_cluster(args, trace, config, runs, out))
+        except RuntimeError as e:
+            return _error(str(e))
     if capacities is None:
         reports = [replay(trace, config, progress=progress)]
         out.update(reports[0].to_json())
@@ -185,6 +193,12 @@ def _run(args: argparse.Namespace) -> int:
         except OSError as e:
             return _error(f"cannot write plots to {args.plot}: {e.strerror or e}")
         out["plots"] = [str(p) for p in plots]
+    sys.stdout.write(json.dumps(out, indent=2) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+def _print_report(out: dict) -> int:
     sys.stdout.write(json.dumps(out, indent=2) + "\n")
     sys.stdout.flush()
     return 0

@@ -116,10 +116,12 @@ class ReplayConfig:
     def host_pages(self) -> int:
         return (self.host_capacity_tokens or 0) // self.page_size
 
-    def check_host_memory(self) -> None:
-        """Raises ValueError (one line) when the replay's host bookkeeping would not fit this machine: the
-        allocators (33 bytes a page), the tree's slot bitmap (1 byte a slot) and the req_to_token rows."""
+    def check_host_memory(self, replicas: int = 1) -> None:
+        """Raises ValueError (one line) when the host bookkeeping of `replicas` replays of this configuration (a
+        cluster replay runs one per replica) would not fit this machine: the allocators (33 bytes a page), the
+        tree's slot bitmap (1 byte a slot) and the req_to_token rows."""
         table = self.max_running * self.context_len * 4
-        check_host_bytes(f"a replay at capacity {self.capacity_tokens} tokens",
-                         (self.capacity_tokens // self.page_size + self.host_pages) * 33 + self.capacity_tokens
-                         + table)
+        what = f"a replay at capacity {self.capacity_tokens} tokens"
+        check_host_bytes(what if replicas == 1 else f"{replicas} replicas of {what}",
+                         replicas * ((self.capacity_tokens // self.page_size + self.host_pages) * 33
+                                     + self.capacity_tokens + table))

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.batch import ForwardMode, Req
+from kvmem.events.schema import KVCacheEvent
 from kvmem.radix_cache import RadixCache
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.report import ReplayReport
@@ -46,8 +47,9 @@ class StepCost:
             raise ValueError(f"need decode_step_s >= 0 and prefill_tokens_per_s > 0, got {self}")
 
 
-def build_scheduler(config: ReplayConfig) -> Scheduler:
-    """The pools, tree and scheduler a replay of `config` runs on.
+def build_scheduler(config: ReplayConfig, event_sink: Callable[[KVCacheEvent], None] | None = None) -> Scheduler:
+    """The pools, tree and scheduler a replay of `config` runs on; the tree reports its KV events to
+    `event_sink` (a cluster replay's replicas feed their router that way).
 
     Rows are as long as the longest request that can run: a request longer than the KV capacity can never
     be admitted, so one absurd request in a trace is rejected instead of sizing every row after it.
@@ -58,12 +60,12 @@ def build_scheduler(config: ReplayConfig) -> Scheduler:
     pool = ReqToTokenPool(config.max_running, config.context_len)
     alloc = TokenAllocator(capacity) if ps == 1 else PagedTokenAllocator(capacity, ps)
     if config.host_capacity_tokens is None:
-        tree = RadixCache(pool, alloc, page_size=ps, eviction_policy=config.eviction_policy)
+        tree = RadixCache(pool, alloc, page_size=ps, eviction_policy=config.eviction_policy, event_sink=event_sink)
     else:
         # A replay waits for every prefetch: its clock, not the store's speed, decides what arrives in time.
         tree = HiRadixCache(pool, alloc, HostSlotPool(config.host_pages * ps, ps), page_size=ps,
                             eviction_policy=config.eviction_policy, write_policy=config.write_policy,
-                            storage=open_storage(config), prefetch_policy="wait_complete")
+                            storage=open_storage(config), prefetch_policy="wait_complete", event_sink=event_sink)
     return Scheduler(pool, alloc, tree, SchedulerConfig(
         schedule_policy=config.schedule_policy, max_running_requests=config.max_running,
         chunked_prefill_size=config.chunked_prefill_size))

@@ -25,6 +25,17 @@ copy that fails releases its host slots, and those of every backup issued after 
 descendants), and the nodes stay on device only: a fault costs hits, never correctness. A failed load leaves
 its nodes host-only and frees the device slots it took.
 
+Events (`event_sink`): a page is reported stored on "GPU" when it gets device slots (inserted, loaded back,
+revived by an insert) and removed when it leaves them; stored on "CPU_PINNED" when its host copy completes (or a
+storage prefetch hangs it in the tree) and removed when the host tier evicts it. The storage tier reports nothing:
+a store is shared (a directory or a Mooncake cluster that every replica reads), so its pages are no replica's.
+Reported as the writer's "DISK" pages, they would draw every later request on that prefix to the writer, when any
+replica would read them at the same cost; and the writer could not report their removal (the store evicts them,
+and other replicas write the same keys), so a router's index would keep pages the store has dropped. A router
+that weighs the shared pool asks the store (`batch_exists`), the same answer for every replica. SGLang 0.5.23
+names "DISK" and "EXTERNAL" media but reports events only for its device and host tiers; vLLM 0.33 reports its
+storage tiers' pages as "STORAGE" with a `locality` (LOCAL or REMOTE) for a router to tell them apart.
+
 Host tier sizes: `host_evictable_size()` counts host-only unlocked tokens, `host_protected_size()` every other
 host copy the tree holds (copies of device nodes, locked or loading host-only nodes, backups in flight), and
 `host_available_size() + host_evictable_size() + host_protected_size() == host_total_size()`.

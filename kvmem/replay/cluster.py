@@ -1,0 +1,291 @@
+"""The cluster replay: N simulated engines behind a router that sees only their KV events and their loads.
+
+Each replica is the engine of a single replay (`simulator.build_scheduler`: its own pools, tree, tiers,
+simulated clock and `StepCost`), and reports its KV events to an `EventCollector`. Each request is routed
+when it arrives by a `kvmem.router.Router`, whose `BlockIndex` the replicas' event batches alone feed, and
+whose loads the router keeps itself, as a router beside real engines would:
+
+- a step's results (its event batch, its finished requests, the pages its running requests pin) reach the
+  router when the step ends on the replica's clock, as an engine publishes once per step: a request that
+  arrives while a step runs is routed on the state from before that step;
+- running requests: +1 when routed there, -1 when the step that finishes it reaches the router (SGLang's
+  router counts the requests it has in flight on each worker);
+- prefill tokens: the prompt tokens beyond the prefix the index showed cached there, from routing until the
+  step that prefills the prompt's last chunk reaches the router (Dynamo's queued prefill work);
+- active blocks: the pages the replica's running requests pin, as of its last step the router has seen.
+
+Replicas step in simulated-time order (the earliest clock first) up to the next arrival; a replica whose
+step ends past it waits for the arrival to be routed. A cluster of one replays exactly as `simulator.replay`.
+
+The router hashes a prompt's whole pages as the replicas name them (`kvmem.page_hash`), up to the prompt's
+last token (which a replica always recomputes), only for the policies that read the index.
+
+With a storage tier (`ReplayConfig.storage`), every replica opens the same store, so the pages one replica
+wrote are read by any other: a global pool, Mooncake's. The index does not see that pool (a replica reports
+no event for a shared store's pages, see `kvmem.tiers.hiradix_cache`); before each routing every replica's
+queued writes are finished, so the store holds what the steps run so far wrote and a replay repeats exactly.
+"""
+
+from __future__ import annotations
+
+import heapq
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvmem._checks import check_int
+from kvmem.batch import ForwardMode, Req
+from kvmem.events import EventBatch, EventCollector
+from kvmem.page_hash import chain_page_digests, event_hashes, namespace_prefix
+from kvmem.radix_tree import TOKEN_BYTES
+from kvmem.replay.cluster_report import ClusterReport, EventCounts
+from kvmem.replay.config import ReplayConfig
+from kvmem.replay.report import ReplayReport
+from kvmem.replay.simulator import StepCost, _arrival_order, _progress_bar, build_scheduler, requests_arrival
+from kvmem.replay.traces import TraceRequest
+from kvmem.router import POLICIES, ReplicaLoad, Router
+from kvmem.tiers import HiRadixCache
+
+# The policies that read the block index: only for them does the router hash each prompt.
+INDEX_POLICIES = ("cache-aware", "kv-overlap")
+
+
+@dataclass
+class _StepResult:
+    """What one replica step hands the router when it ends (at `ts` on the replica's clock)."""
+
+    ts: float
+    batch: EventBatch | None
+    finished: list
+    prefilled: list
+    pinned_pages: int
+
+
+class _Replica:
+    """One simulated engine: a scheduler over its own cache, its clock, its events and its report."""
+
+    def __init__(self, rank: int, config: ReplayConfig, cost: StepCost) -> None:
+        self.rank = rank
+        self.cost = cost
+        self.clock = 0.0
+        self.collector = EventCollector(clock=lambda: self.clock)
+        self.sched = build_scheduler(config, event_sink=self.collector)
+        self.report = ReplayReport(capacity_tokens=self.sched.token_allocator.size)
+        if config.host_capacity_tokens is not None:
+            self.report.host_capacity_tokens = config.host_pages * config.page_size
+        self.busy_s = 0.0
+        self.prefill_s = 0.0
+        self.cache_s = 0.0
+        self.routed = 0
+        self.outputs: dict[int, np.ndarray] = {}
+        self.admitted: set[int] = set()
+        self.results: deque[_StepResult] = deque()  # steps that ended here, not yet seen by the router
+
+    def add(self, req: Req, output_ids: np.ndarray, arrival_s: float) -> bool:
+        """Queues a routed request; False (counted as rejected) when it can never run here."""
+        try:
+            self.sched.add_request(req)
+        except ValueError as e:
+            self.report.rejected += 1
+            print(f"kvmem-replay: replica {self.rank}: skipped: {e}", file=sys.stderr)
+            return False
+        self.clock = max(self.clock, arrival_s)  # a replica that was idle starts when the request arrives
+        self.outputs[req.rid] = output_ids
+        self.routed += 1
+        return True
+
+    def step(self) -> int:
+        """Runs one scheduler step from `clock`, queues its results for the router; returns the requests it
+        finished."""
+        sched, cost = self.sched, self.cost
+        t0 = time.perf_counter()
+        batch = sched.step()
+        self.cache_s += time.perf_counter() - t0
+        if batch is None:
+            raise RuntimeError(f"replica {self.rank}: scheduler stalled: requests wait but none can be admitted")
+        start = self.clock
+        prefilled = []
+        if batch.forward_mode is ForwardMode.EXTEND:
+            for req in batch.reqs:
+                if req.rid not in self.admitted:
+                    self.admitted.add(req.rid)
+                    self.report.record_admission(len(req.input_ids), len(req.prefix_indices), req.host_hit_len,
+                                                 req.storage_hit_len)
+                if not req.is_chunked():
+                    prefilled.append(req.rid)
+            prefill_s = int(batch.extend_lens.sum()) / cost.prefill_tokens_per_s
+            self.prefill_s += prefill_s
+            self.clock += cost.decode_step_s + prefill_s
+        else:
+            self.clock += cost.decode_step_s
+        tokens = [int(self.outputs[r.rid][len(r.output_ids)]) for r in batch.reqs]
+        t0 = time.perf_counter()
+        finished = sched.process_batch_result(batch, tokens)
+        self.cache_s += time.perf_counter() - t0
+        for req in finished:
+            del self.outputs[req.rid]
+        self.busy_s += self.clock - start
+        alloc, tree = sched.token_allocator, sched.tree_cache
+        used, evictable = alloc.size - alloc.available_size(), tree.evictable_size()
+        self.report.record_step(self.clock, used, evictable, len(sched.running))
+        self.results.append(_StepResult(self.clock, self.collector.take_batch(), [r.rid for r in finished],
+                                        prefilled, (used - evictable) // sched.page_size))
+        return len(finished)
+
+    def finish(self, config: ReplayConfig) -> None:
+        """Closes the tiers and fills in the report's totals."""
+        report, sched = self.report, self.sched
+        report.evicted_tokens = sched.stats.evicted_tokens
+        report.retractions = sched.stats.retractions
+        if isinstance(sched.tree_cache, HiRadixCache):
+            sched.tree_cache.close()
+            report.record_tiers(sched.tree_cache, config)
+        report.cache_op_seconds = self.cache_s
+
+    def drain_storage_writes(self) -> None:
+        link = getattr(self.sched.tree_cache, "storage_link", None)
+        if link is not None:
+            link.drain_writes()
+
+
+class ClusterReplay:
+    """A replay of `requests` on `replicas` engines, each configured by `config`, behind a `policy` router
+    (one of `kvmem.router.POLICIES`); `run()` returns a `ClusterReport`. See the module docstring.
+
+    Raises ValueError (before building anything) for a replica count below 1 or an unknown policy.
+    `router_params` are the policy's parameters (see `kvmem.router.Router`).
+
+    >>> from kvmem.replay.synthetic import shared_system_prompts
+    >>> trace = shared_system_prompts(40, num_prompts=4, prompt_len=512, arrival_rate=5.0)
+    >>> config = ReplayConfig(capacity_tokens=1536, max_context_len=trace.max_context_len, page_size=16)
+    >>> report = ClusterReplay(trace, config, replicas=2, policy="cache-aware").run()
+    >>> report.routed, round(report.hit_rate, 2), round(report.load_imbalance, 2)
+    ([18, 22], 0.62, 1.1)
+    """
+
+    def __init__(self, requests: Sequence[TraceRequest], config: ReplayConfig, replicas: int, policy: str, *,
+                 cost: StepCost = StepCost(), progress: bool = False, **router_params) -> None:
+        replicas = check_int("replicas", replicas, minimum=1)
+        if policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        if not isinstance(config, ReplayConfig):
+            raise TypeError(f"config must be a ReplayConfig, got {type(config).__name__}")
+        config.check_host_memory(replicas)
+        self.requests = requests
+        self.config = config
+        self.progress = progress
+        self.router = Router(policy, replicas, block_size=config.page_size, **router_params)
+        self.replicas = [_Replica(r, config, cost) for r in range(replicas)]
+        self.events = EventCounts()
+        self._reads_index = policy in INDEX_POLICIES
+        self._running = [0] * replicas
+        self._prefill_tokens = [0] * replicas
+        self._active_blocks = [0] * replicas
+        self._queued_prefill: dict[int, int] = {}  # rid -> the prefill tokens its routing added
+        self._clocks: list[tuple[float, int]] = []  # (clock, rank) of the replicas with work, a heap
+        self._index_cached_tokens = 0
+        self._routing_s = 0.0
+        self._bar = None
+        self._ran = False
+        self._key_prefix = namespace_prefix(None)
+
+    def run(self) -> ClusterReport:
+        """Replays every request; returns the cluster's report. A ClusterReplay runs once (its replicas keep
+        what they cached): a second call raises RuntimeError."""
+        if self._ran:
+            raise RuntimeError("this ClusterReplay has run; build a new one to replay again")
+        self._ran = True
+        t_start = time.perf_counter()
+        requests, honour = self.requests, self.config.honour_arrivals
+        self._bar = _progress_bar(len(requests), self.progress)
+        for i in _arrival_order(requests, honour):
+            arrival = requests_arrival(requests, int(i)) if honour else 0.0
+            self._advance(arrival)
+            self._deliver(arrival)
+            self._route(int(i), arrival)
+        self._advance(float("inf"))
+        self._deliver(float("inf"))
+        if self._bar is not None:
+            self._bar.close()
+        for replica in self.replicas:
+            replica.finish(self.config)
+        return ClusterReport(
+            policy=self.router.policy, reports=[r.report for r in self.replicas],
+            routed=[r.routed for r in self.replicas], busy_seconds=[r.busy_s for r in self.replicas],
+            prefill_seconds=[r.prefill_s for r in self.replicas],
+            makespan_seconds=max(r.clock for r in self.replicas), events=self.events,
+            index_cached_tokens=self._index_cached_tokens if self._reads_index else None,
+            routing_seconds=self._routing_s, replay_seconds=time.perf_counter() - t_start)
+
+    # ---- time ---------------------------------------------------------------------------------------
+    def _advance(self, until: float) -> None:
+        """Runs, in clock order, every step that starts before `until`."""
+        clocks, replicas, bar = self._clocks, self.replicas, self._bar
+        while clocks and clocks[0][0] < until:
+            rank = heapq.heappop(clocks)[1]
+            replica = replicas[rank]
+            finished = replica.step()
+            if bar is not None and finished:
+                bar.update(finished)
+            if not replica.sched.is_idle():
+                heapq.heappush(clocks, (replica.clock, rank))
+
+    def _deliver(self, now: float) -> None:
+        """Hands the router every step result that has ended by `now`."""
+        index = self.router.index
+        for replica in self.replicas:
+            results, rank = replica.results, replica.rank
+            while results and results[0].ts <= now:
+                result = results.popleft()
+                if result.batch is not None:
+                    index.apply(rank, result.batch)
+                    self.events.count(result.batch)
+                for rid in result.prefilled:
+                    self._prefill_tokens[rank] -= self._queued_prefill.pop(rid, 0)
+                self._running[rank] -= len(result.finished)
+                self._active_blocks[rank] = result.pinned_pages
+
+    # ---- routing ------------------------------------------------------------------------------------
+    def _route(self, i: int, arrival: float) -> None:
+        t0 = time.perf_counter()
+        trace_req = self.requests[i]
+        req = Req(i, trace_req.input_ids.tolist(), trace_req.output_len)
+        hashes = self._prompt_hashes(req) if self._reads_index else []
+        loads = [ReplicaLoad(*load) for load in zip(self._running, self._active_blocks, self._prefill_tokens)]
+        rank = self.router.route(hashes, loads, len(req.input_ids))
+        cached = self.router.index.prefix_overlaps(hashes)[rank] * self.config.page_size if hashes else 0
+        self._routing_s += time.perf_counter() - t0
+        for replica in self.replicas:  # the shared store holds every write of the steps run so far
+            replica.drain_storage_writes()
+        replica = self.replicas[rank]
+        was_idle = replica.sched.is_idle()
+        if not replica.add(req, trace_req.output_tokens(), arrival):
+            if self._bar is not None:
+                self._bar.update(1)
+            return
+        self._index_cached_tokens += cached
+        self._running[rank] += 1
+        self._queued_prefill[i] = len(req.input_ids) - cached
+        self._prefill_tokens[rank] += len(req.input_ids) - cached
+        if was_idle:
+            heapq.heappush(self._clocks, (replica.clock, rank))
+
+    def _prompt_hashes(self, req: Req) -> list[int]:
+        """The event hashes of the whole pages of the prompt before its last token (what a replica can hit)."""
+        page_bytes = self.config.page_size * TOKEN_BYTES
+        key = memoryview(req.input_ids).cast("B")[:(len(req.input_ids) - 1) * TOKEN_BYTES]
+        key = key[:len(key) - len(key) % page_bytes]
+        if not key:
+            return []
+        return event_hashes(chain_page_digests(self._key_prefix, None, key, page_bytes))
+
+
+def replay_cluster(requests: Sequence[TraceRequest], config: ReplayConfig, replicas: int, policy: str, *,
+                   progress: bool = False, cost: StepCost = StepCost(), **router_params) -> ClusterReport:
+    """Replays `requests` on `replicas` engines configured by `config` behind a `policy` router (see
+    `ClusterReplay`) and returns what it measured."""
+    return ClusterReplay(requests, config, replicas, policy, cost=cost, progress=progress, **router_params).run()

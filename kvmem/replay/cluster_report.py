@@ -1,0 +1,175 @@
+"""What a cluster replay measured: each replica's `ReplayReport`, the routing, the events, and plots."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvmem.events import AllBlocksCleared, BlockStored, EventBatch
+from kvmem.replay.report import ReplayReport, require_matplotlib
+
+# The counters of a ReplayReport that add up over replicas (a cluster's capacity is its replicas' sum).
+_SUMMED = ("capacity_tokens", "requests", "prompt_tokens", "cached_tokens", "evicted_tokens", "retractions",
+           "rejected", "cache_op_seconds", "host_cached_tokens", "storage_cached_tokens", "prefetched_tokens",
+           "stored_tokens", "storage_misses_corrupt", "storage_failed_ops", "loaded_tokens", "backed_up_tokens",
+           "host_evicted_tokens", "transfer_seconds")
+# Per-step samples of one replica: in the per-replica entries, not summed.
+_PER_REPLICA_ONLY = ("peak_tokens_used", "mean_tokens_used", "peak_pinned_tokens")
+
+
+@dataclass
+class EventCounts:
+    """The KV events the router applied: batches, and blocks stored and removed (any medium), clears."""
+
+    batches: int = 0
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    cleared: int = 0
+
+    def count(self, batch: EventBatch) -> None:
+        self.batches += 1
+        for event in batch.events:
+            if type(event) is BlockStored:
+                self.stored_blocks += len(event.block_hashes)
+            elif type(event) is AllBlocksCleared:
+                self.cleared += 1
+            else:
+                self.removed_blocks += len(event.block_hashes)
+
+
+@dataclass
+class ClusterReport:
+    """Metrics of one cluster replay.
+
+    policy: the routing policy; reports: each replica's `ReplayReport` (its requests are those admitted there);
+    routed: requests routed to each replica; busy_seconds: the simulated seconds each replica spent in steps
+    (it has work), of which prefill_seconds prefilling (its share of the prompt compute);
+    makespan_seconds: the latest replica clock at the end; events: what the router's index was fed;
+    index_cached_tokens: the prompt tokens the index showed cached on the chosen replica when each request was
+    routed (None for policies that do not read it); routing_seconds: wall time spent routing (prompt hashing
+    included); replay_seconds: wall time of the whole replay.
+    """
+
+    policy: str
+    reports: list[ReplayReport]
+    routed: list[int]
+    busy_seconds: list[float]
+    prefill_seconds: list[float]
+    makespan_seconds: float = 0.0
+    events: EventCounts = field(default_factory=EventCounts)
+    index_cached_tokens: int | None = None
+    routing_seconds: float = 0.0
+    replay_seconds: float = 0.0
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.reports)
+
+    def total(self) -> ReplayReport:
+        """The replicas' counters summed into one report (no per-step samples)."""
+        first = self.reports[0]
+        total = ReplayReport(capacity_tokens=0, host_capacity_tokens=None if first.host_capacity_tokens is None
+                             else first.host_capacity_tokens * self.num_replicas, storage=first.storage)
+        for name in _SUMMED:
+            setattr(total, name, sum(getattr(r, name) for r in self.reports))
+        total.replay_seconds = self.replay_seconds
+        return total
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached prompt tokens over prompt tokens, over every replica (token-weighted, as a single replay's)."""
+        return self.total().hit_rate
+
+    @property
+    def load_imbalance(self) -> float:
+        """The most requests a replica admitted over the mean (1.0: even; also 1.0 with no requests)."""
+        counts = [r.requests for r in self.reports]
+        mean = sum(counts) / len(counts)
+        return max(counts) / mean if mean else 1.0
+
+    def to_json(self) -> dict:
+        """The cluster's totals (a single replay's fields, summed; `capacity_tokens` is the cluster's), then
+        `replicas`, `router`, `load_imbalance`, `makespan_seconds`, `routing_seconds`, `events`,
+        `index_hit_rate` (index-reading policies only) and `per_replica`."""
+        total = self.total()
+        out = {k: v for k, v in total.to_json().items() if k not in _PER_REPLICA_ONLY}
+        out["steps"] = sum(len(r.time_s) for r in self.reports)
+        out.update({
+            "replicas": self.num_replicas,
+            "router": self.policy,
+            "load_imbalance": round(self.load_imbalance, 6),
+            "makespan_seconds": round(self.makespan_seconds, 6),
+            "routing_seconds": round(self.routing_seconds, 6),
+            "events": vars(self.events).copy(),
+        })
+        if self.index_cached_tokens is not None:
+            out["index_hit_rate"] = round(self.index_cached_tokens / total.prompt_tokens if total.prompt_tokens
+                                          else 0.0, 6)
+        out["per_replica"] = [self._replica_json(r) for r in range(self.num_replicas)]
+        return out
+
+    def _replica_json(self, rank: int) -> dict:
+        report = self.reports[rank]
+        entry = {"replica": rank, "routed": self.routed[rank], "requests": report.requests,
+                 "prompt_tokens": report.prompt_tokens, "cached_tokens": report.cached_tokens,
+                 "hit_rate": round(report.hit_rate, 6), "busy_seconds": round(self.busy_seconds[rank], 6),
+                 "prefill_seconds": round(self.prefill_seconds[rank], 6),
+                 "steps": len(report.time_s), "evicted_tokens": report.evicted_tokens,
+                 "retractions": report.retractions, "rejected": report.rejected,
+                 "peak_tokens_used": report.peak_tokens_used}
+        if report.host_capacity_tokens is not None:
+            entry.update(device_hit_rate=round(report.device_hit_rate, 6), host_hit_rate=round(report.host_hit_rate, 6))
+            if report.storage is not None:
+                entry["storage_hit_rate"] = round(report.storage_hit_rate, 6)
+        return entry
+
+    def write_plots(self, directory: str | os.PathLike) -> list[Path]:
+        """Writes replicas.png (requests and hit rate per replica) into `directory`; needs matplotlib."""
+        figure_cls = require_matplotlib()
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        ranks = range(self.num_replicas)
+        fig = figure_cls(figsize=(8, 6))
+        top, bottom = fig.subplots(2, 1, sharex=True)
+        top.bar(ranks, [r.requests for r in self.reports])
+        top.set_xticks(ranks)
+        top.set(ylabel="requests", title=f"{self.policy} over {self.num_replicas} replicas: load imbalance "
+                f"{self.load_imbalance:.2f}, hit rate {self.hit_rate:.3f}")
+        bottom.bar(ranks, [r.hit_rate for r in self.reports], color="tab:orange")
+        bottom.set(xlabel="replica", ylabel="hit rate", ylim=(0, 1))
+        path = out / "replicas.png"
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+        return [path]
+
+
+def write_cluster_sweep_plots(reports: Sequence[ClusterReport], directory: str | os.PathLike) -> list[Path]:
+    """Writes hit_rate_vs_replicas.png and load_imbalance_vs_replicas.png (one curve per policy) into
+    `directory`; needs matplotlib."""
+    figure_cls = require_matplotlib()
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    policies = list(dict.fromkeys(r.policy for r in reports))
+    paths = []
+    for name, label, value in (("hit_rate_vs_replicas", "hit rate", lambda r: r.hit_rate),
+                               ("load_imbalance_vs_replicas", "load imbalance (max / mean requests)",
+                                lambda r: r.load_imbalance)):
+        fig = figure_cls(figsize=(8, 4.5))
+        ax = fig.subplots()
+        for policy in policies:
+            points = sorted((r.num_replicas, value(r)) for r in reports if r.policy == policy)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)
+        ax.set(xlabel="replicas", ylabel=label, title=f"{label[0].upper()}{label[1:]} per routing policy")
+        if name == "hit_rate_vs_replicas":
+            ax.set_ylim(0, 1)
+        ax.set_xscale("log", base=2)
+        counts = sorted({r.num_replicas for r in reports})
+        ax.set_xticks(counts, [str(n) for n in counts])
+        ax.minorticks_off()
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="best")
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+        paths.append(path)
+    return paths
