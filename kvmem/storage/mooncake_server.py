@@ -148,12 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (what `kill` and service managers send; a background job of a script ignores SIGINT) stops the
     # master and the storage process too, instead of leaving them behind.
     signal.signal(signal.SIGTERM, _interrupt)
-    with MooncakeServer(args.segment_mb, metadata=args.metadata) as server:
-        print(f"--storage mooncake:{server.master_addr} --storage-metadata {server.metadata_server}", flush=True)
-        try:
+    try:
+        with MooncakeServer(args.segment_mb, metadata=args.metadata) as server:  # stops both on the way out
+            print(f"--storage mooncake:{server.master_addr} --storage-metadata {server.metadata_server}", flush=True)
             server.master.wait()
-        except KeyboardInterrupt:
-            pass
+    except KeyboardInterrupt:
+        pass
     return 0
 
 
