@@ -12,6 +12,7 @@ import enum
 from array import array
 from collections.abc import Sequence
 from itertools import compress
+from time import perf_counter
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from kvmem.attention.metadata import PagedKVMetadata, decode_metadata, extend_me
 from kvmem.kernels.req_to_token import _write_req_to_token
 from kvmem.radix_cache import RadixCache
 from kvmem.req_to_token import ReqToTokenPool
+from kvmem.timing import PhaseTimer
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -179,10 +181,14 @@ class ScheduleBatch:
 
     @classmethod
     def _of(cls, reqs: list[Req], req_to_token_pool: ReqToTokenPool,
-            token_allocator: TokenAllocator | PagedTokenAllocator, tree_cache: RadixCache) -> ScheduleBatch:
-        """A batch over parts already known to belong together (the Scheduler's, checked when it was built)."""
+            token_allocator: TokenAllocator | PagedTokenAllocator, tree_cache: RadixCache, *,
+            timer: PhaseTimer | None = None, cache_decode_pages: bool = False) -> ScheduleBatch:
+        """A batch over parts already known to belong together (the Scheduler's, checked when it was built).
+        timer: times "alloc" and "evict" (see Scheduler); cache_decode_pages: see `retract_decode`."""
         batch = cls.__new__(cls)
         batch._setup(reqs, req_to_token_pool, token_allocator, tree_cache)
+        batch.timer = timer
+        batch.cache_decode_pages = cache_decode_pages
         return batch
 
     def _setup(self, reqs, req_to_token_pool, token_allocator, tree_cache) -> None:
@@ -196,6 +202,8 @@ class ScheduleBatch:
         self.out_cache_loc = _EMPTY
         self.retracted: list[Req] = []
         self.evicted_tokens = 0
+        self.timer: PhaseTimer | None = None
+        self.cache_decode_pages = False
 
     def batch_size(self) -> int:
         return len(self.reqs)
@@ -287,7 +295,7 @@ class ScheduleBatch:
             need = self._decode_need(prefix)
         short = need - self.token_allocator.available_size()
         if short > 0:
-            self.evicted_tokens += self.tree_cache.evict(short)
+            self._evict(short)
         reqs = self.reqs
         seq = prefix + 1
         rows = np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=len(reqs))
@@ -325,7 +333,9 @@ class ScheduleBatch:
         Victims are the requests that generated least (least work lost), longest prompt first among equals;
         their own slots are freed and their cached prefix unlocked (evictable again); the caller evicts
         what is still short. They keep their outputs and resume by prefilling prompt + outputs. At least one
-        request is kept.
+        request is kept. In a batch of a Scheduler that caches decode pages, a victim's full pages of output
+        enter the tree first (evictable like its prefix), so that it resumes from them if they are still
+        there, as a vLLM request preempted does.
         """
         order = sorted(self.reqs, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
         need, ps = self._decode_need(), self.page_size
@@ -344,6 +354,8 @@ class ScheduleBatch:
         return retracted
 
     def _release(self, req: Req) -> None:
+        if self.cache_decode_pages:
+            self.tree_cache._cache_req(req, finished=False, checked=False)
         own = self._own_slots(req)
         if len(own):
             self.token_allocator.free(own)
@@ -376,15 +388,28 @@ class ScheduleBatch:
     def _alloc_with_eviction(self, alloc, need: int):
         short = need - self.token_allocator.available_size()
         if short > 0:
-            self.evicted_tokens += self.tree_cache.evict(short)
+            self._evict(short)
             if need > self.token_allocator.available_size():
                 return None
         return alloc()
 
+    def _evict(self, num_tokens: int) -> None:
+        timer = self.timer
+        t0 = perf_counter() if timer is not None else 0.0
+        self.evicted_tokens += self.tree_cache.evict(num_tokens)
+        if timer is not None:
+            timer.add("evict", perf_counter() - t0)
+
     def _alloc_extend(self, prefix: np.ndarray, seq: np.ndarray, last_loc: np.ndarray):
+        timer = self.timer
+        t0 = perf_counter() if timer is not None else 0.0
         if self.page_size == 1:
-            return self.token_allocator.alloc(int((seq - prefix).sum()))
-        return self.token_allocator._alloc_extend(prefix, seq, last_loc)
+            out = self.token_allocator.alloc(int((seq - prefix).sum()))
+        else:
+            out = self.token_allocator._alloc_extend(prefix, seq, last_loc)
+        if timer is not None:
+            timer.add("alloc", perf_counter() - t0)
+        return out
 
     def _last_loc(self, prefix: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         """Slot of each request's token prefix-1 where that token ends a partial page (else -1): paged
@@ -412,7 +437,8 @@ class ScheduleBatch:
         if counts.any():
             indptr = np.zeros(len(counts) + 1, dtype=np.int64)
             np.cumsum(counts, out=indptr[1:])
-            prefix = (torch.cat([r.prefix_indices for r, n in zip(self.reqs, is_new) if n]).to(table.device),
+            parts = [r.prefix_indices for r, n in zip(self.reqs, is_new) if n]
+            prefix = ((parts[0] if len(parts) == 1 else torch.cat(parts)).to(table.device),
                       torch.from_numpy(indptr).to(table.device))
         _write_req_to_token(table, self.req_pool_indices.to(table.device), self.prefix_lens.to(table.device),
                             self.seq_lens.to(table.device), self.out_cache_loc.to(table.device), *prefix)
