@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from kvmem.replay import cli
 from kvmem.replay.cli import DEFAULT_CAPACITY_TOKENS, main
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.report import ReplayReport
@@ -28,6 +29,7 @@ def fake_replay(monkeypatch):
         return report
 
     monkeypatch.setitem(sys.modules, "kvmem.replay.simulator", types.SimpleNamespace(replay=replay))
+    monkeypatch.setattr(cli, "default_jobs", lambda: 1)  # sweeps in this process, where the stand-in is
     return calls
 
 
