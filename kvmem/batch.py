@@ -302,10 +302,14 @@ class ScheduleBatch:
         if not reqs:
             self._set_lens(prefix, seq, _EMPTY, rows)
             return
-        out = self._alloc_extend(prefix, seq, self._last_loc(prefix, rows))
+        out = self._alloc_decode(prefix, rows)
         if out is None:  # cannot happen: retraction leaves room for every remaining request
             raise RuntimeError("decode allocation failed after eviction and retraction")
-        self.req_to_token_pool.req_to_token[torch.from_numpy(rows), torch.from_numpy(prefix)] = out.to(torch.int32)
+        host = self.req_to_token_pool.host_view
+        if host is not None:
+            host[rows, prefix] = out.cpu().numpy()
+        else:
+            self.req_to_token_pool.req_to_token[torch.from_numpy(rows), torch.from_numpy(prefix)] = out.to(torch.int32)
         for r in reqs:
             r.kv_len += 1
         self._set_lens(prefix, seq, out, rows)
@@ -400,6 +404,25 @@ class ScheduleBatch:
         if timer is not None:
             timer.add("evict", perf_counter() - t0)
 
+    def _alloc_decode(self, prefix: np.ndarray, rows: np.ndarray):
+        timer = self.timer
+        t0 = perf_counter() if timer is not None else 0.0
+        if self.page_size == 1:
+            out = self.token_allocator.alloc(len(prefix))
+        else:
+            # Every running request holds >= 1 token: one gather reads each one's last slot (only those whose
+            # page has room use it).
+            host = self.req_to_token_pool.host_view
+            if host is not None:
+                last = host[rows, prefix - 1].astype(np.int64)
+            else:
+                table = self.req_to_token_pool.req_to_token
+                last = table[torch.from_numpy(rows), torch.from_numpy(prefix - 1)].cpu().numpy().astype(np.int64)
+            out = self.token_allocator._alloc_decode(prefix, last)
+        if timer is not None:
+            timer.add("alloc", perf_counter() - t0)
+        return out
+
     def _alloc_extend(self, prefix: np.ndarray, seq: np.ndarray, last_loc: np.ndarray):
         timer = self.timer
         t0 = perf_counter() if timer is not None else 0.0
@@ -423,8 +446,12 @@ class ScheduleBatch:
                 rows = np.fromiter((self.reqs[i].req_pool_idx for i in partial.tolist()), np.int64, len(partial))
             else:
                 rows = rows[partial]
-            last[partial] = self.req_to_token_pool.req_to_token[torch.from_numpy(rows),
-                                                                torch.from_numpy(prefix[partial] - 1)].cpu().numpy()
+            host = self.req_to_token_pool.host_view
+            if host is not None:
+                last[partial] = host[rows, prefix[partial] - 1]
+            else:
+                last[partial] = self.req_to_token_pool.req_to_token[torch.from_numpy(rows),
+                                                                    torch.from_numpy(prefix[partial] - 1)].cpu().numpy()
         return last
 
     def _write_extend(self, is_new: list[bool]) -> None:
@@ -449,5 +476,5 @@ class ScheduleBatch:
         self.req_pool_indices = torch.from_numpy(rows)
         self.prefix_lens = torch.from_numpy(prefix)
         self.seq_lens = torch.from_numpy(seq)
-        self.extend_lens = self.seq_lens - self.prefix_lens
+        self.extend_lens = torch.from_numpy(seq - prefix)  # numpy's subtraction: a third of torch's cost here
         self.out_cache_loc = out

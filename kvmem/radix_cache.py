@@ -355,7 +355,10 @@ class RadixCache(RadixTree):
                 free(torch.from_numpy(spare) if checked else spare)
             self.req_to_token_pool.free(row)
             if req.last_node is not None:
-                self.dec_lock_ref(req.last_node)
+                if checked:
+                    self.dec_lock_ref(req.last_node)
+                else:
+                    self._unlock(req.last_node)
             req.req_pool_idx = None
             return
         if cached > protected:
@@ -366,10 +369,13 @@ class RadixCache(RadixTree):
             table[row, protected:cached] = indices[protected:cached].to(table.dtype)
         else:
             indices = self._to_device(slots)  # the row's slots are the path's: no gather from the tree
-        # Lock the new node before unlocking the old one, so a shared path never turns evictable in between.
-        self.inc_lock_ref(node)
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node)
+        if not checked and req.last_node is not None:
+            self._lock_below(node, req.last_node)  # the insert went on from last_node: node is below it
+        else:
+            # Lock the new node before unlocking the old one, so a shared path never turns evictable between.
+            self.inc_lock_ref(node)
+            if req.last_node is not None:
+                self.dec_lock_ref(req.last_node)
         req.last_node = node
         req.prefix_indices = indices
         req.cache_protected_len = aligned

@@ -276,6 +276,24 @@ class RadixTree:
                 self._unprotect(node)
             node = node.parent
 
+    def _lock_below(self, node: TreeNode, ancestor: TreeNode) -> None:
+        """inc_lock_ref(node) then dec_lock_ref(ancestor), for a node in the tree whose path extends a locked
+        `ancestor`'s: only the nodes between them change, so the walk stops at the ancestor instead of
+        going to the root twice (a request's lock moving down its own path as it is cached)."""
+        while node is not ancestor:
+            if node.lock_ref == 0:
+                self._protect(node)
+            node.lock_ref += 1
+            node = node.parent
+
+    def _unlock(self, node: TreeNode) -> None:
+        """dec_lock_ref's body, for a node known to be locked and in the tree (a request's own last_node)."""
+        while node.parent is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._unprotect(node)
+            node = node.parent
+
     def _protect(self, node: TreeNode) -> None:
         """A node's first lock: its tokens move from evictable to protected, and it leaves the evictable set."""
         n = len(node.value)

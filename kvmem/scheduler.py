@@ -51,6 +51,10 @@ class SchedulerConfig:
         (as vLLM caches them), so a request that continues them, or the request itself after a retraction,
         reuses them; False caches output only when the request finishes (as SGLang does). The pages enter
         the tree when a match reaches them or the request is retracted, so a decode step costs nothing more.
+    in_batch_prefix_caching: a waiting request whose next uncached page is one that a request admitted in the
+        same prefill batch computes waits for the next batch (with those behind it) and finds it cached there
+        (SGLang's in-batch prefix caching; vLLM gets the same hits by caching pages when they are scheduled).
+        Off: it computes the page again, beside the other.
     """
 
     schedule_policy: str = "lpm"
@@ -62,6 +66,7 @@ class SchedulerConfig:
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
     cache_decode_pages: bool = True
+    in_batch_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -78,8 +83,9 @@ class SchedulerConfig:
                              f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
         if not self.new_token_ratio_decay >= 0:
             raise ValueError(f"new_token_ratio_decay must be >= 0, got {self.new_token_ratio_decay!r}")
-        if not isinstance(self.cache_decode_pages, bool):
-            raise ValueError(f"cache_decode_pages must be a bool, got {self.cache_decode_pages!r}")
+        for name in ("cache_decode_pages", "in_batch_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -458,6 +464,9 @@ class Scheduler:
             self.tree_cache.inc_lock_ref(req.last_node)
             if timer is not None:
                 timer.add("match", perf_counter() - t0)
+            if self.config.in_batch_prefix_caching and self._next_page_in_batch(req, reqs):
+                self.tree_cache.dec_lock_ref(req.last_node)
+                break  # it and those behind it wait a step (no match of the whole queue)
             room = self.token_allocator.available_size() - reserved + self.tree_cache.evictable_size()
             if self._charge(req, req.prefix_indices.numel()) > room:
                 self.tree_cache.dec_lock_ref(req.last_node)
@@ -479,6 +488,19 @@ class Scheduler:
             return None
         self.stats.prefill_batches += 1
         return batch
+
+    def _next_page_in_batch(self, req: Req, batch: list[Req]) -> bool:
+        """Whether the page after `req`'s cached prefix is one a request of this batch computes now, after the
+        same tokens: then `req` finds it cached a step later instead of computing it a second time now."""
+        start, ps = req.cache_protected_len, self.page_size
+        end = start + ps
+        if len(req.fill_ids) - 1 < end:  # the match key leaves the last token out
+            return False
+        head = memoryview(req.fill_ids)[:end]
+        for other in batch:
+            if other.extend_end >= end and request_token_ids(other, end) == head:
+                return True
+        return False
 
     def _undo_admission(self, reqs: list[Req], chunked: Req | None) -> None:
         """Puts back what `_get_extend_batch` took when its allocation failed (tree and pools unchanged)."""
@@ -517,7 +539,7 @@ class Scheduler:
             req.prefetch = None
         key = _match_key(req)
         m = self.tree_cache.match_prefix(key, req.namespace)
-        if self.config.cache_decode_pages:
+        if m.last_node in self._tails and m.host_hit_length == 0:  # a running request's output may continue it
             view = key_bytes("key", key)
             while m.host_hit_length == 0 and self._take_decode_pages(view, m.last_node,
                                                                      m.indices.numel() * TOKEN_BYTES):

@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-decode-pages", action=argparse.BooleanOptionalAction, default=True,
                    help="cache each full page of output as soon as it is written, as vLLM does (default); "
                         "--no-cache-decode-pages caches output when the request finishes, as SGLang does")
+    p.add_argument("--in-batch-prefix-caching", action="store_true",
+                   help="a request whose next uncached page another request of its prefill batch computes waits "
+                        "a step and finds it cached (SGLang's in-batch prefix caching; vLLM's hits)")
     p.add_argument("--gpu", choices=tuple(GPUS), help="price steps with a roofline of --model on --tp of these "
                    "GPUs (TTFT, prefill GPU-seconds saved, throughput); without --capacity-tokens or "
                    "--gpu-mem-gb, the KV capacity is what their memory leaves beside the weights. Default: a "
@@ -326,7 +329,8 @@ def _replay_config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
         honour_arrivals=args.arrivals == "honour", seed=args.seed, write_policy=args.write_policy,
         h2d_gbps=h2d, d2h_gbps=args.d2h_gbps or h2d, storage=args.storage, storage_metadata=args.storage_metadata,
         storage_capacity_tokens=args.storage_capacity_tokens, storage_gbps=args.storage_gbps,
-        cache_decode_pages=args.cache_decode_pages, gpu=args.gpu, model=_model_name(args, None), tp=args.tp,
+        cache_decode_pages=args.cache_decode_pages, in_batch_prefix_caching=args.in_batch_prefix_caching,
+        gpu=args.gpu, model=_model_name(args, None), tp=args.tp,
         **tiers)
 
 

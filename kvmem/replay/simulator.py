@@ -61,7 +61,8 @@ def build_scheduler(config: ReplayConfig, timer: PhaseTimer | None = None) -> Sc
                             storage=open_storage(config), prefetch_policy="wait_complete")
     return Scheduler(pool, alloc, tree, SchedulerConfig(
         schedule_policy=config.schedule_policy, max_running_requests=config.max_running,
-        chunked_prefill_size=config.chunked_prefill_size, cache_decode_pages=config.cache_decode_pages),
+        chunked_prefill_size=config.chunked_prefill_size, cache_decode_pages=config.cache_decode_pages,
+        in_batch_prefix_caching=config.in_batch_prefix_caching),
         timer=timer)
 
 
