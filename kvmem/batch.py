@@ -134,7 +134,7 @@ def _as_token_array(rid, input_ids) -> array:
         if input_ids.dtype == np.uint64 and input_ids.size and input_ids.max() >= 2**63:
             raise ValueError(f"request {rid!r}: input_ids holds a token id outside int64")
         ids = array("q")
-        ids.frombytes(np.ascontiguousarray(input_ids, dtype=np.int64).tobytes())
+        ids.frombytes(np.ascontiguousarray(input_ids, dtype=np.int64).data.cast("B"))  # no bytes copy between
     elif isinstance(input_ids, (bytes, bytearray, str)):
         # array("q", b"...") would read raw bytes as machine integers.
         raise TypeError(f"request {rid!r}: input_ids must hold ints, got {type(input_ids).__name__}")
@@ -456,7 +456,18 @@ class ScheduleBatch:
 
     def _write_extend(self, is_new: list[bool]) -> None:
         """Writes every request's `out_cache_loc` slots and the new requests' cached prefixes (a chunked
-        request's prefix is in its row already) into req_to_token, in one kernel launch."""
+        request's prefix is in its row already) into req_to_token, in one kernel launch (on the host: a slice
+        copy per request, as the kernel's host path does, without concatenating the prefixes first)."""
+        host = self.req_to_token_pool.host_view
+        if host is not None and self.out_cache_loc.device.type == "cpu":
+            out, start = self.out_cache_loc.numpy(), 0
+            rows, prefix, seq = (t.tolist() for t in (self.req_pool_indices, self.prefix_lens, self.seq_lens))
+            for r, new, row, p, s in zip(self.reqs, is_new, rows, prefix, seq):
+                if new and p:
+                    host[row, :p] = r.prefix_indices.cpu().numpy()
+                host[row, p:s] = out[start:start + s - p]
+                start += s - p
+            return
         table = self.req_to_token_pool.req_to_token
         counts = np.fromiter((r.prefix_indices.numel() if n else 0 for r, n in zip(self.reqs, is_new)),
                              dtype=np.int64, count=len(is_new))

@@ -172,21 +172,27 @@ class RadixTree:
             return Walk(node, matched, child, _common_prefix_bytes(key, view, matched, limit, page_bytes))
         return Walk(node, matched, None, 0)
 
-    def _walk_is_current(self, view: memoryview, walk: Walk, namespace: str | None) -> bool:
-        """Whether `walk`, an earlier `_descend` of `view`'s whole pages, is still where that walk would stop.
+    def _next_page(self, view: memoryview, walk: Walk) -> bytes | None:
+        """The bytes of the page of `view` after where `walk` (a `_descend` of it) stopped at a whole node: what
+        a later walk would look up there; None when the key ends there, or the walk stopped inside an edge."""
+        end = walk.matched + self._page_bytes
+        return view[walk.matched:end].tobytes() if walk.child is None and end <= len(view) else None
+
+    def _walk_is_current(self, walk: Walk, next_page: bytes | None, namespace: str | None) -> bool:
+        """Whether `walk`, an earlier `_descend` of a key whose page after it is `next_page` (`_next_page`), is
+        still where a walk of that key would stop. A check of one node, not a walk.
 
         Nodes leave the tree only as leaves (their parent set to None), keys change only by splits (which keep
         a path's tokens), and a walk goes further only through a child with the key's next page: so the walk
-        still stops there while its last whole node is in the tree and has no such child, or while the child
-        it went into partway is still that node's child (unsplit). A check of one node, not a walk.
+        still stops there while the child it went into partway is still its node's child (unsplit, not
+        evicted), or while its last node is in the tree and has no child for the next page.
         """
         node = walk.node
-        if node.parent is None and node is not self._roots.get(namespace):
-            return False  # left the tree (or a root from before reset())
         if walk.child is not None:
             return walk.child.parent is node
-        end = walk.matched + self._page_bytes
-        return end > len(view) or node.children.get(view[walk.matched:end].tobytes()) is None
+        if node.parent is None and node is not self._roots.get(namespace):
+            return False  # left the tree (or a root from before reset())
+        return next_page is None or next_page not in node.children
 
     def _walk_to_node(self, walk: Walk) -> TreeNode:
         """The node whose path is exactly what `walk` matched, splitting its child if the match ends inside it."""

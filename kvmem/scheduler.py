@@ -167,8 +167,9 @@ class Scheduler:
         # (see _take_decode_pages).
         self._tails: dict[TreeNode, list[Req]] = {}
         self._tail_node: dict[Req, TreeNode] = {}
-        # The last ranking walk of each waiting request, with its key's bytes (see _sort_waiting_by_prefix).
-        self._walks: dict[Req, tuple[memoryview, Walk]] = {}
+        # Each waiting request's last ranking walk: (its key's bytes, the walk, the key's page after it, minus the
+        # prefix length), see _sort_waiting_by_prefix.
+        self._walks: dict[Req, tuple] = {}
 
     # ---- intake -------------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -570,15 +571,20 @@ class Scheduler:
     def _rank(self, req: Req) -> int:
         tree, ns = self.tree_cache, req.namespace
         kept = self._walks.get(req)
-        if kept is None or not tree._walk_is_current(kept[0], kept[1], ns):
+        if kept is None or not tree._walk_is_current(kept[1], kept[2], ns):
             view = key_bytes("key", _match_key(req)) if kept is None else kept[0]  # fixed while it waits
-            kept = self._walks[req] = (view, tree._prefix_walk(view, ns))
-        view, walk = kept
+            kept = self._keep_walk(req, view, tree._prefix_walk(view, ns))
+        walk = kept[1]
         if walk.child is None and walk.node in self._tails:  # a running request's output may continue it
+            view = kept[0]
             while walk.child is None and self._take_decode_pages(view, walk.node, walk.matched):
                 walk = tree._prefix_walk(view, ns)
-            self._walks[req] = (view, walk)
-        return -walk.num_tokens
+            kept = self._keep_walk(req, view, walk)
+        return kept[3]
+
+    def _keep_walk(self, req: Req, view: memoryview, walk: Walk) -> tuple:
+        kept = self._walks[req] = (view, walk, self.tree_cache._next_page(view, walk), -walk.num_tokens)
+        return kept
 
     # ---- output pages of running requests ------------------------------------------------------------
     def _take_decode_pages(self, view: memoryview, node: TreeNode, matched: int) -> bool:

@@ -46,6 +46,8 @@ FORMATS = ("auto", "mooncake", "jsonl")
 ON_ERROR = ("stop", "skip")
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_SHIFTS = (np.uint64(30), np.uint64(27), np.uint64(31))
 _BLOCK_POS = np.arange(BLOCK_SIZE, dtype=np.uint64)
 _MAX_HASH_ID = 1 << 54  # (hash_id << 9 | pos) must stay distinct in 64 bits
 
@@ -62,29 +64,32 @@ class TraceError(ValueError):
 # ---- deterministic fake tokens -------------------------------------------------------------------------
 
 def _mix64(z: np.ndarray) -> np.ndarray:
-    """SplitMix64's finalizer on a uint64 array (a bijection, so distinct inputs stay distinct)."""
-    z = z ^ (z >> np.uint64(30))
-    z *= np.uint64(0xBF58476D1CE4E5B9)
-    z ^= z >> np.uint64(27)
-    z *= np.uint64(0x94D049BB133111EB)
-    z ^= z >> np.uint64(31)
+    """SplitMix64's finalizer on a uint64 array, in place (a bijection, so distinct inputs stay distinct). One
+    scratch array for the shifts: temporaries per step made expanding a trace's blocks 1.5x slower."""
+    shifted = z >> _SHIFTS[0]
+    z ^= shifted
+    z *= _MIX1
+    np.right_shift(z, _SHIFTS[1], out=shifted)
+    z ^= shifted
+    z *= _MIX2
+    np.right_shift(z, _SHIFTS[2], out=shifted)
+    z ^= shifted
     return z
-
-
-def _to_token_ids(z: np.ndarray) -> np.ndarray:
-    return (z >> np.uint64(64 - 30)).astype(np.int32)
 
 
 def block_token_ids(hash_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """The tokens of Mooncake blocks: `[len(hash_ids), BLOCK_SIZE] int32` in [0, TOKEN_ID_BOUND).
 
-    Row j depends only on hash_ids[j]. Regenerating costs about 4 ns a token (0.55 s for the whole
+    Row j depends only on hash_ids[j]. Regenerating costs about 3 ns a token (0.4 s for the whole
     145M-token conversation trace), less than looking blocks up in an LRU cache did (0.64-0.80 s
     measured), so blocks are not cached.
     """
     ids = np.asarray(hash_ids, dtype=np.uint64)
-    keys = (ids[:, None] << np.uint64(9)) | _BLOCK_POS
-    return _to_token_ids(_mix64(keys + _GOLDEN))
+    z = (ids[:, None] << np.uint64(9)) | _BLOCK_POS
+    z += _GOLDEN
+    z = _mix64(z)
+    z >>= np.uint64(64 - 30)
+    return z.astype(np.int32)
 
 
 def synthetic_output_ids(input_ids: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
