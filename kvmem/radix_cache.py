@@ -337,8 +337,10 @@ class RadixCache(RadixTree):
         aligned = kv_len - kv_len % self.page_size
         if not finished and aligned <= protected:
             return
-        table = self.req_to_token_pool.req_to_token
-        slots = as_index_array("req_to_token", table[row, :kv_len if finished else aligned])
+        table, host = self.req_to_token_pool.req_to_token, self.req_to_token_pool.host_view
+        end = kv_len if finished else aligned
+        slots = host[row, :end].astype(np.int64) if host is not None else as_index_array("req_to_token",
+                                                                                        table[row, :end])
         cached, node = protected, req.last_node
         if aligned > protected:
             if checked or node is None:
@@ -353,7 +355,10 @@ class RadixCache(RadixTree):
             spare = np.concatenate((slots[protected:cached], slots[aligned:]))
             if len(spare):
                 free(torch.from_numpy(spare) if checked else spare)
-            self.req_to_token_pool.free(row)
+            if checked:
+                self.req_to_token_pool.free(row)
+            else:
+                self.req_to_token_pool._free_row(row)
             if req.last_node is not None:
                 if checked:
                     self.dec_lock_ref(req.last_node)

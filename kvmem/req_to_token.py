@@ -71,6 +71,11 @@ class ReqToTokenPool:
             self._is_free[r] = True
         self._free_rows.extend(reversed(rows))
 
+    def _free_row(self, row: int) -> None:
+        """free's body for one row its owner knows is allocated (the radix cache, for a Scheduler's request)."""
+        self._is_free[row] = True
+        self._free_rows.append(row)
+
     def write(self, index, values) -> None:
         """`req_to_token[index] = values`, with `index` a row, a (row, slice) pair or any tensor index.
 

@@ -317,7 +317,7 @@ class Scheduler:
         return self._fitting_decode_steps(self._fewest_left[1])
 
     def _fitting_decode_steps(self, steps: int) -> int:
-        """The first of `steps` decode steps whose slots fit in free + evictable memory."""
+        """How many of the next `steps` decode steps find their slots in free + evictable memory."""
         room = self.token_allocator.available_size() + self.tree_cache.evictable_size()
         if self.page_size == 1:
             return min(steps, room // len(self.running))
@@ -414,9 +414,14 @@ class Scheduler:
         if out is None:  # cannot happen: each step's slots were counted free, after its eviction
             raise RuntimeError("decode-run allocation failed after eviction")
         # Every request takes `steps` slots, in batch order: one [bs, steps] scatter writes them all.
-        table = self.req_to_token_pool.req_to_token
-        cols = torch.from_numpy(kv[:, None] + np.arange(steps, dtype=np.int64)).to(table.device)
-        table[torch.from_numpy(rows).to(table.device)[:, None], cols] = out.view(-1, steps).to(table)
+        cols = kv[:, None] + np.arange(steps, dtype=np.int64)
+        host = self.req_to_token_pool.host_view
+        if host is not None:
+            host[rows[:, None], cols] = out.cpu().numpy().reshape(-1, steps)
+        else:
+            table = self.req_to_token_pool.req_to_token
+            table[torch.from_numpy(rows).to(table.device)[:, None], torch.from_numpy(cols).to(table.device)] = \
+                out.view(-1, steps).to(table)
 
     def _append_outputs(self, steps: int, outputs: Mapping) -> list[Req]:
         """Each running request's next `steps` output tokens; the requests they finish go into the tree, in
