@@ -259,12 +259,7 @@ class RadixTree:
 
         Raises, changing nothing, if `node` is not a node of this tree (evicted, from before reset(), or
         another tree's)."""
-        root = self._check_node(node)
-        while node is not root:
-            if node.lock_ref == 0:
-                self._protect(node)
-            node.lock_ref += 1
-            node = node.parent
+        self._lock_below(node, self._check_node(node))
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Releases one `inc_lock_ref(node)`; nodes nobody uses become evictable. The root is a no-op.
@@ -276,16 +271,13 @@ class RadixTree:
             return
         if node.lock_ref <= 0:
             raise ValueError(f"dec_lock_ref on node {node.id}, which is not locked (lock_ref {node.lock_ref})")
-        while node is not root:
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self._unprotect(node)
-            node = node.parent
+        self._unlock(node)
 
     def _lock_below(self, node: TreeNode, ancestor: TreeNode) -> None:
-        """inc_lock_ref(node) then dec_lock_ref(ancestor), for a node in the tree whose path extends a locked
-        `ancestor`'s: only the nodes between them change, so the walk stops at the ancestor instead of
-        going to the root twice (a request's lock moving down its own path as it is cached)."""
+        """Locks the nodes from `node` up to, not including, its `ancestor`. With a root as the ancestor it is
+        inc_lock_ref's body; with a request's locked last node it is inc_lock_ref(node) then
+        dec_lock_ref(ancestor), only the nodes between them changing, so the walk stops there instead of going
+        to the root twice (a request's lock moving down its own path as it is cached)."""
         while node is not ancestor:
             if node.lock_ref == 0:
                 self._protect(node)
@@ -293,7 +285,7 @@ class RadixTree:
             node = node.parent
 
     def _unlock(self, node: TreeNode) -> None:
-        """dec_lock_ref's body, for a node known to be locked and in the tree (a request's own last_node)."""
+        """dec_lock_ref's body, for a locked node of the tree (checked there, or a request's own last node)."""
         while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:

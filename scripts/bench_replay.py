@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _peer  # scripts/_peer.py: the script's own folder is on sys.path
+
 PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
 MODES = {"vllm": (True, True), "decode_pages": (True, False), "in_batch": (False, True), "sglang": (False, False)}
 
@@ -220,10 +222,7 @@ def main() -> None:
                        "python": platform.python_version(), "torch": torch.__version__, "repeats": args.repeats,
                        "token_budget": args.token_budget, "max_running": args.max_running, "seed": args.seed,
                        "wall_s": round(time.perf_counter() - t0, 1)}}
-    text = json.dumps(report, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    _peer.emit(report, args.out)
 
 
 if __name__ == "__main__":
