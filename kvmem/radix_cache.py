@@ -338,21 +338,24 @@ class RadixCache(RadixTree):
         if not finished and aligned <= protected:
             return
         table, host = self.req_to_token_pool.req_to_token, self.req_to_token_pool.host_view
-        end = kv_len if finished else aligned
-        slots = host[row, :end].astype(np.int64) if host is not None else as_index_array("req_to_token",
-                                                                                        table[row, :end])
+        below = not checked and req.last_node is not None
+        # The row from `start` on: a finished request inserted from its prefix node needs nothing before it.
+        start, end = (protected if finished and below else 0), (kv_len if finished else aligned)
+        slots = host[row, start:end].astype(np.int64) if host is not None else as_index_array(
+            "req_to_token", table[row, start:end])
         cached, node = protected, req.last_node
         if aligned > protected:
-            if checked or node is None:
+            if below:
+                new, node = self._insert(request_token_ids(req, aligned, protected),
+                                         slots[protected - start:aligned - start], req.priority, req.namespace,
+                                         checked=False, below=node)
+                cached = protected + new
+            else:
                 cached, node = self._insert(request_token_ids(req, aligned), slots[:aligned], req.priority,
                                             req.namespace, checked=checked)
-            else:
-                new, node = self._insert(request_token_ids(req, aligned, protected), slots[protected:aligned],
-                                         req.priority, req.namespace, checked=False, below=node)
-                cached = protected + new
         free = self.token_allocator.free if checked else self.token_allocator._free_owned
         if finished:
-            spare = np.concatenate((slots[protected:cached], slots[aligned:]))
+            spare = np.concatenate((slots[protected - start:cached - start], slots[aligned - start:]))
             if len(spare):
                 free(torch.from_numpy(spare) if checked else spare)
             if checked:
@@ -374,7 +377,7 @@ class RadixCache(RadixTree):
             table[row, protected:cached] = indices[protected:cached].to(table.dtype)
         else:
             indices = self._to_device(slots)  # the row's slots are the path's: no gather from the tree
-        if not checked and req.last_node is not None:
+        if below:
             self._lock_below(node, req.last_node)  # the insert went on from last_node: node is below it
         else:
             # Lock the new node before unlocking the old one, so a shared path never turns evictable between.

@@ -268,10 +268,10 @@ def _title(trace: Trace, trace_format: str, config: ReplayConfig, tour: bool) ->
     head = f"{Path(trace.name).name} ({trace_format}): {len(trace):,} requests, {trace.prompt_tokens:,} prompt tokens"
     if not tour:
         return head
-    return (f"{head}\nThe tour (kvmem-replay with no arguments): {config.model} on {config.tp} x {config.gpu} "
-            f"at {', '.join(f'{f:g}' for f in TOUR_FACTORS)} x the {config.capacity_tokens:,} KV tokens their "
-            f"memory leaves, without and with a host tier {TOUR_HOST_FACTOR}x the device's. "
-            f"Try: kvmem-replay TRACE --gpu H100 --model llama-3-70b --tp 8 --host-mem-gb 512")
+    return (f"{head}\nThe tour (kvmem-replay with no arguments): {config.model} on {config.tp} x {config.gpu}, at "
+            f"{' and '.join(f'{f:g}' for f in TOUR_FACTORS)} x the {config.capacity_tokens:,} KV tokens their memory "
+            f"leaves, without and with a host tier {TOUR_HOST_FACTOR}x the device's.\n"
+            f"Next: kvmem-replay TRACE --gpu H100 --model llama-3-8b --tp 4 --host-mem-gb 512 (see --help)")
 
 
 def _error(message: str, status: int = 2) -> int:

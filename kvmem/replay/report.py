@@ -338,6 +338,8 @@ def _seconds(s: float | None) -> str:
         return "-"
     if s >= 3600:
         return f"{s / 3600:.2f} h"
+    if s >= 100:
+        return f"{s:,.0f} s"
     return f"{s:.3g} s" if s >= 0.01 else f"{s * 1e3:.3g} ms"
 
 
