@@ -454,7 +454,7 @@ class Scheduler:
             # Its whole prompt was charged when it was admitted; it continues without a new check.
             budget, reserved = self._plan_extend(chunked, budget, reserved)
             reqs.append(chunked)
-        timer = self.timer
+        timer, tree = self.timer, self.tree_cache
         can_admit = len(self.running) + len(reqs) < self.max_running and budget > 0 and self.chunked_req is None
         # Ranking the waiting window costs a tree walk per request: only when someone can be admitted.
         if can_admit and self.config.schedule_policy == "lpm":
@@ -467,15 +467,16 @@ class Scheduler:
             req = self.waiting[0]
             t0 = perf_counter() if timer is not None else 0.0
             self._match(req)
-            self.tree_cache.inc_lock_ref(req.last_node)
+            # The node the match just returned: inc_lock_ref's body, without its walk checking the node's tree.
+            tree._lock_below(req.last_node, tree._root(req.namespace))
             if timer is not None:
                 timer.add("match", perf_counter() - t0)
             if self.config.in_batch_prefix_caching and self._next_page_in_batch(req, reqs):
-                self.tree_cache.dec_lock_ref(req.last_node)
+                tree._unlock(req.last_node)
                 break  # it and those behind it wait a step (no match of the whole queue)
             room = self.token_allocator.available_size() - reserved + self.tree_cache.evictable_size()
             if self._charge(req, req.prefix_indices.numel()) > room:
-                self.tree_cache.dec_lock_ref(req.last_node)
+                tree._unlock(req.last_node)
                 break
             self.waiting.popleft()
             self._walks.pop(req, None)
