@@ -12,6 +12,7 @@ import enum
 from array import array
 from collections.abc import Sequence
 from itertools import compress
+from time import perf_counter
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from kvmem.attention.metadata import PagedKVMetadata, decode_metadata, extend_me
 from kvmem.kernels.req_to_token import _write_req_to_token
 from kvmem.radix_cache import RadixCache
 from kvmem.req_to_token import ReqToTokenPool
+from kvmem.timing import PhaseTimer
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -132,7 +134,7 @@ def _as_token_array(rid, input_ids) -> array:
         if input_ids.dtype == np.uint64 and input_ids.size and input_ids.max() >= 2**63:
             raise ValueError(f"request {rid!r}: input_ids holds a token id outside int64")
         ids = array("q")
-        ids.frombytes(np.ascontiguousarray(input_ids, dtype=np.int64).tobytes())
+        ids.frombytes(np.ascontiguousarray(input_ids, dtype=np.int64).data.cast("B"))  # no bytes copy between
     elif isinstance(input_ids, (bytes, bytearray, str)):
         # array("q", b"...") would read raw bytes as machine integers.
         raise TypeError(f"request {rid!r}: input_ids must hold ints, got {type(input_ids).__name__}")
@@ -179,10 +181,14 @@ class ScheduleBatch:
 
     @classmethod
     def _of(cls, reqs: list[Req], req_to_token_pool: ReqToTokenPool,
-            token_allocator: TokenAllocator | PagedTokenAllocator, tree_cache: RadixCache) -> ScheduleBatch:
-        """A batch over parts already known to belong together (the Scheduler's, checked when it was built)."""
+            token_allocator: TokenAllocator | PagedTokenAllocator, tree_cache: RadixCache, *,
+            timer: PhaseTimer | None = None, cache_decode_pages: bool = False) -> ScheduleBatch:
+        """A batch over parts already known to belong together (the Scheduler's, checked when it was built).
+        timer: times "alloc" and "evict" (see Scheduler); cache_decode_pages: see `retract_decode`."""
         batch = cls.__new__(cls)
         batch._setup(reqs, req_to_token_pool, token_allocator, tree_cache)
+        batch.timer = timer
+        batch.cache_decode_pages = cache_decode_pages
         return batch
 
     def _setup(self, reqs, req_to_token_pool, token_allocator, tree_cache) -> None:
@@ -196,6 +202,8 @@ class ScheduleBatch:
         self.out_cache_loc = _EMPTY
         self.retracted: list[Req] = []
         self.evicted_tokens = 0
+        self.timer: PhaseTimer | None = None
+        self.cache_decode_pages = False
 
     def batch_size(self) -> int:
         return len(self.reqs)
@@ -287,17 +295,21 @@ class ScheduleBatch:
             need = self._decode_need(prefix)
         short = need - self.token_allocator.available_size()
         if short > 0:
-            self.evicted_tokens += self.tree_cache.evict(short)
+            self._evict(short)
         reqs = self.reqs
         seq = prefix + 1
         rows = np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=len(reqs))
         if not reqs:
             self._set_lens(prefix, seq, _EMPTY, rows)
             return
-        out = self._alloc_extend(prefix, seq, self._last_loc(prefix, rows))
+        out = self._alloc_decode(prefix, rows)
         if out is None:  # cannot happen: retraction leaves room for every remaining request
             raise RuntimeError("decode allocation failed after eviction and retraction")
-        self.req_to_token_pool.req_to_token[torch.from_numpy(rows), torch.from_numpy(prefix)] = out.to(torch.int32)
+        host = self.req_to_token_pool.host_view
+        if host is not None:
+            host[rows, prefix] = out.cpu().numpy()
+        else:
+            self.req_to_token_pool.req_to_token[torch.from_numpy(rows), torch.from_numpy(prefix)] = out.to(torch.int32)
         for r in reqs:
             r.kv_len += 1
         self._set_lens(prefix, seq, out, rows)
@@ -325,7 +337,9 @@ class ScheduleBatch:
         Victims are the requests that generated least (least work lost), longest prompt first among equals;
         their own slots are freed and their cached prefix unlocked (evictable again); the caller evicts
         what is still short. They keep their outputs and resume by prefilling prompt + outputs. At least one
-        request is kept.
+        request is kept. In a batch of a Scheduler that caches decode pages, a victim's full pages of output
+        enter the tree first (evictable like its prefix), so that it resumes from them if they are still
+        there, as a vLLM request preempted does.
         """
         order = sorted(self.reqs, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
         need, ps = self._decode_need(), self.page_size
@@ -344,6 +358,8 @@ class ScheduleBatch:
         return retracted
 
     def _release(self, req: Req) -> None:
+        if self.cache_decode_pages:
+            self.tree_cache._cache_req(req, finished=False, checked=False)
         own = self._own_slots(req)
         if len(own):
             self.token_allocator.free(own)
@@ -376,15 +392,47 @@ class ScheduleBatch:
     def _alloc_with_eviction(self, alloc, need: int):
         short = need - self.token_allocator.available_size()
         if short > 0:
-            self.evicted_tokens += self.tree_cache.evict(short)
+            self._evict(short)
             if need > self.token_allocator.available_size():
                 return None
         return alloc()
 
-    def _alloc_extend(self, prefix: np.ndarray, seq: np.ndarray, last_loc: np.ndarray):
+    def _evict(self, num_tokens: int) -> None:
+        timer = self.timer
+        t0 = perf_counter() if timer is not None else 0.0
+        self.evicted_tokens += self.tree_cache.evict(num_tokens)
+        if timer is not None:
+            timer.add("evict", perf_counter() - t0)
+
+    def _alloc_decode(self, prefix: np.ndarray, rows: np.ndarray):
+        timer = self.timer
+        t0 = perf_counter() if timer is not None else 0.0
         if self.page_size == 1:
-            return self.token_allocator.alloc(int((seq - prefix).sum()))
-        return self.token_allocator._alloc_extend(prefix, seq, last_loc)
+            out = self.token_allocator.alloc(len(prefix))
+        else:
+            # Every running request holds >= 1 token: one gather reads each one's last slot (only those whose
+            # page has room use it).
+            host = self.req_to_token_pool.host_view
+            if host is not None:
+                last = host[rows, prefix - 1].astype(np.int64)
+            else:
+                table = self.req_to_token_pool.req_to_token
+                last = table[torch.from_numpy(rows), torch.from_numpy(prefix - 1)].cpu().numpy().astype(np.int64)
+            out = self.token_allocator._alloc_decode(prefix, last)
+        if timer is not None:
+            timer.add("alloc", perf_counter() - t0)
+        return out
+
+    def _alloc_extend(self, prefix: np.ndarray, seq: np.ndarray, last_loc: np.ndarray):
+        timer = self.timer
+        t0 = perf_counter() if timer is not None else 0.0
+        if self.page_size == 1:
+            out = self.token_allocator.alloc(int((seq - prefix).sum()))
+        else:
+            out = self.token_allocator._alloc_extend(prefix, seq, last_loc)
+        if timer is not None:
+            timer.add("alloc", perf_counter() - t0)
+        return out
 
     def _last_loc(self, prefix: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         """Slot of each request's token prefix-1 where that token ends a partial page (else -1): paged
@@ -398,13 +446,28 @@ class ScheduleBatch:
                 rows = np.fromiter((self.reqs[i].req_pool_idx for i in partial.tolist()), np.int64, len(partial))
             else:
                 rows = rows[partial]
-            last[partial] = self.req_to_token_pool.req_to_token[torch.from_numpy(rows),
-                                                                torch.from_numpy(prefix[partial] - 1)].cpu().numpy()
+            host = self.req_to_token_pool.host_view
+            if host is not None:
+                last[partial] = host[rows, prefix[partial] - 1]
+            else:
+                last[partial] = self.req_to_token_pool.req_to_token[torch.from_numpy(rows),
+                                                                    torch.from_numpy(prefix[partial] - 1)].cpu().numpy()
         return last
 
     def _write_extend(self, is_new: list[bool]) -> None:
         """Writes every request's `out_cache_loc` slots and the new requests' cached prefixes (a chunked
-        request's prefix is in its row already) into req_to_token, in one kernel launch."""
+        request's prefix is in its row already) into req_to_token, in one kernel launch (on the host: a slice
+        copy per request, as the kernel's host path does, without concatenating the prefixes first)."""
+        host = self.req_to_token_pool.host_view
+        if host is not None and self.out_cache_loc.device.type == "cpu":
+            out, start = self.out_cache_loc.numpy(), 0
+            rows, prefix, seq = (t.tolist() for t in (self.req_pool_indices, self.prefix_lens, self.seq_lens))
+            for r, new, row, p, s in zip(self.reqs, is_new, rows, prefix, seq):
+                if new and p:
+                    host[row, :p] = r.prefix_indices.cpu().numpy()
+                host[row, p:s] = out[start:start + s - p]
+                start += s - p
+            return
         table = self.req_to_token_pool.req_to_token
         counts = np.fromiter((r.prefix_indices.numel() if n else 0 for r, n in zip(self.reqs, is_new)),
                              dtype=np.int64, count=len(is_new))
@@ -412,7 +475,8 @@ class ScheduleBatch:
         if counts.any():
             indptr = np.zeros(len(counts) + 1, dtype=np.int64)
             np.cumsum(counts, out=indptr[1:])
-            prefix = (torch.cat([r.prefix_indices for r, n in zip(self.reqs, is_new) if n]).to(table.device),
+            parts = [r.prefix_indices for r, n in zip(self.reqs, is_new) if n]
+            prefix = ((parts[0] if len(parts) == 1 else torch.cat(parts)).to(table.device),
                       torch.from_numpy(indptr).to(table.device))
         _write_req_to_token(table, self.req_pool_indices.to(table.device), self.prefix_lens.to(table.device),
                             self.seq_lens.to(table.device), self.out_cache_loc.to(table.device), *prefix)
@@ -423,5 +487,5 @@ class ScheduleBatch:
         self.req_pool_indices = torch.from_numpy(rows)
         self.prefix_lens = torch.from_numpy(prefix)
         self.seq_lens = torch.from_numpy(seq)
-        self.extend_lens = self.seq_lens - self.prefix_lens
+        self.extend_lens = torch.from_numpy(seq - prefix)  # numpy's subtraction: a third of torch's cost here
         self.out_cache_loc = out

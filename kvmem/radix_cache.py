@@ -29,7 +29,7 @@ from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.events.schema import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvmem.eviction import EvictionKey
 from kvmem.page_hash import DIGEST_BYTES, chain_page_digests, event_hash, event_hashes, namespace_prefix
-from kvmem.radix_tree import TOKEN_BYTES, RadixTree, TreeNode, _fail, key_bytes
+from kvmem.radix_tree import TOKEN_BYTES, RadixTree, TreeNode, Walk, _fail, key_bytes
 from kvmem.req_to_token import ReqToTokenPool
 
 
@@ -151,8 +151,12 @@ class RadixCache(RadixTree):
         """How many leading tokens of `key` `match_prefix` would return (whole pages, in any tier), without
         changing the tree: no split, no access-time or hit-count update, no index gather. A scheduler ranks
         its waiting queue with this and matches for real only the requests it admits."""
-        view = key_bytes("key", key)
-        return self._descend(view, len(view) - len(view) % self._page_bytes, self._root(namespace)).num_tokens
+        return self._prefix_walk(key_bytes("key", key), namespace).num_tokens
+
+    def _prefix_walk(self, view: memoryview, namespace: str | None) -> Walk:
+        """prefix_len's walk of a key's bytes (see key_bytes): where it stopped, to check later whether it still
+        stops there (RadixTree._walk_is_current) instead of walking again."""
+        return self._descend(view, len(view) - len(view) % self._page_bytes, self._root(namespace))
 
     def insert(self, key, value: torch.Tensor, priority: int = 0, namespace: str | None = None) -> int:
         """Caches slots `value` ([len(key)] integer tensor, any device; a numpy array works too) for tokens
@@ -165,16 +169,18 @@ class RadixCache(RadixTree):
         """
         return self._insert(key, value, priority, namespace)[0]
 
-    def _insert(self, key, value, priority: int, namespace: str | None = None, *,
-                checked: bool = True) -> tuple[int, TreeNode]:
+    def _insert(self, key, value, priority: int, namespace: str | None = None, *, checked: bool = True,
+                below: TreeNode | None = None) -> tuple[int, TreeNode]:
         """insert's body: returns (tokens already cached, the node whose path is `key`). `checked=False` is for
         the Scheduler's own requests, whose keys are whole pages and whose slots it took from the allocator:
-        it skips the argument and slot checks (key: an int64 array; value: host int64 slots)."""
+        it skips the argument and slot checks (key: an int64 array; value: host int64 slots). `below`: a node
+        of the tree whose path the caller knows `key` continues (a request's locked prefix): key and value
+        are what follows that path, and the walk starts there instead of at the root."""
         view = key_bytes("key", key)
         nbytes = len(view)
         if checked:
             value, priority = self._check_insert(view, value, priority)
-        walk = self._descend(view, nbytes, self._root(namespace))
+        walk = self._descend(view, nbytes, self._root(namespace) if below is None else below)
         matched = walk.num_tokens
         grows = matched * TOKEN_BYTES < nbytes
         if grows:
@@ -277,7 +283,7 @@ class RadixCache(RadixTree):
         """Gives the slots of removed nodes back to the allocator in one call."""
         slots = values[0] if len(values) == 1 else np.concatenate(values)
         self._in_tree[slots] = False
-        self.token_allocator.free(torch.from_numpy(slots))
+        self.token_allocator._free_owned(slots)
 
     # ---- page names and events ---------------------------------------------------------------------
     def _name_pages(self, node: TreeNode, namespace: str | None) -> None:
@@ -323,35 +329,61 @@ class RadixCache(RadixTree):
 
     def _cache_req(self, req: CachedRequest, finished: bool, *, checked: bool = True) -> None:
         """cache_finished_req / cache_unfinished_req. `checked=False` is the Scheduler's path: its requests'
-        rows hold slots its batches took from the allocator, so the insert skips re-checking them."""
+        rows hold slots its batches took from the allocator, and their locked prefix (`last_node`) is the path
+        of their first cache_protected_len tokens, so the insert starts there, skips re-checking the slots,
+        and frees without the allocator's checks."""
         row = _check_row(req) if checked else req.req_pool_idx
         kv_len, protected = req.kv_len, req.cache_protected_len
         aligned = kv_len - kv_len % self.page_size
         if not finished and aligned <= protected:
             return
-        table = self.req_to_token_pool.req_to_token
-        slots = as_index_array("req_to_token", table[row, :kv_len if finished else aligned])
+        table, host = self.req_to_token_pool.req_to_token, self.req_to_token_pool.host_view
+        below = not checked and req.last_node is not None
+        # The row from `start` on: a finished request inserted from its prefix node needs nothing before it.
+        start, end = (protected if finished and below else 0), (kv_len if finished else aligned)
+        slots = host[row, start:end].astype(np.int64) if host is not None else as_index_array(
+            "req_to_token", table[row, start:end])
         cached, node = protected, req.last_node
         if aligned > protected:
-            cached, node = self._insert(request_token_ids(req, aligned), slots[:aligned], req.priority,
-                                        req.namespace, checked=checked)
+            if below:
+                new, node = self._insert(request_token_ids(req, aligned, protected),
+                                         slots[protected - start:aligned - start], req.priority, req.namespace,
+                                         checked=False, below=node)
+                cached = protected + new
+            else:
+                cached, node = self._insert(request_token_ids(req, aligned), slots[:aligned], req.priority,
+                                            req.namespace, checked=checked)
+        free = self.token_allocator.free if checked else self.token_allocator._free_owned
         if finished:
-            spare = np.concatenate((slots[protected:cached], slots[aligned:]))
+            spare = np.concatenate((slots[protected - start:cached - start], slots[aligned - start:]))
             if len(spare):
-                self.token_allocator.free(torch.from_numpy(spare))
-            self.req_to_token_pool.free(row)
+                free(torch.from_numpy(spare) if checked else spare)
+            if checked:
+                self.req_to_token_pool.free(row)
+            else:
+                self.req_to_token_pool._free_row(row)
             if req.last_node is not None:
-                self.dec_lock_ref(req.last_node)
+                if checked:
+                    self.dec_lock_ref(req.last_node)
+                else:
+                    self._unlock(req.last_node)
             req.req_pool_idx = None
             return
         if cached > protected:
-            self.token_allocator.free(torch.from_numpy(slots[protected:cached]))
-        indices = self._path_indices(node)
-        table[row, protected:aligned] = indices[protected:aligned].to(table.dtype)
-        # Lock the new node before unlocking the old one, so a shared path never turns evictable in between.
-        self.inc_lock_ref(node)
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node)
+            # Another request cached these tokens meanwhile: the row takes the tree's slots, its own go back.
+            duplicates = slots[protected:cached]
+            free(torch.from_numpy(duplicates) if checked else duplicates)
+            indices = self._path_indices(node)
+            table[row, protected:cached] = indices[protected:cached].to(table.dtype)
+        else:
+            indices = self._to_device(slots)  # the row's slots are the path's: no gather from the tree
+        if below:
+            self._lock_below(node, req.last_node)  # the insert went on from last_node: node is below it
+        else:
+            # Lock the new node before unlocking the old one, so a shared path never turns evictable between.
+            self.inc_lock_ref(node)
+            if req.last_node is not None:
+                self.dec_lock_ref(req.last_node)
         req.last_node = node
         req.prefix_indices = indices
         req.cache_protected_len = aligned
@@ -395,13 +427,15 @@ class RadixCache(RadixTree):
                 f"protected={self._protected_size}, evictable_leaves={len(self._evictable)})")
 
 
-def request_token_ids(req: CachedRequest, num_tokens: int) -> array:
-    """The first `num_tokens` of `req.input_ids + req.output_ids` as an int64 array, by C-speed copies."""
+def request_token_ids(req: CachedRequest, end: int, start: int = 0) -> array | memoryview:
+    """Tokens start..end-1 of `req.input_ids + req.output_ids`, int64: a view of input_ids when they lie in the
+    prompt, else an array built by C-speed copies."""
     ids = req.input_ids
-    if num_tokens <= len(ids):
-        return array("q", ids[:num_tokens])
-    out = array("q", ids)
-    out.extend(req.output_ids[:num_tokens - len(ids)])
+    n = len(ids)
+    if end <= n:
+        return memoryview(ids)[start:end]
+    out = array("q", memoryview(ids)[start:]) if start < n else array("q")
+    out.extend(req.output_ids[max(start - n, 0):end - n])
     return out
 
 

@@ -172,6 +172,28 @@ class RadixTree:
             return Walk(node, matched, child, _common_prefix_bytes(key, view, matched, limit, page_bytes))
         return Walk(node, matched, None, 0)
 
+    def _next_page(self, view: memoryview, walk: Walk) -> bytes | None:
+        """The bytes of the page of `view` after where `walk` (a `_descend` of it) stopped at a whole node: what
+        a later walk would look up there; None when the key ends there, or the walk stopped inside an edge."""
+        end = walk.matched + self._page_bytes
+        return view[walk.matched:end].tobytes() if walk.child is None and end <= len(view) else None
+
+    def _walk_is_current(self, walk: Walk, next_page: bytes | None, namespace: str | None) -> bool:
+        """Whether `walk`, an earlier `_descend` of a key whose page after it is `next_page` (`_next_page`), is
+        still where a walk of that key would stop. A check of one node, not a walk.
+
+        Nodes leave the tree only as leaves (their parent set to None), keys change only by splits (which keep
+        a path's tokens), and a walk goes further only through a child with the key's next page: so the walk
+        still stops there while the child it went into partway is still its node's child (unsplit, not
+        evicted), or while its last node is in the tree and has no child for the next page.
+        """
+        node = walk.node
+        if walk.child is not None:
+            return walk.child.parent is node
+        if node.parent is None and node is not self._roots.get(namespace):
+            return False  # left the tree (or a root from before reset())
+        return next_page is None or next_page not in node.children
+
     def _walk_to_node(self, walk: Walk) -> TreeNode:
         """The node whose path is exactly what `walk` matched, splitting its child if the match ends inside it."""
         return walk.node if walk.child is None else self._split(walk.child, walk.into_child)
@@ -237,12 +259,7 @@ class RadixTree:
 
         Raises, changing nothing, if `node` is not a node of this tree (evicted, from before reset(), or
         another tree's)."""
-        root = self._check_node(node)
-        while node is not root:
-            if node.lock_ref == 0:
-                self._protect(node)
-            node.lock_ref += 1
-            node = node.parent
+        self._lock_below(node, self._check_node(node))
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Releases one `inc_lock_ref(node)`; nodes nobody uses become evictable. The root is a no-op.
@@ -254,7 +271,22 @@ class RadixTree:
             return
         if node.lock_ref <= 0:
             raise ValueError(f"dec_lock_ref on node {node.id}, which is not locked (lock_ref {node.lock_ref})")
-        while node is not root:
+        self._unlock(node)
+
+    def _lock_below(self, node: TreeNode, ancestor: TreeNode) -> None:
+        """Locks the nodes from `node` up to, not including, its `ancestor`. With a root as the ancestor it is
+        inc_lock_ref's body; with a request's locked last node it is inc_lock_ref(node) then
+        dec_lock_ref(ancestor), only the nodes between them changing, so the walk stops there instead of going
+        to the root twice (a request's lock moving down its own path as it is cached)."""
+        while node is not ancestor:
+            if node.lock_ref == 0:
+                self._protect(node)
+            node.lock_ref += 1
+            node = node.parent
+
+    def _unlock(self, node: TreeNode) -> None:
+        """dec_lock_ref's body, for a locked node of the tree (checked there, or a request's own last node)."""
+        while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._unprotect(node)

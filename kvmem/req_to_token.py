@@ -34,6 +34,9 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
+        # The same memory as a numpy array when the table is on the host (None on a GPU): the scheduler's
+        # small gathers and scatters cost a few us less through numpy than through torch's dispatch.
+        self.host_view: np.ndarray | None = self.req_to_token.numpy() if self.device.type == "cpu" else None
         # A stack of free rows: pop from the end so that recently freed (cache-warm) rows are reused first.
         self._free_rows: list[int] = list(range(size - 1, -1, -1))
         self._is_free = [True] * size
@@ -67,6 +70,11 @@ class ReqToTokenPool:
         for r in rows:
             self._is_free[r] = True
         self._free_rows.extend(reversed(rows))
+
+    def _free_row(self, row: int) -> None:
+        """free's body for one row its owner knows is allocated (the radix cache, for a Scheduler's request)."""
+        self._is_free[row] = True
+        self._free_rows.append(row)
 
     def write(self, index, values) -> None:
         """`req_to_token[index] = values`, with `index` a row, a (row, slice) pair or any tensor index.

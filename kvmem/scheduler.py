@@ -14,17 +14,20 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from time import perf_counter
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from kvmem._checks import check_int, check_number
-from kvmem._paging import round_up
+from kvmem._paging import num_new_pages, round_up
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.batch import ForwardMode, Req, ReqStatus, ScheduleBatch, check_parts
-from kvmem.radix_cache import RadixCache
+from kvmem.radix_cache import RadixCache, request_token_ids
+from kvmem.radix_tree import TOKEN_BYTES, TreeNode, Walk, key_bytes
 from kvmem.req_to_token import ReqToTokenPool
 from kvmem.timing import PhaseTimer
 
@@ -44,6 +47,14 @@ class SchedulerConfig:
         at least this many tokens, and recomputed when shorter (a copy costs more than a few tokens' prefill).
     init_new_token_ratio / min_new_token_ratio / new_token_ratio_decay: the share of running requests'
         remaining output tokens that admission keeps free.
+    cache_decode_pages: a running request's full pages of output count as cached as soon as they are written
+        (as vLLM caches them), so a request that continues them, or the request itself after a retraction,
+        reuses them; False caches output only when the request finishes (as SGLang does). The pages enter
+        the tree when a match reaches them or the request is retracted, so a decode step costs nothing more.
+    in_batch_prefix_caching: a waiting request whose next uncached page is one that a request admitted in the
+        same prefill batch computes waits for the next batch (with those behind it) and finds it cached there
+        (SGLang's in-batch prefix caching; vLLM gets the same hits by caching pages when they are scheduled).
+        Off: it computes the page again, beside the other.
     """
 
     schedule_policy: str = "lpm"
@@ -54,6 +65,8 @@ class SchedulerConfig:
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
+    cache_decode_pages: bool = True
+    in_batch_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -70,6 +83,9 @@ class SchedulerConfig:
                              f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
         if not self.new_token_ratio_decay >= 0:
             raise ValueError(f"new_token_ratio_decay must be >= 0, got {self.new_token_ratio_decay!r}")
+        for name in ("cache_decode_pages", "in_batch_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -81,14 +97,27 @@ class SchedulerStats:
     rejected: int = 0
 
 
+class DecodeRun(NamedTuple):
+    """What `Scheduler.run_decode` did: `steps` decode steps, the requests that finished in the last of them,
+    and after each step the KV slots in use and the evictable tokens (`[steps] int64` each)."""
+
+    steps: int
+    finished: list[Req]
+    tokens_used: np.ndarray
+    evictable_tokens: np.ndarray
+
+
 class Scheduler:
     """Admits, prefills (chunked), decodes and finishes requests over one set of pools and one tree.
 
     A request's prompt enters the tree as soon as it is prefilled (`cache_unfinished_req`, as SGLang
-    checkpoints it), so requests admitted while it decodes share it; its outputs enter when it finishes.
-    `timer`: a PhaseTimer that accumulates the seconds of "match" (each admitted request's match_prefix and
-    inc_lock_ref),
-    "prepare_extend", "prepare_decode" and "process" (process_batch_result); None times nothing.
+    checkpoints it), so requests admitted while it decodes share it; its outputs enter when it finishes, or
+    page by page as they are written (`SchedulerConfig.cache_decode_pages`).
+    `timer`: a PhaseTimer that accumulates the seconds of "rank" (ordering the waiting queue by cached prefix),
+    "match" (each admitted request's match_prefix and inc_lock_ref), "prepare_extend", "prepare_decode",
+    "process" (process_batch_result) and "decode_run" (`run_decode`), and inside those of "alloc" (slot
+    allocation), "evict" (radix-cache eviction) and "cache" (requests entering the tree: insert and frees);
+    None times nothing.
 
     >>> from kvmem import RadixCache, Req, ReqToTokenPool, Scheduler, TokenAllocator
     >>> pool, alloc = ReqToTokenPool(4, 64), TokenAllocator(256)
@@ -127,6 +156,20 @@ class Scheduler:
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = SchedulerStats()
         self._batch: ScheduleBatch | None = None
+        # Counts the calls that change the running requests' outputs: pure_decode_steps() caches the fewest
+        # output tokens one still lacks against it, since run_decode() asks again.
+        self._changes = 0
+        self._fewest_left = (-1, 0)
+        # Output tokens the running requests have still to generate, kept up to date as they change: admission
+        # reserves a share of it every step, and summing it over the batch then cost a tenth of the loop.
+        self._tokens_left = 0
+        # With cache_decode_pages: the running requests by the node where their cached prefix ends, and back
+        # (see _take_decode_pages).
+        self._tails: dict[TreeNode, list[Req]] = {}
+        self._tail_node: dict[Req, TreeNode] = {}
+        # Each waiting request's last ranking walk: (its key's bytes, the walk, the key's page after it, minus the
+        # prefix length), see _sort_waiting_by_prefix.
+        self._walks: dict[Req, tuple] = {}
 
     # ---- intake -------------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -146,6 +189,7 @@ class Scheduler:
             raise ValueError(f"request {req.rid!r} is already queued, running or finished ({req.status.value})")
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
+        self._changes += 1
         # A storage tier starts reading the prompt's pages now, while the request waits to be admitted.
         req.prefetch = self.tree_cache.prefetch(_match_key(req), req.namespace)
 
@@ -160,11 +204,12 @@ class Scheduler:
         """
         if self._batch is not None:
             raise RuntimeError("step() called before process_batch_result() for the previous batch")
+        self._changes += 1
         self.tree_cache.writing_check()
         batch = self._get_extend_batch()
         if batch is None and self.running:
             t0 = perf_counter() if self.timer is not None else 0.0
-            batch = ScheduleBatch._of(self.running, self.req_to_token_pool, self.token_allocator, self.tree_cache)
+            batch = self._new_batch(self.running)
             batch._prepare_for_decode()  # running requests, which add_request checked fit max_context_len
             if self.timer is not None:
                 self.timer.add("prepare_decode", perf_counter() - t0)
@@ -172,11 +217,13 @@ class Scheduler:
             self.stats.evicted_tokens += batch.evicted_tokens
             if batch.retracted:
                 self.stats.retractions += len(batch.retracted)
+                self._tokens_left -= sum(r.max_new_tokens - len(r.output_ids) for r in batch.retracted)
+                for req in batch.retracted:
+                    self._untrack_tail(req)
                 self.waiting.extendleft(reversed(batch.retracted))
                 self.new_token_ratio = self.config.init_new_token_ratio
             else:
-                self.new_token_ratio = max(self.config.min_new_token_ratio,
-                                           self.new_token_ratio - self.config.new_token_ratio_decay)
+                self._decay_new_token_ratio()
         self._batch = batch
         return batch
 
@@ -195,6 +242,7 @@ class Scheduler:
         if len(tokens) != batch.batch_size():
             raise ValueError(f"next_token_ids has {len(tokens)} tokens for a batch of {batch.batch_size()}")
         self._batch = None
+        self._changes += 1
         finished = self._process(batch, tokens)
         if self.timer is not None:
             self.timer.add("process", perf_counter() - t0)
@@ -204,15 +252,19 @@ class Scheduler:
         finished = []
         if batch.forward_mode is ForwardMode.EXTEND:
             for req, tok in zip(batch.reqs, tokens):
-                if not req.is_chunked():  # a middle chunk samples nothing
+                decoding = not req.is_chunked()  # a middle chunk samples nothing
+                if decoding:
                     req.output_ids.append(tok)
                     if req.finished():
                         self._finish(req, finished)
                         continue
                     self.running.append(req)
+                    self._tokens_left += req.max_new_tokens - len(req.output_ids)
                 # The prefilled tokens enter the tree now, as SGLang checkpoints every prefilled request:
                 # requests admitted while this one runs reuse them instead of waiting for it to finish.
-                self.tree_cache._cache_req(req, finished=False, checked=False)
+                self._cache(req, finished=False)
+                if decoding and self.config.cache_decode_pages:
+                    self._track_tail(req)
             return finished
         still_running = []
         for req, tok in zip(batch.reqs, tokens):
@@ -223,52 +275,217 @@ class Scheduler:
             else:
                 self._finish(req, finished)
         self.running = still_running
+        self._tokens_left -= len(batch.reqs)
         return finished
 
     def _finish(self, req: Req, finished: list[Req]) -> None:
-        self.tree_cache._cache_req(req, finished=True, checked=False)
+        if self._tail_node:
+            self._untrack_tail(req)
+        self._cache(req, finished=True)
         req.status = ReqStatus.FINISHED
         finished.append(req)
+
+    def _cache(self, req: Req, finished: bool) -> None:
+        """Puts a request's tokens into the tree (see RadixCache.cache_finished_req / cache_unfinished_req)."""
+        timer = self.timer
+        t0 = perf_counter() if timer is not None else 0.0
+        self.tree_cache._cache_req(req, finished=finished, checked=False)
+        if timer is not None:
+            timer.add("cache", perf_counter() - t0)
+
+    def _decay_new_token_ratio(self) -> None:
+        self.new_token_ratio = max(self.config.min_new_token_ratio,
+                                   self.new_token_ratio - self.config.new_token_ratio_decay)
+
+    def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
+        return ScheduleBatch._of(reqs, self.req_to_token_pool, self.token_allocator, self.tree_cache,
+                                 timer=self.timer, cache_decode_pages=self.config.cache_decode_pages)
+
+    # ---- decode runs, for simulators ----------------------------------------------------------------
+    def pure_decode_steps(self) -> int:
+        """How many of the next steps are decode steps that `run_decode` may take at once: steps that admit no
+        request (none waits, or the running batch is full, and no prompt is being prefilled in chunks),
+        retract none (their slots fit in free + evictable memory) and finish none before the last of them
+        (at most the fewest output tokens a running request still lacks). 0 when the next step is not one.
+        """
+        if self._batch is not None or self.chunked_req is not None or not self.running:
+            return 0
+        if self.waiting and len(self.running) < self.max_running:
+            return 0
+        if self._fewest_left[0] != self._changes:
+            self._fewest_left = (self._changes, min(r.max_new_tokens - len(r.output_ids) for r in self.running))
+        return self._fitting_decode_steps(self._fewest_left[1])
+
+    def _fitting_decode_steps(self, steps: int) -> int:
+        """How many of the next `steps` decode steps find their slots in free + evictable memory."""
+        room = self.token_allocator.available_size() + self.tree_cache.evictable_size()
+        if self.page_size == 1:
+            return min(steps, room // len(self.running))
+        kv, ps = _kv_lens(self.running), self.page_size
+        if int(num_new_pages(kv, kv + steps, ps).sum()) * ps <= room:
+            return steps
+        low, high = 0, steps  # the first `low` steps fit, `high` do not
+        while high - low > 1:
+            mid = (low + high) // 2
+            if int(num_new_pages(kv, kv + mid, ps).sum()) * ps <= room:
+                low = mid
+            else:
+                high = mid
+        return low
+
+    def run_decode(self, num_steps: int, outputs: Mapping) -> DecodeRun:
+        """Takes `num_steps` decode steps at once (1 <= num_steps <= pure_decode_steps()), as `num_steps`
+        rounds of step() and process_batch_result() would, without building the batches a model reads: the
+        same evictions at the same steps, the same slots taken, the same requests finishing in the last step,
+        the same stats. For a simulator, which executes no model and knows every output in advance.
+
+        outputs[rid]: the whole output of each running request (a sequence of ints); the tokens after those
+        it has are what it samples in these steps. Stops early, before a step that would have to retract a
+        request (which step() then does).
+        """
+        check_int("num_steps", num_steps, minimum=1)
+        if self._batch is not None:
+            raise RuntimeError("run_decode() called before process_batch_result() for the previous batch")
+        if num_steps > self.pure_decode_steps():
+            raise ValueError(f"num_steps {num_steps} exceeds pure_decode_steps() {self.pure_decode_steps()}")
+        for req in self.running:
+            if len(outputs[req.rid]) < req.max_new_tokens:
+                raise ValueError(f"request {req.rid!r}: its output has {len(outputs[req.rid])} of its "
+                                 f"{req.max_new_tokens} tokens")
+        timer = self.timer
+        t0 = perf_counter() if timer is not None else 0.0
+        self._changes += 1
+        steps, used, evictable = self._decode_steps(num_steps)
+        finished = self._append_outputs(steps, outputs) if steps else []
+        if steps:  # the last step's finishes released memory
+            used[steps - 1] = self.token_allocator.size - self.token_allocator.available_size()
+            evictable[steps - 1] = self.tree_cache.evictable_size()
+        if timer is not None:
+            timer.add("decode_run", perf_counter() - t0)
+        return DecodeRun(steps, finished, used[:steps], evictable[:steps])
+
+    def _decode_steps(self, num_steps: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """The memory side of run_decode: per step the writing check, the eviction of any shortfall and the
+        slots taken (counted, then allocated and written into req_to_token in one go for all the steps)."""
+        reqs, tree, alloc, ps = self.running, self.tree_cache, self.token_allocator, self.page_size
+        bs = len(reqs)
+        kv = _kv_lens(reqs)
+        # Requests whose kv_len is r modulo the page size open a new page at the steps j with (r + j) % ps == 0.
+        per_residue = np.bincount(kv % ps, minlength=ps) * ps if ps > 1 else None
+        used = np.empty(num_steps, dtype=np.int64)
+        evictable = np.empty(num_steps, dtype=np.int64)
+        available = alloc.available_size()
+        steps = evicted = 0
+        for j in range(num_steps):
+            tree.writing_check()  # as step() does first thing
+            need = bs if per_residue is None else int(per_residue[-j % ps])
+            if need > available + tree.evictable_size():
+                break  # this step retracts: step() takes it
+            short = need - available
+            if short > 0:
+                freed = self._evict(short)
+                evicted += freed
+                available += freed
+            available -= need
+            used[j] = alloc.size - available
+            evictable[j] = tree.evictable_size()
+            self._decay_new_token_ratio()
+            steps += 1
+        self.stats.decode_batches += steps
+        self.stats.evicted_tokens += evicted
+        if steps:
+            self._alloc_decode_run(kv, steps)
+        return steps, used, evictable
+
+    def _evict(self, num_tokens: int) -> int:
+        timer = self.timer
+        t0 = perf_counter() if timer is not None else 0.0
+        freed = self.tree_cache.evict(num_tokens)
+        if timer is not None:
+            timer.add("evict", perf_counter() - t0)
+        return freed
+
+    def _alloc_decode_run(self, kv: np.ndarray, steps: int) -> None:
+        """The slots of `steps` decode tokens for every running request, written after each one's kv_len."""
+        batch = self._new_batch(self.running)
+        seq = kv + steps
+        rows = np.fromiter((r.req_pool_idx for r in self.running), dtype=np.int64, count=len(self.running))
+        out = batch._alloc_extend(kv, seq, batch._last_loc(kv, rows))
+        if out is None:  # cannot happen: each step's slots were counted free, after its eviction
+            raise RuntimeError("decode-run allocation failed after eviction")
+        # Every request takes `steps` slots, in batch order: one [bs, steps] scatter writes them all.
+        cols = kv[:, None] + np.arange(steps, dtype=np.int64)
+        host = self.req_to_token_pool.host_view
+        if host is not None:
+            host[rows[:, None], cols] = out.cpu().numpy().reshape(-1, steps)
+        else:
+            table = self.req_to_token_pool.req_to_token
+            table[torch.from_numpy(rows).to(table.device)[:, None], torch.from_numpy(cols).to(table.device)] = \
+                out.view(-1, steps).to(table)
+
+    def _append_outputs(self, steps: int, outputs: Mapping) -> list[Req]:
+        """Each running request's next `steps` output tokens; the requests they finish go into the tree, in
+        batch order as process_batch_result finishes them. Returns those."""
+        finished, still_running = [], []
+        for req in self.running:
+            out = req.output_ids
+            n = len(out)
+            out.extend(outputs[req.rid][n:n + steps])
+            req.kv_len += steps
+            if n + steps < req.max_new_tokens:
+                still_running.append(req)
+            else:
+                self._finish(req, finished)
+        self._tokens_left -= steps * len(self.running)
+        self.running = still_running
+        return finished
 
     # ---- admission ----------------------------------------------------------------------------------
     def _get_extend_batch(self) -> ScheduleBatch | None:
         if not self.waiting and self.chunked_req is None:
             return None
         budget = self.config.chunked_prefill_size or float("inf")
-        free_tokens = self.token_allocator.available_size() - self._reserved_tokens()
+        # Room is read live at each check: a tiered cache's match loads host pages back, which takes device
+        # slots (after evicting for them), so free slots counted before it would overstate the room.
+        reserved = self._reserved_tokens()
         reqs: list[Req] = []
         chunked, self.chunked_req = self.chunked_req, None
         if chunked is not None:
             # Its whole prompt was charged when it was admitted; it continues without a new check.
-            budget, free_tokens = self._plan_extend(chunked, budget, free_tokens)
+            budget, reserved = self._plan_extend(chunked, budget, reserved)
             reqs.append(chunked)
-        timer = self.timer
+        timer, tree = self.timer, self.tree_cache
         can_admit = len(self.running) + len(reqs) < self.max_running and budget > 0 and self.chunked_req is None
         # Ranking the waiting window costs a tree walk per request: only when someone can be admitted.
         if can_admit and self.config.schedule_policy == "lpm":
+            t0 = perf_counter() if timer is not None else 0.0
             self._sort_waiting_by_prefix()
-        tree, alloc = self.tree_cache, self.token_allocator
+            if timer is not None:
+                timer.add("rank", perf_counter() - t0)
         while self.waiting and len(self.running) + len(reqs) < self.max_running and budget > 0 \
                 and self.chunked_req is None:
             req = self.waiting[0]
             t0 = perf_counter() if timer is not None else 0.0
-            free_before = alloc.available_size()
-            self._match(req, free_tokens + tree.evictable_size())
-            # A load-back takes free slots (evicting first when short): free_tokens follows what it took.
-            free_tokens += alloc.available_size() - free_before
-            tree.inc_lock_ref(req.last_node)
+            self._match(req, self.token_allocator.available_size() - reserved + tree.evictable_size())
+            # The node the match just returned: inc_lock_ref's body, without its walk checking the node's tree.
+            tree._lock_below(req.last_node, tree._root(req.namespace))
             if timer is not None:
                 timer.add("match", perf_counter() - t0)
-            if self._charge(req, req.prefix_indices.numel()) > free_tokens + tree.evictable_size():
-                tree.dec_lock_ref(req.last_node)
+            if self.config.in_batch_prefix_caching and self._next_page_in_batch(req, reqs):
+                tree._unlock(req.last_node)
+                break  # it and those behind it wait a step (no match of the whole queue)
+            room = self.token_allocator.available_size() - reserved + self.tree_cache.evictable_size()
+            if self._charge(req, req.prefix_indices.numel()) > room:
+                tree._unlock(req.last_node)
                 break
             self.waiting.popleft()
-            budget, free_tokens = self._plan_extend(req, budget, free_tokens)
+            self._walks.pop(req, None)
+            budget, reserved = self._plan_extend(req, budget, reserved)
             reqs.append(req)
         if not reqs:
             return None
         t1 = perf_counter() if timer is not None else 0.0
-        batch = ScheduleBatch._of(reqs, self.req_to_token_pool, self.token_allocator, self.tree_cache)
+        batch = self._new_batch(reqs)
         ok = batch._prepare_for_extend(*batch._extend_lens())  # admission built a valid batch
         if timer is not None:
             timer.add("prepare_extend", perf_counter() - t1)
@@ -279,6 +496,19 @@ class Scheduler:
         self.stats.prefill_batches += 1
         return batch
 
+    def _next_page_in_batch(self, req: Req, batch: list[Req]) -> bool:
+        """Whether the page after `req`'s cached prefix is one a request of this batch computes now, after the
+        same tokens: then `req` finds it cached a step later instead of computing it a second time now."""
+        start, ps = req.cache_protected_len, self.page_size
+        end = start + ps
+        if len(req.fill_ids) - 1 < end:  # the match key leaves the last token out
+            return False
+        head = memoryview(req.fill_ids)[:end]
+        for other in batch:
+            if other.extend_end >= end and request_token_ids(other, end) == head:
+                return True
+        return False
+
     def _undo_admission(self, reqs: list[Req], chunked: Req | None) -> None:
         """Puts back what `_get_extend_batch` took when its allocation failed (tree and pools unchanged)."""
         self.chunked_req = chunked
@@ -287,14 +517,14 @@ class Scheduler:
             self.tree_cache.dec_lock_ref(req.last_node)
         self.waiting.extendleft(reversed(fresh))
 
-    def _plan_extend(self, req: Req, budget: float, free_tokens: int) -> tuple[float, int]:
-        """Sets how far this step prefills `req` and charges the budget and free room for it."""
+    def _plan_extend(self, req: Req, budget: float, reserved: int) -> tuple[float, int]:
+        """Sets how far this step prefills `req` and charges the budget and the reserved room for it."""
         start = req.kv_len if req.status is ReqStatus.RUNNING else req.prefix_indices.numel()
         end = min(len(req.fill_ids), start + budget)
         req.extend_end = int(end)
         if req.is_chunked():
             self.chunked_req = req
-        return budget - (end - start), free_tokens - self._charge(req, start)
+        return budget - (end - start), reserved + self._charge(req, start)
 
     def _charge(self, req: Req, start: int) -> int:
         """Room admission keeps for `req`: slots (whole pages) for the rest of its prompt from token
@@ -305,8 +535,7 @@ class Scheduler:
         return min(round_up(fill, ps) - done + int(left * self.new_token_ratio), round_up(fill + left, ps) - done)
 
     def _reserved_tokens(self) -> int:
-        reqs = self.running
-        return int(sum(r.max_new_tokens - len(r.output_ids) for r in reqs) * self.new_token_ratio)
+        return int(self._tokens_left * self.new_token_ratio)
 
     def _match(self, req: Req, room: int) -> None:
         """Matches the request's prefix; with a tiered cache, loads its host-only part back to the device when
@@ -316,7 +545,13 @@ class Scheduler:
         if req.prefetch is not None:
             from_storage = self.tree_cache.finish_prefetch(req.prefetch)
             req.prefetch = None
-        m = self.tree_cache.match_prefix(_match_key(req), req.namespace)
+        key = _match_key(req)
+        m = self.tree_cache.match_prefix(key, req.namespace)
+        if m.last_node in self._tails and m.host_hit_length == 0:  # a running request's output may continue it
+            view = key_bytes("key", key)
+            while m.host_hit_length == 0 and self._take_decode_pages(view, m.last_node,
+                                                                     m.indices.numel() * TOKEN_BYTES):
+                m = self.tree_cache.match_prefix(key, req.namespace)
         indices, node = m.indices, m.last_node
         req.host_hit_len = req.storage_hit_len = 0
         host = m.host_hit_length
@@ -332,13 +567,73 @@ class Scheduler:
         req.cache_protected_len = indices.numel()
 
     def _sort_waiting_by_prefix(self) -> None:
-        """Puts the first `lpm_window` waiting requests with the longest cached prefixes first. Ranking
-        uses the tree's read-only `prefix_len`: at saturation the window is ranked every step while few
-        are admitted, and a full match (split, index gather) for each would dominate the loop."""
+        """Puts the first `lpm_window` waiting requests with the longest cached prefixes first (arrival order
+        among equals). Ranking walks the tree read-only (no split, no access-time or hit-count update, no index
+        gather): at saturation the window is ranked every step while few are admitted, and a full match for
+        each would dominate the loop. For the same reason each request's walk is kept (`_walks`) and taken
+        again only when the tree changed where it stopped."""
         window = [self.waiting.popleft() for _ in range(min(self.config.lpm_window, len(self.waiting)))]
-        prefix_len = self.tree_cache.prefix_len
-        window.sort(key=lambda r: -prefix_len(_match_key(r), r.namespace))  # stable: arrival order among equals
+        window.sort(key=self._rank)
         self.waiting.extendleft(reversed(window))
+
+    def _rank(self, req: Req) -> int:
+        tree, ns = self.tree_cache, req.namespace
+        kept = self._walks.get(req)
+        if kept is None or not tree._walk_is_current(kept[1], kept[2], ns):
+            view = key_bytes("key", _match_key(req)) if kept is None else kept[0]  # fixed while it waits
+            kept = self._keep_walk(req, view, tree._prefix_walk(view, ns))
+        walk = kept[1]
+        if walk.child is None and walk.node in self._tails:  # a running request's output may continue it
+            view = kept[0]
+            while walk.child is None and self._take_decode_pages(view, walk.node, walk.matched):
+                walk = tree._prefix_walk(view, ns)
+            kept = self._keep_walk(req, view, walk)
+        return kept[3]
+
+    def _keep_walk(self, req: Req, view: memoryview, walk: Walk) -> tuple:
+        kept = self._walks[req] = (view, walk, self.tree_cache._next_page(view, walk), -walk.num_tokens)
+        return kept
+
+    # ---- output pages of running requests ------------------------------------------------------------
+    def _take_decode_pages(self, view: memoryview, node: TreeNode, matched: int) -> bool:
+        """With cache_decode_pages: when a walk of a key (`view`, its bytes) ends at `node` after `matched`
+        bytes, where a running request's cached prefix ends, and the key goes on with that request's next full
+        page of output, puts the request's full pages into the tree (the walk may go further now) and returns
+        True.
+
+        Decode steps write output pages without inserting them, so that a step costs what it did: a match is
+        the only thing that could see them, and here it finds what inserting them as written would have given.
+        """
+        candidates = self._tails.get(node)
+        if not candidates:
+            return False
+        ps = self.page_size
+        page_bytes = ps * TOKEN_BYTES
+        if len(view) < matched + page_bytes:
+            return False
+        page = view[matched:matched + page_bytes]
+        start = matched // TOKEN_BYTES
+        for r in candidates:
+            if r.kv_len - r.kv_len % ps - r.cache_protected_len >= ps and \
+                    memoryview(request_token_ids(r, start + ps, start)).cast("B") == page:
+                self._untrack_tail(r)
+                self._cache(r, finished=False)  # its full pages up to kv_len; the rest are not written yet
+                self._track_tail(r)
+                return True
+        return False
+
+    def _track_tail(self, req: Req) -> None:
+        node = req.last_node
+        self._tail_node[req] = node
+        self._tails.setdefault(node, []).append(req)
+
+    def _untrack_tail(self, req: Req) -> None:
+        node = self._tail_node.pop(req, None)
+        if node is not None:
+            reqs = self._tails[node]
+            reqs.remove(req)
+            if not reqs:
+                del self._tails[node]
 
     # ---- checks -------------------------------------------------------------------------------------
     def held_by_requests(self) -> int:
@@ -354,7 +649,8 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Raises AssertionError unless free + evictable + protected + held by requests == total,
-        and the tree's own invariants hold."""
+        the output tokens the running requests still owe are counted right, and the tree's own invariants
+        hold."""
         self.tree_cache.check_invariants()
         free = self.token_allocator.available_size()
         evictable = self.tree_cache.evictable_size()
@@ -364,6 +660,13 @@ class Scheduler:
         if free + evictable + protected + held != total:
             raise AssertionError(f"memory leak or double count: free {free} + evictable {evictable} + protected "
                                  f"{protected} + held by requests {held} != total {total}")
+        left = sum(r.max_new_tokens - len(r.output_ids) for r in self.running)
+        if left != self._tokens_left:
+            raise AssertionError(f"running requests owe {left} output tokens, the count says {self._tokens_left}")
+
+
+def _kv_lens(reqs: list[Req]) -> np.ndarray:
+    return np.fromiter((r.kv_len for r in reqs), dtype=np.int64, count=len(reqs))
 
 
 def _token_ids(next_token_ids) -> array:

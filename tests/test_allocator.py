@@ -377,3 +377,18 @@ def test_alloc_decode_gives_the_same_slots_as_a_one_token_extend(data):
     extend = twins[1].alloc_extend(lens, seq, last)
     assert (decode is None and extend is None) or decode.tolist() == extend.tolist()
     assert twins[0].available_size() == twins[1].available_size()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_owned_free_gives_slots_back_like_free_even_before_their_flags_are_set(page_size):
+    import numpy as np
+
+    alloc = TokenAllocator(64) if page_size == 1 else PagedTokenAllocator(64, page_size)
+    slots = alloc.alloc(16)  # handed out, their allocated flags not yet written (lazily, on the next read)
+    alloc._free_owned(slots.numpy().astype(np.int64))
+    assert alloc.available_size() == 64
+    assert not alloc.is_allocated(slots).any()
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.free(slots)
+    again = alloc.alloc(64)
+    assert sorted(again.tolist()) == list(range(page_size, 64 + page_size))

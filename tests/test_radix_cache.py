@@ -5,6 +5,8 @@ from array import array
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.batch import Req
@@ -603,3 +605,77 @@ def test_a_memoryview_of_an_int64_array_is_a_key():
     key = memoryview(array("q", [1, 2, 3, 9]))[:-1]
     assert cache.prefix_len(key) == 3
     assert len(cache.match_prefix(key).indices) == 3
+
+
+# ---- a waiting request's ranking walk, kept between steps ---------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_a_kept_walk_said_current_is_the_walk_a_fresh_descent_takes(data):
+    from kvmem.radix_tree import key_bytes
+
+    page_size = data.draw(st.sampled_from([1, 2]))
+    cache, _ = make_cache(size=96, page_size=page_size)
+    keys = [data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=12)) for _ in range(4)]
+    views = [key_bytes("key", k) for k in keys]
+    kept = []
+    for _ in range(data.draw(st.integers(1, 12))):
+        kept = [(v, cache._prefix_walk(v, None)) for v in views]
+        kept = [(v, w, cache._next_page(v, w)) for v, w in kept]
+        for _ in range(data.draw(st.integers(1, 3))):
+            op = data.draw(st.sampled_from(["insert", "evict", "match"]))
+            tokens = data.draw(st.lists(st.integers(1, 3), min_size=page_size, max_size=12))
+            tokens = tokens[:len(tokens) // page_size * page_size]
+            if op == "insert" and cache.token_allocator.available_size() >= len(tokens):
+                put(cache, tokens)
+            elif op == "evict":
+                cache.evict(data.draw(st.integers(0, 12)))
+            else:
+                cache.match_prefix(tokens)  # may split an edge
+        for view, walk, page in kept:
+            if cache._walk_is_current(walk, page, None):
+                fresh = cache._prefix_walk(view, None)
+                assert (fresh.node, fresh.num_tokens) == (walk.node, walk.num_tokens)
+        cache.check_invariants()
+
+
+def test_a_kept_walk_goes_stale_when_its_end_is_evicted_or_the_tree_grows_past_it():
+    from kvmem.radix_tree import key_bytes
+
+    cache, _ = make_cache()
+    put(cache, [1, 2, 3, 4])
+    view = key_bytes("key", [1, 2, 3, 4, 5, 6])
+    walk = cache._prefix_walk(view, None)
+    page = cache._next_page(view, walk)
+    assert walk.num_tokens == 4 and cache._walk_is_current(walk, page, None)
+    put(cache, [1, 2, 3, 4, 5])  # a child with the key's next token
+    assert not cache._walk_is_current(walk, page, None)
+    walk = cache._prefix_walk(view, None)
+    page = cache._next_page(view, walk)
+    cache.evict(64)
+    assert not cache._walk_is_current(walk, page, None) and cache._prefix_walk(view, None).num_tokens == 0
+
+
+# ---- a request's tokens inserted from its locked prefix ------------------------------------------------------
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_inserting_below_a_requests_prefix_node_builds_the_tree_an_insert_from_the_root_builds(page_size):
+    trees = []
+    for below in (False, True):
+        cache, alloc = make_cache(size=256, page_size=page_size)
+        put(cache, list(range(1, 17)))
+        put(cache, list(range(1, 9)) + [50] * 8)
+        m = cache.match_prefix(list(range(1, 13)))
+        node, matched = m.last_node, len(m.indices)
+        tokens = list(range(1, 13)) + [70] * 8 + list(range(13, 17))
+        slots = alloc.alloc(len(tokens))
+        if below:
+            new, last = cache._insert(array("q", tokens[matched:]), slots[matched:].numpy(), 0, checked=False,
+                                      below=node)
+            new += matched
+        else:
+            new, last = cache._insert(tokens, slots, 0)
+        alloc.free(slots[:new])  # what was cached already stays the caller's
+        trees.append((new, path_tokens(cache, last), cached_sequences(cache), cache.evictable_size()))
+        cache.check_invariants()
+    assert trees[0] == trees[1]

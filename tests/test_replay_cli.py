@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from kvmem.replay import cli
 from kvmem.replay.cli import DEFAULT_CAPACITY_TOKENS, main
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.report import ReplayReport
@@ -28,6 +29,7 @@ def fake_replay(monkeypatch):
         return report
 
     monkeypatch.setitem(sys.modules, "kvmem.replay.simulator", types.SimpleNamespace(replay=replay))
+    monkeypatch.setattr(cli, "default_jobs", lambda: 1)  # sweeps in this process, where the stand-in is
     return calls
 
 
@@ -238,3 +240,69 @@ def test_plot_option_writes_the_plots_named_in_the_report(capsys, fake_replay, t
     assert [Path(p).name for p in json.loads(out)["plots"]] == ["memory_use.png", "hit_rate.png"]
     code, out, _ = run(capsys, "--limit", "3", "--sweep", "1000,2000", "--plot", str(tmp_path / "sweep"))
     assert code == 0 and Path(json.loads(out)["plots"][0]).exists()
+
+
+# ---- time, the summary, the tour ----------------------------------------------------------------------------
+
+def test_a_gpu_server_prices_the_clock_and_sizes_the_cache(capsys, fake_replay):
+    from kvmem.replay.cost import RooflineCost
+
+    code, out, _ = run(capsys, "--limit", "3", "--gpu", "H100", "--model", "llama-3-70b", "--tp", "8",
+                       "--page-size", "16")
+    assert code == 0
+    config = fake_replay[0][1]
+    assert (config.gpu, config.model, config.tp, config.kv_bytes_per_token) == ("H100", "llama-3-70b", 8, 327680)
+    assert config.capacity_tokens == RooflineCost("H100", "llama-3-70b", 8).kv_capacity_tokens(16)
+    assert config.h2d_gbps == config.d2h_gbps == 50.0  # the H100's host link
+    code, _, _ = run(capsys, "--limit", "3", "--gpu", "A100", "--capacity-tokens", "5000", "--kv-cache-dtype",
+                     "fp8_e4m3")
+    config = fake_replay[1][1]
+    assert code == 0 and config.capacity_tokens == 5000 and config.model == "llama-3-8b"
+    assert config.h2d_gbps == 25.0 and config.kv_bytes_per_token == 65536
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--tp", "2"], "--tp needs --gpu"),
+    (["--gpu", "H100", "--model", "deepseek-v3"], "leave no room for a KV cache"),
+    (["--gpu", "V100"], "invalid choice"),
+    (["--jobs", "0"], "positive int"),
+])
+def test_bad_gpu_options_exit_2_with_one_line(capsys, fake_replay, argv, fragment):
+    assert_one_line_error(*run(capsys, *argv), fragment)
+
+
+def test_caching_switches_reach_the_replay_config(capsys, fake_replay):
+    assert run(capsys, "--limit", "2")[0] == 0
+    assert fake_replay[0][1].cache_decode_pages and not fake_replay[0][1].in_batch_prefix_caching
+    assert run(capsys, "--limit", "2", "--no-cache-decode-pages", "--in-batch-prefix-caching")[0] == 0
+    assert not fake_replay[1][1].cache_decode_pages and fake_replay[1][1].in_batch_prefix_caching
+
+
+def test_a_human_summary_goes_to_stderr_unless_json_only(capsys, fake_replay):
+    code, out, err = run(capsys, "--limit", "4", "--no-progress")
+    assert code == 0 and "hit rate" in err and "TTFT p50 / p90 / p99" in err and json.loads(out)["requests"] == 4
+    code, out, err = run(capsys, "--limit", "4", "--no-progress", "--json-only")
+    assert code == 0 and err == "" and json.loads(out)["requests"] == 4
+    code, _, err = run(capsys, "--limit", "4", "--no-progress", "--sweep", "1000,2000")
+    assert code == 0 and "capacity" in err.splitlines()[2] and len(err.splitlines()) == 5
+
+
+def test_no_arguments_at_all_tours_capacities_with_and_without_a_host_tier(capsys, fake_replay):
+    code, out, err = run(capsys)
+    assert code == 0
+    report = json.loads(out)
+    points = [(c.capacity_tokens, c.host_capacity_tokens, c.gpu, c.tp) for _, c, _ in fake_replay]
+    full = points[-1][0]
+    assert [p[1] for p in points] == [None, 4 * points[0][0], None, 4 * full]
+    assert points[0][0] == full // 4 and {p[2:] for p in points} == {("H100", 2)}
+    assert len(report["sweep"]) == 4 and "The tour" in err
+
+
+def test_a_sweep_runs_its_replays_in_worker_processes(capsys, tmp_path):
+    path = write_trace(tmp_path, ['{"input_ids": [%s], "output_len": 3}' % ", ".join(map(str, range(i, i + 40)))
+                                  for i in range(6)])
+    code, out, err = run(capsys, str(path), "--sweep", "64,128,4096", "--jobs", "2", "--no-progress")
+    assert code == 0
+    sweep = json.loads(out)["sweep"]
+    assert [r["capacity_tokens"] for r in sweep] == [64, 128, 4096]
+    assert all(r["requests"] == 6 and r["output_tokens"] == 18 for r in sweep)

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from kvmem.replay.synthetic import agentic_tool_loops, multi_turn_chat, shared_system_prompts
 from kvmem.replay.traces import (
     BLOCK_SIZE,
+    OUTPUT_ID_HIGH,
+    OUTPUT_ID_LOW,
     MooncakeTrace,
     TokenTrace,
     TraceError,
@@ -49,7 +51,17 @@ def test_mooncake_reader_keeps_lengths_arrivals_and_order(tmp_path):
     assert (a.input_ids.size, a.output_len, a.arrival_s) == (700, 5, 0.0)
     assert (b.input_ids.size, b.output_len, b.arrival_s) == (1500, 9, 2.5)
     assert trace.prompt_tokens == 2200 and trace.max_context_len == 1509
-    assert a.input_ids.dtype == np.int32 and a.output_ids is None
+    assert a.input_ids.dtype == np.int32 and a.output_ids is None and a.output_tokens().size == 5
+
+
+def test_mooncake_outputs_are_a_function_of_the_prompt_drawn_like_synthetic_outputs(tmp_path):
+    rows = [mooncake_row([0, 1], 700, 40), mooncake_row([0, 1], 700, 60), mooncake_row([0, 1], 699, 40),
+            mooncake_row([0, 2], 700, 40)]
+    a, longer, shorter_prompt, other = (r.output_tokens() for r in read_trace(write_lines(tmp_path, rows)))
+    assert np.array_equal(longer[:40], a)  # prefix-consistent, as synthetic_output_ids
+    assert (a != shorter_prompt).sum() > 30 and (a != other).sum() > 30
+    assert a.dtype == np.int32 and a.min() >= OUTPUT_ID_LOW and a.max() < OUTPUT_ID_HIGH
+    assert np.array_equal(read_trace(write_lines(tmp_path, rows))[0].output_tokens(), a)
 
 
 def test_equal_leading_hash_ids_share_exactly_those_tokens(tmp_path):
@@ -244,6 +256,16 @@ def test_trace_request_holds_a_read_only_int32_prompt():
 def test_trace_request_rejects_bad_fields(args, match):
     with pytest.raises((ValueError, TypeError), match=match):
         TraceRequest(*args)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**64 - 1), st.integers(0, 3000), st.integers(1, 40), st.integers(1, 2000))
+def test_bulk_draws_are_randrange_draws(seed, n, low, width):
+    from kvmem.replay.traces import _randrange_bulk
+
+    rng = random.Random(seed)
+    expected = [rng.randrange(low, low + width) for _ in range(n)]
+    assert _randrange_bulk(random.Random(seed), low, low + width, n).tolist() == expected
 
 
 def test_synthetic_outputs_are_the_peers_drivers_outputs():

@@ -462,3 +462,162 @@ def test_an_empty_batch_is_refused_with_a_clear_error():
     pool, alloc = ReqToTokenPool(4, 64), TokenAllocator(64)
     with pytest.raises(ValueError, match="the batch is empty"):
         ScheduleBatch([], pool, alloc, RadixCache(pool, alloc)).prepare_for_extend()
+
+
+# ---- decode runs (simulators) -------------------------------------------------------------------------------
+
+def tree_shape(tree):
+    """What the cache holds, node by node: (path tokens, lock) pairs, and the sizes."""
+    out, stack = [], [(tree.root_node, ())]
+    while stack:
+        node, path = stack.pop()
+        for child in node.children.values():
+            key = path + tuple(child.token_ids())
+            out.append((key, child.lock_ref))
+            stack.append((child, key))
+    return sorted(out), tree.evictable_size(), tree.protected_size()
+
+
+def drive(sched, reqs, outputs, use_runs):
+    """Steps `sched` to idle with the outputs known in advance; with use_runs, pure decode stretches go through
+    run_decode. Returns the (tokens used, evictable) sample after every step and the finish order."""
+    for r in reqs:
+        sched.add_request(r)
+    samples, finished = [], []
+    alloc = sched.token_allocator
+    while not sched.is_idle():
+        steps = sched.pure_decode_steps() if use_runs else 0
+        if steps:
+            run = sched.run_decode(steps, outputs)
+            samples += list(zip(run.tokens_used.tolist(), run.evictable_tokens.tolist()))
+            finished += [r.rid for r in run.finished]
+        else:
+            batch = sched.step()
+            done = sched.process_batch_result(batch, [outputs[r.rid][len(r.output_ids)] for r in batch.reqs])
+            samples.append((alloc.size - alloc.available_size(), sched.tree_cache.evictable_size()))
+            finished += [r.rid for r in done]
+        sched.check_invariants()
+    return samples, finished
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("seed", range(3))
+def test_run_decode_leaves_every_step_as_stepping_one_by_one_would(page_size, seed):
+    rng = random.Random(seed)
+    systems = [[rng.randrange(10, 30000) for _ in range(200)] for _ in range(2)]
+    specs = [(rng.choice(systems) + [rng.randrange(10, 30000) for _ in range(rng.randint(1, 150))],
+              rng.randint(1, 150)) for _ in range(30)]
+    outputs = {i: [rng.randrange(10, 30000) for _ in range(n)] for i, (_, n) in enumerate(specs)}
+    results = []
+    for use_runs in (False, True):
+        # Small enough to evict in decode and, with no room reserved for outputs, to retract.
+        sched = make_scheduler(1200, page_size, schedule_policy="fcfs", max_running_requests=8,
+                               init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+        reqs = [Req(i, p, n) for i, (p, n) in enumerate(specs)]
+        samples, finished = drive(sched, reqs, outputs, use_runs)
+        results.append((samples, finished, [r.output_ids for r in reqs], tree_shape(sched.tree_cache),
+                        sched.stats, sched.new_token_ratio, sched.token_allocator.available_size()))
+    assert results[0] == results[1]
+    assert results[1][4].evicted_tokens > 0 and results[1][4].retractions > 0
+
+
+def test_pure_decode_steps_stop_at_the_first_finish_and_at_a_possible_admission():
+    sched = make_scheduler(4096, 1, max_running_requests=2)
+    a, b, c = Req("a", [1, 2, 3], 5), Req("b", [4, 5, 6], 9), Req("c", [7, 8], 3)
+    for r in (a, b):
+        sched.add_request(r)
+    sched.process_batch_result(sched.step(), [9, 9])
+    assert sched.pure_decode_steps() == 4  # a has 4 tokens to go: the run ends with its finish
+    sched.add_request(c)
+    assert sched.pure_decode_steps() == 4  # c waits, but two are running: it cannot be admitted
+    run = sched.run_decode(4, {"a": [9] * 5, "b": [9] * 9})
+    assert run.steps == 4 and [r.rid for r in run.finished] == ["a"] and sched.running == [b]
+    assert sched.pure_decode_steps() == 0  # now c can be admitted
+
+
+def test_run_decode_refuses_more_steps_than_are_pure_and_short_outputs():
+    sched = make_scheduler(4096, 1)
+    sched.add_request(Req("a", [1, 2, 3], 5))
+    sched.process_batch_result(sched.step(), [9])
+    with pytest.raises(ValueError, match="exceeds pure_decode_steps"):
+        sched.run_decode(5, {"a": [9] * 5})
+    with pytest.raises(ValueError, match="its output has 3"):
+        sched.run_decode(2, {"a": [9] * 3})
+    assert sched.running[0].output_ids == [9] and sched.running[0].kv_len == 3
+
+
+# ---- output pages of running requests ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("cache_decode_pages", [True, False])
+def test_a_request_that_continues_a_running_requests_output_hits_its_written_pages(page_size, cache_decode_pages):
+    sched = make_scheduler(4096, page_size, cache_decode_pages=cache_decode_pages)
+    prompt = list(range(100, 132))
+    a = Req("a", prompt, 40)
+    sched.add_request(a)
+    model = FakeModel(sched)
+    for _ in range(21):  # prefill, then 20 decode steps: a has 21 outputs, 20 of them in KV
+        batch = sched.step()
+        sched.process_batch_result(batch, model.forward(batch))
+    b = Req("b", prompt + a.output_ids[:12] + [7, 7, 7], 2)  # a follow-up quoting 12 of a's outputs
+    sched.add_request(b)
+    batch = sched.step()
+    expected = 32 + 12 // page_size * page_size if cache_decode_pages else 32
+    assert len(b.prefix_indices) == expected and b in batch.reqs
+    sched.process_batch_result(batch, model.forward(batch))
+    while not sched.is_idle():
+        batch = sched.step()
+        sched.process_batch_result(batch, model.forward(batch))
+        sched.check_invariants()
+    assert a.output_ids == expected_output(a)
+
+
+@pytest.mark.parametrize("cache_decode_pages", [True, False])
+def test_a_retracted_request_leaves_its_written_output_pages_cached(cache_decode_pages):
+    sched = make_scheduler(256, 4, max_running_requests=4, cache_decode_pages=cache_decode_pages)
+    reqs = [Req(i, [i * 50 + t for t in range(1, 33)], 20) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    model = FakeModel(sched)
+    for _ in range(9):  # prefill and 8 decode steps: 40 tokens of each in KV
+        batch = sched.step()
+        sched.process_batch_result(batch, model.forward(batch))
+    hoard = sched.token_allocator.alloc(sched.token_allocator.available_size())
+    batch = ScheduleBatch._of(list(sched.running), sched.req_to_token_pool, sched.token_allocator,
+                              sched.tree_cache, cache_decode_pages=cache_decode_pages)
+    victim = batch.retract_decode()[0]
+    cached = len(sched.tree_cache.match_prefix(list(victim.fill_ids)).indices)
+    assert cached == (40 if cache_decode_pages else 32)  # its prompt and, like vLLM, the pages it decoded
+    assert sched.token_allocator.available_size() + sched.tree_cache.evictable_size() >= 8
+    sched.token_allocator.free(hoard)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_in_batch_prefix_caching_makes_a_sharer_wait_a_step_and_hit(page_size):
+    system = list(range(1000, 1064))
+    batches, hits = {}, {}
+    for in_batch in (False, True):
+        sched = make_scheduler(8192, page_size, schedule_policy="fcfs", in_batch_prefix_caching=in_batch)
+        reqs = [Req("a", system + [1, 2], 3), Req("b", system + [3, 4], 3), Req("c", [5] * 40, 3)]
+        for r in reqs:
+            sched.add_request(r)
+        model, admitted = FakeModel(sched), []
+        while not sched.is_idle():
+            batch = sched.step()
+            if batch.forward_mode is ForwardMode.EXTEND:
+                admitted.append([r.rid for r in batch.reqs])
+                hits.update({(in_batch, r.rid): len(r.prefix_indices) for r in batch.reqs})
+            sched.process_batch_result(batch, model.forward(batch))
+            sched.check_invariants()
+        batches[in_batch] = admitted
+        assert all(r.output_ids == expected_output(r) for r in reqs)
+    assert batches[False] == [["a", "b", "c"]] and hits[False, "b"] == 0
+    # b's next page is one a computes in the same batch: b (and c behind it) wait a step, and b hits it.
+    assert batches[True] == [["a"], ["b", "c"]] and hits[True, "b"] == 64
+
+
+def test_scheduler_config_refuses_non_bool_switches():
+    with pytest.raises(ValueError, match="cache_decode_pages"):
+        SchedulerConfig(cache_decode_pages=1)
+    with pytest.raises(ValueError, match="in_batch_prefix_caching"):
+        SchedulerConfig(in_batch_prefix_caching="yes")

@@ -90,3 +90,19 @@ def test_engine_benchmark_on_cpu_reports_both_workloads(capsys):
                          for w in ("prefix_reuse", "no_reuse")}
     assert all(rows[m, "prefix_reuse"]["hit_rate"] > 0 == rows[m, "no_reuse"]["hit_rate"] for m, _ in rows)
     assert all(r["output_tokens_per_s"] > 0 for r in rows.values())
+
+
+@pytest.mark.skipif(not (SCRIPTS.parents[1] / "shared" / "peers" / "sglang_driver.py").exists(),
+                    reason="../shared/peers is not beside the checkout")
+def test_replay_benchmark_runs_kvmem_on_the_peers_workload_and_skips_missing_peers(tmp_path):
+    out = tmp_path / "report.json"
+    report = run_script("bench_replay.py", "--sizes", "80", "--page-sizes", "1,16", "--out", str(out),
+                        "--vllm-python", "/nonexistent/python", "--sglang-python", "/nonexistent/python")
+    assert json.loads(out.read_text()) == report
+    assert [(r["requests"], r["page_size"]) for r in report["rows"]] == [(80, 1), (80, 16)]
+    for row in report["rows"]:
+        kvmem = row["kvmem"]
+        assert set(kvmem) == {"vllm", "decode_pages", "in_batch", "sglang"}
+        assert kvmem["vllm"]["cache_s"] > 0 and kvmem["vllm"]["hit_rate"] >= kvmem["sglang"]["hit_rate"] > 0
+        assert "not found" in row["vllm"]["error"] and row["ratios"]["vllm_cache_ops_plus_hash"] is None
+    assert report["kvmem_faster_than_vllm_cache_ops_plus_hash"] is False

@@ -1,8 +1,10 @@
 """`kvmem-replay`: replay a trace through kvmem's scheduler and radix cache, print a JSON report.
 
-The JSON report is the last thing written to stdout; warnings and the progress bar go to stderr. Every
-user error (bad option, unreadable or malformed trace, unknown model) is one line on stderr and exit
-status 2, never a traceback.
+The JSON report is the last thing written to stdout; warnings, the progress bar and a short human summary
+(a table; `--json-only` leaves it out) go to stderr. Every user error (bad option, unreadable or malformed
+trace, unknown model) is one line on stderr and exit status 2, never a traceback. With no arguments at all it
+tours what kvmem is for: the embedded trace on a small GPU server at a few KV capacities, without and with
+a host tier (`TOUR_ARGS`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +26,8 @@ from kvmem.replay.config import (
     WRITE_POLICIES,
     ReplayConfig,
 )
-from kvmem.replay.report import require_matplotlib, write_sweep_plot
+from kvmem.replay.cost import DEFAULT_MODEL, GPUS, RooflineCost
+from kvmem.replay.report import format_summary, require_matplotlib, write_sweep_plot
 from kvmem.replay.traces import Trace, TraceError, default_trace_path, read_trace
 
 PROG = "kvmem-replay"
@@ -31,6 +35,12 @@ DEFAULT_CAPACITY_TOKENS = 1 << 18  # 262,144: e.g. Llama-3-8B's bf16 KV in 32 Gi
 SWEEP_FACTORS = (1 / 8, 1 / 4, 1 / 2, 1, 2, 4)  # --sweep without a list: these multiples of the capacity
 SYNTHETIC_FORMATS = ("synthetic-system", "synthetic-chat", "synthetic-agent")
 MAX_WARNINGS = 20  # skipped-line warnings printed one by one; the rest are counted
+# `kvmem-replay` with no arguments: the embedded trace on 2 x H100 serving Llama-3-8B (busy enough at the
+# trace's arrival rate for the cache to show in TTFT), at TOUR_FACTORS of the KV capacity their memory leaves,
+# each without and with a host tier TOUR_HOST_FACTOR times the device's.
+TOUR_ARGS = ("--gpu", "H100", "--tp", "2", "--model", DEFAULT_MODEL)
+TOUR_FACTORS = (1 / 4, 1)
+TOUR_HOST_FACTOR = 4
 
 
 class _UsageError(Exception):
@@ -102,10 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     host.add_argument("--host-mem-gb", type=_positive_float, metavar="G", help="the host tier in GiB; needs --model")
     p.add_argument("--write-policy", default="write_through", choices=WRITE_POLICIES,
                    help="when the host tier copies device pages (default write_through)")
-    p.add_argument("--h2d-gbps", type=_positive_float, default=DEFAULT_PCIE_GBPS, metavar="B",
-                   help=f"host-to-device copy bandwidth, GB/s (default {DEFAULT_PCIE_GBPS:g}, PCIe 5 x16)")
-    p.add_argument("--d2h-gbps", type=_positive_float, default=DEFAULT_PCIE_GBPS, metavar="B",
-                   help=f"device-to-host copy bandwidth, GB/s (default {DEFAULT_PCIE_GBPS:g})")
+    p.add_argument("--h2d-gbps", type=_positive_float, metavar="B",
+                   help=f"host-to-device copy bandwidth, GB/s (default: the --gpu's host link, else "
+                        f"{DEFAULT_PCIE_GBPS:g}, PCIe 5 x16)")
+    p.add_argument("--d2h-gbps", type=_positive_float, metavar="B",
+                   help=f"device-to-host copy bandwidth, GB/s (default: as --h2d-gbps, {DEFAULT_PCIE_GBPS:g})")
     p.add_argument("--storage", metavar="SPEC", help="a storage tier under the host tier: file:DIR (a directory, "
                    "kept across runs) or mooncake:HOST:PORT (a Mooncake master; see kvmem.storage.mooncake_server)")
     p.add_argument("--storage-metadata", default="P2PHANDSHAKE", metavar="URL",
@@ -130,6 +141,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", nargs="?", const=[], type=_capacity_list, metavar="CAPACITIES",
                    help="replay at several capacities (comma-separated tokens; default: the capacity "
                         "x 1/8, 1/4, 1/2, 1, 2, 4) and report the hit-rate curve")
+    p.add_argument("--cache-decode-pages", action=argparse.BooleanOptionalAction, default=True,
+                   help="cache each full page of output as soon as it is written, as vLLM does (default); "
+                        "--no-cache-decode-pages caches output when the request finishes, as SGLang does")
+    p.add_argument("--in-batch-prefix-caching", action="store_true",
+                   help="a request whose next uncached page another request of its prefill batch computes waits "
+                        "a step and finds it cached (SGLang's in-batch prefix caching; vLLM's hits)")
+    p.add_argument("--gpu", choices=tuple(GPUS), help="price steps with a roofline of --model on --tp of these "
+                   "GPUs (TTFT, prefill GPU-seconds saved, throughput); without --capacity-tokens or "
+                   "--gpu-mem-gb, the KV capacity is what their memory leaves beside the weights. Default: a "
+                   "fixed 30 ms a step + 50k prefill tokens/s")
+    p.add_argument("--tp", type=_positive_int, default=1, metavar="N",
+                   help="GPUs per replica, tensor-parallel (with --gpu; default 1)")
+    p.add_argument("--jobs", type=_positive_int, metavar="J",
+                   help="replays run at once by --sweep, in separate processes (default: the cores)")
+    p.add_argument("--json-only", action="store_true", help="no human summary on stderr, only the JSON report")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--seed", type=_non_negative_int, default=0, help="seed for synthetic workloads and the simulator")
     add_cluster_arguments(p)
@@ -137,30 +163,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line; returns the exit status (0 ok, 2 user error, 130 interrupted)."""
+    """Runs the command line; returns the exit status (0 ok, 2 user error, 130 interrupted). No arguments
+    at all (argv empty) runs the tour."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    tour = not argv
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(list(TOUR_ARGS) if tour else argv)
     except _UsageError as e:
         return _error(str(e))
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     try:
-        return _run(args)
+        return _run(args, tour)
     except KeyboardInterrupt:
         return _error("interrupted", 130)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, tour: bool = False) -> int:
     try:
         if args.plot:
             require_matplotlib()
             _make_plot_dir(args.plot)
         trace = _load_trace(args)
         config = _replay_config(args, trace)
-        capacities = _sweep_capacities(args, config.capacity_tokens)
-        for capacity in capacities or [config.capacity_tokens]:
-            dataclasses.replace(config, capacity_tokens=capacity).check_host_memory()
-        runs = cluster_runs(args, config)
+        runs = None if tour else cluster_runs(args, config)
+        points = None if runs is not None else _tour_points(config) if tour else _sweep_points(args, config)
+        for point in points or [config]:
+            point.check_host_memory()
         _check_storage(config)
     except TraceError as e:
         hint = " (--on-error skip skips malformed lines)" if e.line is not None and args.on_error == "stop" else ""
@@ -169,39 +198,89 @@ def _run(args: argparse.Namespace) -> int:
         return _error(str(e))
     _warn_skipped(trace)
 
-    from kvmem.replay.simulator import replay  # imports torch: only once the arguments are good
-
     progress = not args.no_progress
     trace_format = args.format if args.format in SYNTHETIC_FORMATS else trace.format
     out = {"trace": trace.name, "format": trace_format, "skipped_lines": len(trace.skipped),
            "config": dataclasses.asdict(config)}
     if runs is not None:  # a cluster replay
         try:
-            return _print_report(run_cluster(args, trace, config, runs, out))
+            out = run_cluster(args, trace, config, runs, out)
         except RuntimeError as e:
             return _error(str(e))
-    if capacities is None:
-        reports = [replay(trace, config, progress=progress)]
-        out.update(reports[0].to_json())
     else:
-        reports = [replay(trace, dataclasses.replace(config, capacity_tokens=c), progress=progress)
-                   for c in capacities]
-        out["sweep"] = [r.to_json() for r in reports]
-    if args.plot:
-        try:
-            plots = reports[0].write_plots(args.plot) if capacities is None else [write_sweep_plot(reports, args.plot)]
-        except OSError as e:
-            return _error(f"cannot write plots to {args.plot}: {e.strerror or e}")
-        out["plots"] = [str(p) for p in plots]
+        reports = replay_all(trace, points or [config], 1 if points is None else args.jobs or default_jobs(),
+                             progress)
+        if points is None:
+            out.update(reports[0].to_json())
+        else:
+            out["sweep"] = [r.to_json() for r in reports]
+        if not args.json_only:
+            print(format_summary(reports, _title(trace, trace_format, config, tour)), file=sys.stderr)
+        if args.plot:
+            try:
+                plots = reports[0].write_plots(args.plot) if points is None else [write_sweep_plot(reports, args.plot)]
+            except OSError as e:
+                return _error(f"cannot write plots to {args.plot}: {e.strerror or e}")
+            out["plots"] = [str(p) for p in plots]
     sys.stdout.write(json.dumps(out, indent=2) + "\n")
     sys.stdout.flush()
     return 0
 
 
-def _print_report(out: dict) -> int:
-    sys.stdout.write(json.dumps(out, indent=2) + "\n")
-    sys.stdout.flush()
-    return 0
+def default_jobs() -> int:
+    """--jobs without a value: one replay per core."""
+    return os.cpu_count() or 1
+
+
+def replay_all(trace: Trace, configs: list[ReplayConfig], jobs: int, progress: bool) -> list:
+    """The ReplayReport of each config, in order: in this process (with a progress bar per replay) when
+    jobs is 1 or there is one config, else `jobs` at a time in worker processes (a bar over replays)."""
+    from kvmem.replay.simulator import replay  # imports torch: only once the arguments are good
+
+    if jobs == 1 or len(configs) == 1:
+        return [replay(trace, c, progress=progress) for c in configs]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    # spawn, not fork: a forked child of a process that loaded torch and OpenBLAS may deadlock in their pools.
+    with ProcessPoolExecutor(min(jobs, len(configs)), mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_set_worker_trace, initargs=(trace,)) as pool:
+        futures = [pool.submit(_replay_in_worker, c) for c in configs]
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(configs), unit="replay", file=sys.stderr, dynamic_ncols=True)
+        for _ in as_completed(futures):
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [f.result() for f in futures]
+
+
+_worker_trace: Trace | None = None
+
+
+def _set_worker_trace(trace: Trace) -> None:
+    global _worker_trace
+    _worker_trace = trace
+
+
+def _replay_in_worker(config: ReplayConfig):
+    from kvmem.replay.simulator import replay
+
+    return replay(_worker_trace, config)
+
+
+def _title(trace: Trace, trace_format: str, config: ReplayConfig, tour: bool) -> str:
+    head = f"{Path(trace.name).name} ({trace_format}): {len(trace):,} requests, {trace.prompt_tokens:,} prompt tokens"
+    if not tour:
+        return head
+    return (f"{head}\nThe tour (kvmem-replay with no arguments): {config.model} on {config.tp} x {config.gpu}, at "
+            f"{' and '.join(f'{f:g}' for f in TOUR_FACTORS)} x the {config.capacity_tokens:,} KV tokens their memory "
+            f"leaves, without and with a host tier {TOUR_HOST_FACTOR}x the device's.\n"
+            f"Next: kvmem-replay TRACE --gpu H100 --model llama-3-8b --tp 4 --host-mem-gb 512 (see --help)")
 
 
 def _error(message: str, status: int = 2) -> int:
@@ -230,14 +309,23 @@ def _load_trace(args: argparse.Namespace) -> Trace:
 
 
 def _replay_config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
-    if args.kv_cache_dtype is not None and args.gpu_mem_gb is None and args.host_mem_gb is None:
-        raise ValueError("--kv-cache-dtype only sizes the cache together with --gpu-mem-gb or --host-mem-gb")
+    if args.kv_cache_dtype is not None and args.gpu is None and args.gpu_mem_gb is None and args.host_mem_gb is None:
+        raise ValueError("--kv-cache-dtype only sizes the cache together with --gpu, --gpu-mem-gb or --host-mem-gb")
+    if args.tp != 1 and args.gpu is None:
+        raise ValueError("--tp needs --gpu (the GPUs the roofline prices)")
     tiers = {}
-    if args.model is not None or args.gpu_mem_gb is not None or args.host_mem_gb is not None:
+    if args.model is not None or args.gpu is not None or args.gpu_mem_gb is not None or args.host_mem_gb is not None:
         model_bytes = _bytes_per_token(args)
         tiers["kv_bytes_per_token"] = model_bytes
-    capacity = (_tokens_in(args.gpu_mem_gb, "--gpu-mem-gb", args) if args.gpu_mem_gb is not None
-                else args.capacity_tokens or DEFAULT_CAPACITY_TOKENS)
+    if args.gpu_mem_gb is not None:
+        capacity = _tokens_in(args.gpu_mem_gb, "--gpu-mem-gb", args)
+    elif args.capacity_tokens is None and args.gpu is not None:
+        capacity = RooflineCost(args.gpu, _model_name(args), args.tp,
+                                kv_bytes_per_token=model_bytes).kv_capacity_tokens(args.page_size)
+    else:
+        capacity = args.capacity_tokens or DEFAULT_CAPACITY_TOKENS
+    link = GPUS[args.gpu].host_link_gbps if args.gpu is not None else DEFAULT_PCIE_GBPS
+    h2d = args.h2d_gbps or link
     if args.host_mem_gb is not None:
         tiers["host_capacity_tokens"] = _tokens_in(args.host_mem_gb, "--host-mem-gb", args)
     elif args.host_capacity_tokens is not None:
@@ -248,8 +336,11 @@ def _replay_config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
         max_running=args.max_running,
         chunked_prefill_size=args.chunked_prefill_size if args.chunked_prefill_size > 0 else None,
         honour_arrivals=args.arrivals == "honour", seed=args.seed, write_policy=args.write_policy,
-        h2d_gbps=args.h2d_gbps, d2h_gbps=args.d2h_gbps, storage=args.storage, storage_metadata=args.storage_metadata,
-        storage_capacity_tokens=args.storage_capacity_tokens, storage_gbps=args.storage_gbps, **tiers)
+        h2d_gbps=h2d, d2h_gbps=args.d2h_gbps or h2d, storage=args.storage, storage_metadata=args.storage_metadata,
+        storage_capacity_tokens=args.storage_capacity_tokens, storage_gbps=args.storage_gbps,
+        cache_decode_pages=args.cache_decode_pages, in_batch_prefix_caching=args.in_batch_prefix_caching,
+        gpu=args.gpu, model=_model_name(args, None), tp=args.tp,
+        **tiers)
 
 
 def _check_storage(config: ReplayConfig) -> None:
@@ -264,14 +355,20 @@ def _check_storage(config: ReplayConfig) -> None:
         raise RuntimeError(f"--storage {config.storage}: {e.strerror or e}") from None
 
 
+def _model_name(args: argparse.Namespace, otherwise: str | None = DEFAULT_MODEL) -> str | None:
+    """--model, or with --gpu the model it prices by default."""
+    return args.model or (DEFAULT_MODEL if args.gpu is not None else otherwise)
+
+
 def _model(args: argparse.Namespace):
     from kvmem import sizing
 
-    if args.model is None:
+    name = _model_name(args, None)
+    if name is None:
         option = "--gpu-mem-gb" if args.gpu_mem_gb is not None else "--host-mem-gb"
         raise ValueError(f"{option} needs --model to know the bytes per token")
     try:
-        return sizing.get_model_config(args.model)
+        return sizing.get_model_config(name)
     except ValueError as e:
         raise ValueError(f"--model: {e}") from None
 
@@ -288,18 +385,28 @@ def _tokens_in(mem_gb: float, option: str, args: argparse.Namespace) -> int:
     tokens = sizing.tokens_for_budget(_model(args), gpu_mem_gb=mem_gb, page_size=args.page_size,
                                       kv_cache_dtype=args.kv_cache_dtype or "auto")
     if tokens <= 0:
-        raise ValueError(f"{option} {mem_gb} holds no {args.page_size}-token page of {args.model}'s KV cache")
+        raise ValueError(f"{option} {mem_gb} holds no {args.page_size}-token page of {_model_name(args)}'s KV cache")
     return tokens
 
 
-def _sweep_capacities(args: argparse.Namespace, capacity: int) -> list[int] | None:
+def _sweep_points(args: argparse.Namespace, config: ReplayConfig) -> list[ReplayConfig] | None:
+    """--sweep's configs, by capacity (None without --sweep)."""
     if args.sweep is None:
         return None
-    capacities = args.sweep or [max(int(capacity * f), args.page_size) for f in SWEEP_FACTORS]
+    capacities = args.sweep or [max(int(config.capacity_tokens * f), args.page_size) for f in SWEEP_FACTORS]
     for c in capacities:
         if c < args.page_size:
             raise ValueError(f"--sweep capacity {c} is less than one page (--page-size {args.page_size})")
-    return sorted(set(capacities))
+    return [dataclasses.replace(config, capacity_tokens=c) for c in sorted(set(capacities))]
+
+
+def _tour_points(config: ReplayConfig) -> list[ReplayConfig]:
+    points = []
+    for factor in TOUR_FACTORS:
+        capacity = max(int(config.capacity_tokens * factor) // config.page_size * config.page_size, config.page_size)
+        for host in (None, TOUR_HOST_FACTOR * capacity):
+            points.append(dataclasses.replace(config, capacity_tokens=capacity, host_capacity_tokens=host))
+    return points
 
 
 def _warn_skipped(trace: Trace) -> None:

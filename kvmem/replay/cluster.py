@@ -1,7 +1,7 @@
 """The cluster replay: N simulated engines behind a router that sees only their KV events and their loads.
 
-Each replica is the engine of a single replay (`simulator.build_scheduler`: its own pools, tree, tiers,
-simulated clock and `StepCost`), and reports its KV events to an `EventCollector`. Each request is routed
+Each replica is the engine of a single replay (`simulator.ReplicaSim`: its own pools, tree, tiers, simulated
+clock and cost model), and reports its KV events to an `EventCollector`. Each request is routed
 when it arrives by a `kvmem.router.Router`, whose `BlockIndex` the replicas' event batches alone feed, and
 whose loads the router keeps itself, as a router beside real engines would:
 
@@ -29,7 +29,6 @@ queued writes are finished, so the store holds what the steps run so far wrote a
 from __future__ import annotations
 
 import heapq
-import sys
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -38,17 +37,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvmem._checks import check_int
-from kvmem.batch import ForwardMode, Req
 from kvmem.events import EventBatch, EventCollector
 from kvmem.page_hash import chain_page_digests, event_hashes, namespace_prefix
 from kvmem.radix_tree import TOKEN_BYTES
 from kvmem.replay.cluster_report import ClusterReport, EventCounts
 from kvmem.replay.config import ReplayConfig
-from kvmem.replay.report import ReplayReport
-from kvmem.replay.simulator import StepCost, _arrival_order, _progress_bar, build_scheduler, requests_arrival
+from kvmem.replay.cost import RooflineCost, StepCost, cost_model
+from kvmem.replay.simulator import ReplicaSim, _arrival_order, _progress_bar, requests_arrival
 from kvmem.replay.traces import TraceRequest
 from kvmem.router import POLICIES, ReplicaLoad, Router
-from kvmem.tiers import HiRadixCache
 
 # The policies that read the block index: only for them does the router hash each prompt.
 INDEX_POLICIES = ("cache-aware", "kv-overlap")
@@ -66,88 +63,49 @@ class _StepResult:
 
 
 class _Replica:
-    """One simulated engine: a scheduler over its own cache, its clock, its events and its report."""
+    """One simulated engine (a `ReplicaSim`: scheduler, cache, tiers, clock, report), its events, and the step
+    results the router has not seen yet."""
 
-    def __init__(self, rank: int, config: ReplayConfig, cost: StepCost) -> None:
+    def __init__(self, rank: int, config: ReplayConfig, cost: StepCost | RooflineCost) -> None:
         self.rank = rank
-        self.cost = cost
-        self.clock = 0.0
-        self.collector = EventCollector(clock=lambda: self.clock)
-        self.sched = build_scheduler(config, event_sink=self.collector)
-        self.report = ReplayReport(capacity_tokens=self.sched.token_allocator.size)
-        if config.host_capacity_tokens is not None:
-            self.report.host_capacity_tokens = config.host_pages * config.page_size
+        self.collector = EventCollector(clock=lambda: self.sim.clock)
+        self.sim = ReplicaSim(config, cost, event_sink=self.collector)
         self.busy_s = 0.0
         self.prefill_s = 0.0
-        self.cache_s = 0.0
         self.routed = 0
-        self.outputs: dict[int, np.ndarray] = {}
-        self.admitted: set[int] = set()
         self.results: deque[_StepResult] = deque()  # steps that ended here, not yet seen by the router
 
-    def add(self, req: Req, output_ids: np.ndarray, arrival_s: float) -> bool:
+    @property
+    def clock(self) -> float:
+        return self.sim.clock
+
+    def add(self, rid: int, request: TraceRequest, arrival_s: float) -> bool:
         """Queues a routed request; False (counted as rejected) when it can never run here."""
-        try:
-            self.sched.add_request(req)
-        except ValueError as e:
-            self.report.rejected += 1
-            print(f"kvmem-replay: replica {self.rank}: skipped: {e}", file=sys.stderr)
+        sim = self.sim
+        sim.clock = max(sim.clock, arrival_s)  # a replica that was idle starts when the request arrives
+        if not sim.add_request(rid, request):
             return False
-        self.clock = max(self.clock, arrival_s)  # a replica that was idle starts when the request arrives
-        self.outputs[req.rid] = output_ids
         self.routed += 1
         return True
 
-    def step(self) -> int:
-        """Runs one scheduler step from `clock`, queues its results for the router; returns the requests it
-        finished."""
-        sched, cost = self.sched, self.cost
-        t0 = time.perf_counter()
-        batch = sched.step()
-        self.cache_s += time.perf_counter() - t0
-        if batch is None:
-            raise RuntimeError(f"replica {self.rank}: scheduler stalled: requests wait but none can be admitted")
-        start = self.clock
-        prefilled = []
-        if batch.forward_mode is ForwardMode.EXTEND:
-            for req in batch.reqs:
-                if req.rid not in self.admitted:
-                    self.admitted.add(req.rid)
-                    self.report.record_admission(len(req.input_ids), len(req.prefix_indices), req.host_hit_len,
-                                                 req.storage_hit_len)
-                if not req.is_chunked():
-                    prefilled.append(req.rid)
-            prefill_s = int(batch.extend_lens.sum()) / cost.prefill_tokens_per_s
-            self.prefill_s += prefill_s
-            self.clock += cost.decode_step_s + prefill_s
-        else:
-            self.clock += cost.decode_step_s
-        tokens = [int(self.outputs[r.rid][len(r.output_ids)]) for r in batch.reqs]
-        t0 = time.perf_counter()
-        finished = sched.process_batch_result(batch, tokens)
-        self.cache_s += time.perf_counter() - t0
-        for req in finished:
-            del self.outputs[req.rid]
-        self.busy_s += self.clock - start
-        alloc, tree = sched.token_allocator, sched.tree_cache
-        used, evictable = alloc.size - alloc.available_size(), tree.evictable_size()
-        self.report.record_step(self.clock, used, evictable, len(sched.running))
-        self.results.append(_StepResult(self.clock, self.collector.take_batch(), [r.rid for r in finished],
-                                        prefilled, (used - evictable) // sched.page_size))
-        return len(finished)
-
-    def finish(self, config: ReplayConfig) -> None:
-        """Closes the tiers and fills in the report's totals."""
-        report, sched = self.report, self.sched
-        report.evicted_tokens = sched.stats.evicted_tokens
-        report.retractions = sched.stats.retractions
-        if isinstance(sched.tree_cache, HiRadixCache):
-            sched.tree_cache.close()
-            report.record_tiers(sched.tree_cache, config)
-        report.cache_op_seconds = self.cache_s
+    def step(self, until: float) -> int:
+        """Runs the replica's next step (or run of decode steps that start before `until`) from its clock,
+        queues the results for the router; returns the requests it finished."""
+        sim = self.sim
+        start = sim.clock
+        outcome = sim.step(until)
+        if outcome.prefilled:
+            self.prefill_s += sim.clock - start
+        self.busy_s += sim.clock - start
+        sched = sim.sched
+        used = sched.token_allocator.size - sched.token_allocator.available_size()
+        pinned = (used - sched.tree_cache.evictable_size()) // sched.page_size
+        self.results.append(_StepResult(sim.clock, self.collector.take_batch(), [r.rid for r in outcome.finished],
+                                        [r.rid for r in outcome.prefilled], pinned))
+        return len(outcome.finished)
 
     def drain_storage_writes(self) -> None:
-        link = getattr(self.sched.tree_cache, "storage_link", None)
+        link = getattr(self.sim.sched.tree_cache, "storage_link", None)
         if link is not None:
             link.drain_writes()
 
@@ -168,7 +126,7 @@ class ClusterReplay:
     """
 
     def __init__(self, requests: Sequence[TraceRequest], config: ReplayConfig, replicas: int, policy: str, *,
-                 cost: StepCost = StepCost(), progress: bool = False, **router_params) -> None:
+                 cost: StepCost | RooflineCost | None = None, progress: bool = False, **router_params) -> None:
         replicas = check_int("replicas", replicas, minimum=1)
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
@@ -179,6 +137,7 @@ class ClusterReplay:
         self.config = config
         self.progress = progress
         self.router = Router(policy, replicas, block_size=config.page_size, **router_params)
+        cost = cost_model(config) if cost is None else cost
         self.replicas = [_Replica(r, config, cost) for r in range(replicas)]
         self.events = EventCounts()
         self._reads_index = policy in INDEX_POLICIES
@@ -211,10 +170,9 @@ class ClusterReplay:
         self._deliver(float("inf"))
         if self._bar is not None:
             self._bar.close()
-        for replica in self.replicas:
-            replica.finish(self.config)
+        reports = [replica.sim.close() for replica in self.replicas]
         return ClusterReport(
-            policy=self.router.policy, reports=[r.report for r in self.replicas],
+            policy=self.router.policy, reports=reports,
             routed=[r.routed for r in self.replicas], busy_seconds=[r.busy_s for r in self.replicas],
             prefill_seconds=[r.prefill_s for r in self.replicas],
             makespan_seconds=max(r.clock for r in self.replicas), events=self.events,
@@ -228,10 +186,10 @@ class ClusterReplay:
         while clocks and clocks[0][0] < until:
             rank = heapq.heappop(clocks)[1]
             replica = replicas[rank]
-            finished = replica.step()
+            finished = replica.step(until)
             if bar is not None and finished:
                 bar.update(finished)
-            if not replica.sched.is_idle():
+            if not replica.sim.is_idle():
                 heapq.heappush(clocks, (replica.clock, rank))
 
     def _deliver(self, now: float) -> None:
@@ -253,31 +211,31 @@ class ClusterReplay:
     def _route(self, i: int, arrival: float) -> None:
         t0 = time.perf_counter()
         trace_req = self.requests[i]
-        req = Req(i, trace_req.input_ids.tolist(), trace_req.output_len)
-        hashes = self._prompt_hashes(req) if self._reads_index else []
+        prompt = trace_req.input_ids.astype(np.int64)
+        hashes = self._prompt_hashes(prompt) if self._reads_index else []
         loads = [ReplicaLoad(*load) for load in zip(self._running, self._active_blocks, self._prefill_tokens)]
-        rank = self.router.route(hashes, loads, len(req.input_ids))
+        rank = self.router.route(hashes, loads, len(prompt))
         cached = self.router.index.prefix_overlaps(hashes)[rank] * self.config.page_size if hashes else 0
         self._routing_s += time.perf_counter() - t0
         for replica in self.replicas:  # the shared store holds every write of the steps run so far
             replica.drain_storage_writes()
         replica = self.replicas[rank]
-        was_idle = replica.sched.is_idle()
-        if not replica.add(req, trace_req.output_tokens(), arrival):
+        was_idle = replica.sim.is_idle()
+        if not replica.add(i, trace_req, arrival):
             if self._bar is not None:
                 self._bar.update(1)
             return
         self._index_cached_tokens += cached
         self._running[rank] += 1
-        self._queued_prefill[i] = len(req.input_ids) - cached
-        self._prefill_tokens[rank] += len(req.input_ids) - cached
+        self._queued_prefill[i] = len(prompt) - cached
+        self._prefill_tokens[rank] += len(prompt) - cached
         if was_idle:
             heapq.heappush(self._clocks, (replica.clock, rank))
 
-    def _prompt_hashes(self, req: Req) -> list[int]:
+    def _prompt_hashes(self, prompt: np.ndarray) -> list[int]:
         """The event hashes of the whole pages of the prompt before its last token (what a replica can hit)."""
         page_bytes = self.config.page_size * TOKEN_BYTES
-        key = memoryview(req.input_ids).cast("B")[:(len(req.input_ids) - 1) * TOKEN_BYTES]
+        key = memoryview(prompt).cast("B")[:(len(prompt) - 1) * TOKEN_BYTES]
         key = key[:len(key) - len(key) % page_bytes]
         if not key:
             return []
@@ -285,7 +243,8 @@ class ClusterReplay:
 
 
 def replay_cluster(requests: Sequence[TraceRequest], config: ReplayConfig, replicas: int, policy: str, *,
-                   progress: bool = False, cost: StepCost = StepCost(), **router_params) -> ClusterReport:
+                   progress: bool = False, cost: StepCost | RooflineCost | None = None,
+                   **router_params) -> ClusterReport:
     """Replays `requests` on `replicas` engines configured by `config` behind a `policy` router (see
     `ClusterReplay`) and returns what it measured."""
     return ClusterReplay(requests, config, replicas, policy, cost=cost, progress=progress, **router_params).run()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvmem._checks import check_host_bytes, check_int, check_number
 from kvmem.eviction import EVICTION_POLICIES as _POLICY_KEYS
+from kvmem.replay.cost import GPUS, MODEL_COMPUTE
 from kvmem.scheduler import SCHEDULE_POLICIES
 from kvmem.storage import parse_store_spec
 
@@ -49,6 +50,13 @@ class ReplayConfig:
     storage: a storage tier under the host tier, "file:DIR" (a FileStore) or "mooncake:HOST:PORT" (a Mooncake
         master); None: none. storage_metadata: the Mooncake metadata server ("P2PHANDSHAKE" or a URL).
     storage_capacity_tokens: what the file store may hold (None: unbounded). storage_gbps: storage bandwidth.
+    cache_decode_pages: a running request's full output pages count as cached as soon as they are written (as
+        vLLM does; see kvmem.SchedulerConfig); False: outputs are cached when the request finishes (as SGLang).
+    in_batch_prefix_caching: a request waits a step for a page another request of its prefill batch computes
+        (kvmem.SchedulerConfig), as vLLM's schedule-time caching lets it hit that page.
+    gpu, model, tp: the simulated clock. gpu None: the fixed StepCost; a kvmem.replay.cost.GPUS name: the
+        roofline of `model` (a kvmem.sizing preset; None: llama-3-8b) on `tp` of those GPUs (see
+        kvmem.replay.cost). `model` names the preset kv_bytes_per_token was taken from, if any.
     """
 
     capacity_tokens: int
@@ -69,6 +77,11 @@ class ReplayConfig:
     storage_metadata: str = "P2PHANDSHAKE"
     storage_capacity_tokens: int | None = None
     storage_gbps: float = DEFAULT_STORAGE_GBPS
+    cache_decode_pages: bool = True
+    in_batch_prefix_caching: bool = False
+    gpu: str | None = None
+    model: str | None = None
+    tp: int = 1
 
     def __post_init__(self) -> None:
         for name in ("capacity_tokens", "max_context_len", "page_size", "max_running"):
@@ -103,6 +116,14 @@ class ReplayConfig:
                                  "it through the host")
         if self.storage_capacity_tokens is not None:
             check_int("storage_capacity_tokens", self.storage_capacity_tokens, minimum=1)
+        for name in ("cache_decode_pages", "in_batch_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.gpu is not None and self.gpu not in GPUS:
+            raise ValueError(f"gpu must be one of {', '.join(GPUS)}, got {self.gpu!r}")
+        if self.model is not None and self.model not in MODEL_COMPUTE:
+            raise ValueError(f"model must be one of {', '.join(MODEL_COMPUTE)}, got {self.model!r}")
+        check_int("tp", self.tp, minimum=1)
 
 
     @property

@@ -1,18 +1,26 @@
 """The trace-replay simulator: requests through kvmem's Scheduler and RadixCache with a fake model.
 
 No model runs. Each step's batch is "executed" by handing back the request's next output token (the
-trace's output ids, or `synthetic_output_ids` of its prompt), and a simulated clock advances by a simple
-cost model, so that arrivals can be honoured: a step costs `decode_step_s` plus `1 / prefill_tokens_per_s`
-per prefilled token. Only the order of events matters for the cache; the model sets how many requests
-overlap in time, as a server of that speed would see them.
+trace's output ids, or `synthetic_output_ids` of its prompt), and a simulated clock advances by a cost model
+(`kvmem.replay.cost`: the fixed StepCost, or a roofline of a model on a GPU), so that arrivals can be
+honoured and times to first token measured. Only the order of events matters for the cache; the cost model
+sets how many requests overlap in time, as a server of that speed would see them.
+
+`ReplicaSim` is one simulated server with its own clock; `replay` drives one through a trace (a cluster
+replay drives several, each with `run_until` the next arrival). Every call that decides a hit is the real
+one (admission, match, insert, eviction, retraction), but the simulator skips what only a model needs: a
+run of decode steps in which nothing can be admitted and nothing finishes before the last goes through
+`Scheduler.run_decode` (the same evictions at the same steps, no batch tensors), and output tokens are drawn
+per request in bulk.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -21,6 +29,7 @@ from kvmem.batch import ForwardMode, Req
 from kvmem.events.schema import KVCacheEvent
 from kvmem.radix_cache import RadixCache
 from kvmem.replay.config import ReplayConfig
+from kvmem.replay.cost import RooflineCost, StepCost, cost_model
 from kvmem.replay.report import ReplayReport
 from kvmem.replay.traces import TraceRequest
 from kvmem.req_to_token import ReqToTokenPool
@@ -28,26 +37,14 @@ from kvmem.scheduler import Scheduler, SchedulerConfig
 from kvmem.storage import open_store
 from kvmem.storage.page_format import CHECKSUM_BYTES, HEADER_BYTES
 from kvmem.tiers import HiRadixCache, HostSlotPool
+from kvmem.timing import PhaseTimer
+
+__all__ = ["ReplicaSim", "StepCost", "build_scheduler", "replay"]
+MAX_SKIP_NOTES = 10  # requests that can never run, named one by one on stderr; the rest are counted
 
 
-@dataclass(frozen=True)
-class StepCost:
-    """Simulated seconds per step: a fixed part per forward plus prefill tokens at a throughput.
-
-    The defaults are of the order of one 8-GPU node serving a 70B-class model (tens of thousands of
-    prefill tokens per second, tens of milliseconds per decode step); change them to model another
-    server.
-    """
-
-    decode_step_s: float = 0.03
-    prefill_tokens_per_s: float = 50_000.0
-
-    def __post_init__(self) -> None:
-        if not self.decode_step_s >= 0 or not self.prefill_tokens_per_s > 0:
-            raise ValueError(f"need decode_step_s >= 0 and prefill_tokens_per_s > 0, got {self}")
-
-
-def build_scheduler(config: ReplayConfig, event_sink: Callable[[KVCacheEvent], None] | None = None) -> Scheduler:
+def build_scheduler(config: ReplayConfig, timer: PhaseTimer | None = None,
+                    event_sink: Callable[[KVCacheEvent], None] | None = None) -> Scheduler:
     """The pools, tree and scheduler a replay of `config` runs on; the tree reports its KV events to
     `event_sink` (a cluster replay's replicas feed their router that way).
 
@@ -68,7 +65,9 @@ def build_scheduler(config: ReplayConfig, event_sink: Callable[[KVCacheEvent], N
                             storage=open_storage(config), prefetch_policy="wait_complete", event_sink=event_sink)
     return Scheduler(pool, alloc, tree, SchedulerConfig(
         schedule_policy=config.schedule_policy, max_running_requests=config.max_running,
-        chunked_prefill_size=config.chunked_prefill_size))
+        chunked_prefill_size=config.chunked_prefill_size, cache_decode_pages=config.cache_decode_pages,
+        in_batch_prefix_caching=config.in_batch_prefix_caching),
+        timer=timer)
 
 
 def open_storage(config: ReplayConfig):
@@ -82,79 +81,211 @@ def open_storage(config: ReplayConfig):
                       max(1, capacity // config.page_size) * (HEADER_BYTES + CHECKSUM_BYTES))
 
 
-def replay(requests: Sequence[TraceRequest], config: ReplayConfig, progress: bool = False,
-           cost: StepCost = StepCost()) -> ReplayReport:
-    """Replays `requests` (a Trace or a list of TraceRequest) and returns what it measured.
+class StepOutcome(NamedTuple):
+    """What a `ReplicaSim.step` ended: the requests it finished, and those whose prompt it finished prefilling."""
 
-    Requests that can never run (longer than max_context_len or the KV capacity) are rejected at
-    admission, counted in the report's `rejected`, and the replay goes on.
+    finished: list[Req]
+    prefilled: list[Req]
+
+
+class ReplicaSim:
+    """One simulated server: a Scheduler over its own pools and tree, a fake model, and a clock.
+
+    Requests arrive with `add_request` (at the replica's clock); `run_until(t)` takes steps while the clock is
+    before `t`, each step advancing it by `cost`; `close()` returns the report. A cluster of replicas, each
+    with its own clock, routes every arrival to one of them after running them all until its time.
+
+    >>> from kvmem.replay.config import ReplayConfig
+    >>> from kvmem.replay.traces import TraceRequest
+    >>> sim = ReplicaSim(ReplayConfig(capacity_tokens=4096, max_context_len=64))
+    >>> sim.add_request(0, TraceRequest(list(range(1, 33)), output_len=4))
+    True
+    >>> sim.run_until(1.0)              # the prefill and three decode steps, 30 ms each by StepCost
+    >>> round(sim.clock, 5), sim.is_idle()
+    (0.12064, True)
+    >>> sim.add_request(1, TraceRequest(list(range(1, 40)), output_len=2))   # shares 32 prompt tokens
+    True
+    >>> sim.run_until(math.inf); report = sim.close()
+    >>> report.cached_tokens, report.prompt_tokens
+    (32, 71)
     """
-    sched = build_scheduler(config)
-    report = ReplayReport(capacity_tokens=sched.token_allocator.size)
-    if config.host_capacity_tokens is not None:
-        report.host_capacity_tokens = config.host_pages * config.page_size
-    order = _arrival_order(requests, config.honour_arrivals)
-    outputs: dict[int, np.ndarray] = {}
-    admitted: set[int] = set()
-    bar = _progress_bar(len(order), progress)
-    clock = 0.0
-    next_arrival = 0
-    cache_s = 0.0
-    t_start = time.perf_counter()
-    alloc, tree = sched.token_allocator, sched.tree_cache
-    while next_arrival < len(order) or not sched.is_idle():
-        if sched.is_idle() and config.honour_arrivals:
-            clock = max(clock, requests_arrival(requests, order[next_arrival]))
-        while next_arrival < len(order) and (not config.honour_arrivals
-                                    or requests_arrival(requests, order[next_arrival]) <= clock):
-            next_arrival += 1
-            i = int(order[next_arrival - 1])
-            trace_req = requests[i]
-            try:
-                sched.add_request(Req(i, trace_req.input_ids.tolist(), trace_req.output_len))
-            except ValueError as e:
-                report.rejected += 1
+
+    def __init__(self, config: ReplayConfig, cost: StepCost | RooflineCost | None = None, *,
+                 progress=None, event_sink: Callable[[KVCacheEvent], None] | None = None) -> None:
+        self.config = config
+        self.cost = cost_model(config) if cost is None else cost
+        self.timer = PhaseTimer()
+        self.sched = build_scheduler(config, self.timer, event_sink)
+        self.clock = 0.0
+        self.report = ReplayReport(capacity_tokens=self.sched.token_allocator.size, cost_model=self.cost.name,
+                                   num_gpus=self.cost.num_gpus)
+        if config.host_capacity_tokens is not None:
+            self.report.host_capacity_tokens = config.host_pages * config.page_size
+        self._progress = progress
+        self._outputs: dict = {}     # rid -> the output tokens it generates, a list of ints
+        self._arrival: dict = {}     # rid -> arrival time, until its first token
+        self._admitted: set = set()  # rids admitted at least once (the hit rate counts first admissions)
+        self._live: set = set()      # rids holding memory now (admitted, not finished nor retracted)
+        self._cache_s = 0.0
+        self._t_start = time.perf_counter()
+
+    def is_idle(self) -> bool:
+        return self.sched.is_idle()
+
+    def add_request(self, rid, request: TraceRequest) -> bool:
+        """Queues `request` as arriving now; False (counted in the report's `rejected`, with a note on stderr)
+        when it can never run here (longer than max_context_len or the KV capacity)."""
+        try:
+            self.sched.add_request(Req(rid, request.input_ids, request.output_len))
+        except ValueError as e:
+            self.report.rejected += 1
+            if self.report.rejected <= MAX_SKIP_NOTES:
                 print(f"kvmem-replay: skipped: {e}", file=sys.stderr)
-                if bar is not None:
-                    bar.update(1)
-                continue
-            outputs[i] = trace_req.output_tokens()
+            if self._progress is not None:
+                self._progress.update(1)
+            return False
+        self._outputs[rid] = request.output_tokens().tolist()
+        self._arrival[rid] = self.clock
+        return True
+
+    def run_until(self, t: float) -> None:
+        """Steps while the clock is before `t` and there is work; a run of decode steps stops at the first that
+        would start at or after `t`."""
+        while self.clock < t and not self.sched.is_idle():
+            self.step(t)
+
+    def step(self, until: float = math.inf) -> StepOutcome:
+        """Takes the next scheduler step, or every step of a run of pure decode steps (see
+        Scheduler.pure_decode_steps) that starts before `until`; returns what ended in it."""
+        steps = self.sched.pure_decode_steps()
+        if steps:
+            return self._decode_run(steps, until)
+        return self._step()
+
+    def _step(self) -> StepOutcome:
+        sched, report, cost = self.sched, self.report, self.cost
         t0 = time.perf_counter()
         batch = sched.step()
-        cache_s += time.perf_counter() - t0
+        self._cache_s += time.perf_counter() - t0
         if batch is None:
             if not sched.is_idle():
                 raise RuntimeError("scheduler stalled: requests wait but none can be admitted")
-            continue
+            return StepOutcome([], [])
         extend = batch.forward_mode is ForwardMode.EXTEND
         if extend:
-            for req in batch.reqs:
-                if req.rid not in admitted:
-                    admitted.add(req.rid)
-                    report.record_admission(len(req.input_ids), len(req.prefix_indices), req.host_hit_len,
-                                            req.storage_hit_len)
-            clock += cost.decode_step_s + int(batch.extend_lens.sum()) / cost.prefill_tokens_per_s
+            self.clock += cost.extend_seconds(batch.prefix_lens.numpy(), batch.seq_lens.numpy(),
+                                              *self._admit(batch.reqs))
         else:
-            clock += cost.decode_step_s
-        tokens = [int(outputs[r.rid][len(r.output_ids)]) for r in batch.reqs]
+            for req in batch.retracted:
+                self._live.discard(req.rid)
+            self.clock += cost.decode_seconds(batch.batch_size(), int(batch.seq_lens.sum()))
+        outputs = self._outputs
+        tokens = [outputs[r.rid][len(r.output_ids)] for r in batch.reqs]
         t0 = time.perf_counter()
         finished = sched.process_batch_result(batch, tokens)
-        cache_s += time.perf_counter() - t0
+        self._cache_s += time.perf_counter() - t0
+        if extend:
+            self._first_tokens(batch.reqs)
+        self._finished(finished)
+        alloc = sched.token_allocator
+        report.record_step(self.clock, alloc.size - alloc.available_size(), sched.tree_cache.evictable_size(),
+                           len(sched.running))
+        return StepOutcome(finished, [r for r in batch.reqs if not r.is_chunked()] if extend else [])
+
+    def _admit(self, reqs: list[Req]) -> tuple[int, int]:
+        """Counts the first admission of each request new in this extend batch; returns the tokens that the
+        batch's new requests load back from the host tier, and of those, read from storage first."""
+        loaded = stored = 0
+        for req in reqs:
+            if req.rid in self._live:
+                continue  # a chunked prompt going on
+            self._live.add(req.rid)
+            loaded += req.host_hit_len
+            stored += req.storage_hit_len
+            if req.rid not in self._admitted:
+                self._admitted.add(req.rid)
+                cached = len(req.prefix_indices)
+                self.report.record_admission(len(req.input_ids), cached, req.host_hit_len, req.storage_hit_len)
+                self.report.prefill_seconds_saved += self.cost.prefill_seconds_saved(cached)
+        return loaded, stored
+
+    def _first_tokens(self, reqs: list[Req]) -> None:
+        arrival = self._arrival
+        for req in reqs:
+            if req.output_ids and req.rid in arrival:
+                self.report.ttft_s.append(self.clock - arrival.pop(req.rid))
+
+    def _finished(self, finished: list[Req]) -> None:
         for req in finished:
-            del outputs[req.rid]
-        if bar is not None and finished:
-            bar.update(len(finished))
-        report.record_step(clock, alloc.size - alloc.available_size(), tree.evictable_size(), len(sched.running))
+            del self._outputs[req.rid]
+            self._live.discard(req.rid)
+            self.report.output_tokens += len(req.output_ids)
+        if self._progress is not None and finished:
+            self._progress.update(len(finished))
+
+    def _decode_run(self, steps: int, until: float) -> StepOutcome:
+        """Up to `steps` pure decode steps at once: each that starts before `until` is priced as its own step."""
+        sched, cost = self.sched, self.cost
+        running = sched.running
+        bs = len(running)
+        kv_tokens = sum(r.kv_len for r in running)
+        times = []
+        clock = self.clock
+        for j in range(steps):
+            if j and clock >= until:
+                break
+            kv_tokens += bs  # every request attends to its kv_len tokens and the one it decodes
+            clock += cost.decode_seconds(bs, kv_tokens)
+            times.append(clock)
+        t0 = time.perf_counter()
+        run = sched.run_decode(len(times), self._outputs)
+        self._cache_s += time.perf_counter() - t0
+        if run.steps == 0:  # the first step must retract: step() does that
+            return self._step()
+        self.clock = times[run.steps - 1]
+        running_after = np.full(run.steps, bs, dtype=np.int64)
+        running_after[-1] = len(sched.running)
+        self.report.record_steps(times[:run.steps], run.tokens_used, run.evictable_tokens, running_after)
+        self._finished(run.finished)
+        return StepOutcome(run.finished, [])
+
+    def close(self) -> ReplayReport:
+        """Finishes the report (counters, tier statistics, timings) and closes the storage tier, if any."""
+        sched, report = self.sched, self.report
+        if report.rejected > MAX_SKIP_NOTES:
+            print(f"kvmem-replay: skipped {report.rejected - MAX_SKIP_NOTES} more requests that can never run here",
+                  file=sys.stderr)
+        report.evicted_tokens = sched.stats.evicted_tokens
+        report.retractions = sched.stats.retractions
+        if isinstance(sched.tree_cache, HiRadixCache):
+            sched.tree_cache.close()
+            report.record_tiers(sched.tree_cache, self.config)
+        report.cache_op_seconds = self._cache_s
+        report.record_cache_phases(self.timer)
+        report.replay_seconds = time.perf_counter() - self._t_start
+        return report
+
+
+def replay(requests: Sequence[TraceRequest], config: ReplayConfig, progress: bool = False,
+           cost: StepCost | RooflineCost | None = None) -> ReplayReport:
+    """Replays `requests` (a Trace or a list of TraceRequest) and returns what it measured.
+
+    cost: the simulated clock (default: `kvmem.replay.cost.cost_model(config)`, the fixed StepCost unless
+    config names a GPU). Requests that can never run (longer than max_context_len or the KV capacity) are
+    rejected at admission, counted in the report's `rejected`, and the replay goes on.
+    """
+    order = _arrival_order(requests, config.honour_arrivals)
+    bar = _progress_bar(len(order), progress)
+    sim = ReplicaSim(config, cost, progress=bar)
+    for i in order.tolist():
+        arrival = requests_arrival(requests, i) if config.honour_arrivals else 0.0
+        sim.run_until(arrival)
+        sim.clock = max(sim.clock, arrival)  # idle until it arrives
+        sim.add_request(i, requests[i])
+    sim.run_until(math.inf)
     if bar is not None:
         bar.close()
-    report.evicted_tokens = sched.stats.evicted_tokens
-    report.retractions = sched.stats.retractions
-    if isinstance(tree, HiRadixCache):
-        tree.close()
-        report.record_tiers(tree, config)
-    report.cache_op_seconds = cache_s
-    report.replay_seconds = time.perf_counter() - t_start
-    return report
+    return sim.close()
 
 
 def requests_arrival(requests: Sequence[TraceRequest], i: int) -> float:

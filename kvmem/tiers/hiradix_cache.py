@@ -221,15 +221,15 @@ class HiRadixCache(RadixCache):
         return node, tokens
 
     # ---- insert (reviving host-only nodes) ----------------------------------------------------------
-    def _insert(self, key, value, priority: int, namespace: str | None = None, *,
-                checked: bool = True) -> tuple[int, HiTreeNode]:
+    def _insert(self, key, value, priority: int, namespace: str | None = None, *, checked: bool = True,
+                below: HiTreeNode | None = None) -> tuple[int, HiTreeNode]:
         """As RadixCache's, but the walk may pass host-only nodes: the tree takes value's slots for them (the
         tokens' KV is the same), so the count returned is only the leading tokens already on device."""
         view = key_bytes("key", key)
         nbytes = len(view)
         if checked:
             value, priority = self._check_insert(view, value, priority)
-        walk = self._descend(view, nbytes, self._root(namespace))
+        walk = self._descend(view, nbytes, self._root(namespace) if below is None else below)
         matched = walk.num_tokens
         revived = self._host_tokens_on_walk(walk)
         on_device = matched - revived

@@ -1,0 +1,233 @@
+"""What a simulated step costs: a fixed step cost, or a roofline of a model on a GPU.
+
+The replay's clock advances by the cost of each step it takes, so the cost model decides how many requests
+overlap in time and what a time to first token (TTFT) is. Two models, both torch-free:
+
+- `StepCost`: a fixed cost per forward plus prefill tokens at a throughput (the replay's original clock,
+  kept so that results can be compared with earlier runs).
+- `RooflineCost`: a model preset (its KV shape from `kvmem.sizing`, its compute shape from `MODEL_COMPUTE`)
+  on `tp` GPUs of a `GPUS` preset. A step takes the longer of its FLOPs at `mfu` of the GPUs' peak and its
+  bytes at `mbu` of their memory bandwidth (a roofline): a prefill of many tokens is compute-bound, a decode
+  step reads the weights and every running request's KV once and is bandwidth-bound. KV loaded back from the
+  host (and read from a storage tier) for a prefill moves layer by layer while earlier layers compute, as
+  HiCache's layer-wise loads do, so the step takes the longer of the two, not their sum.
+
+FLOPs per step: 2 x active parameters per token through the weights, and 2 x (qk_head_dim + v_head_dim) x
+query heads x layers per (query, key) pair in attention (QK^T and PV; a causal prefill of tokens p..s-1
+attends to p+1..s keys). It is an upper bound on speed: tensor-parallel communication, kernel launches and
+scheduling are left out; `mfu` and `mbu` (model FLOPs / bandwidth utilization) say how much of the peak the
+kernels reach.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import numpy as np
+
+from kvmem import sizing
+from kvmem._checks import check_int, check_number
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Simulated seconds per step: a fixed part per forward plus prefill tokens at a throughput.
+
+    The defaults are of the order of one 8-GPU node serving a 70B-class model (tens of thousands of
+    prefill tokens per second, tens of milliseconds per decode step); change them to model another
+    server. It knows no GPU: loads from lower tiers cost it nothing, and it saves no GPU-seconds.
+    """
+
+    decode_step_s: float = 0.03
+    prefill_tokens_per_s: float = 50_000.0
+
+    def __post_init__(self) -> None:
+        if not self.decode_step_s >= 0 or not self.prefill_tokens_per_s > 0:
+            raise ValueError(f"need decode_step_s >= 0 and prefill_tokens_per_s > 0, got {self}")
+
+    @property
+    def name(self) -> str:
+        return f"fixed: {self.decode_step_s * 1e3:g} ms a step + {self.prefill_tokens_per_s:,.0f} prefill tokens/s"
+
+    @property
+    def num_gpus(self) -> int | None:
+        return None
+
+    def extend_seconds(self, prefix_lens: np.ndarray, seq_lens: np.ndarray, loaded_tokens: int = 0,
+                       storage_tokens: int = 0) -> float:
+        """A prefill step over tokens prefix_lens[i]..seq_lens[i]-1 of each request ([bs] int64 each)."""
+        return self.decode_step_s + int((seq_lens - prefix_lens).sum()) / self.prefill_tokens_per_s
+
+    def decode_seconds(self, batch_size: int, kv_tokens: int) -> float:
+        """A decode step of `batch_size` requests attending to `kv_tokens` tokens in all."""
+        return self.decode_step_s
+
+    def prefill_seconds_saved(self, cached_tokens: int) -> float:
+        """Server seconds a prefill did not spend on `cached_tokens` cached tokens at the head of its prompt."""
+        return cached_tokens / self.prefill_tokens_per_s
+
+
+@dataclass(frozen=True)
+class GPU:
+    """The datasheet figures the roofline reads (dense, no sparsity)."""
+
+    bf16_tflops: float   # peak dense BF16 tensor-core TFLOP/s
+    memory_tbps: float   # memory bandwidth, TB/s
+    memory_gb: float     # memory, GB (1e9 bytes)
+    host_link_gbps: float  # what copies between host and device reach over its PCIe link, GB/s per direction
+
+
+# Sources: NVIDIA's datasheets (SXM forms where there are several): "NVIDIA H100 Tensor Core GPU" datasheet
+# (H100 SXM: BF16 1,979 TFLOPS with sparsity, so 989.5 dense; 3.35 TB/s HBM3; 80 GB; PCIe Gen5 128 GB/s),
+# "NVIDIA H200 Tensor Core GPU" datasheet (H200 SXM: BF16 1,979 TFLOPS with sparsity; 4.8 TB/s HBM3e;
+# 141 GB; PCIe Gen5 128 GB/s), "NVIDIA A100 Tensor Core GPU" datasheet (A100 80GB SXM: BF16 312 TFLOPS dense;
+# 2,039 GB/s HBM2e; PCIe Gen4 64 GB/s), "NVIDIA L40S GPU" datasheet (BF16 362.05 TFLOPS dense, 733 with
+# sparsity; 864 GB/s GDDR6; 48 GB; PCIe Gen4 x16 64 GB/s). The PCIe figures are both directions together;
+# pinned-memory copies reach about 80% of one direction: 50 GB/s on Gen5, 25 GB/s on Gen4.
+GPUS: MappingProxyType[str, GPU] = MappingProxyType({
+    "H100": GPU(bf16_tflops=989.5, memory_tbps=3.35, memory_gb=80, host_link_gbps=50.0),
+    "H200": GPU(bf16_tflops=989.5, memory_tbps=4.8, memory_gb=141, host_link_gbps=50.0),
+    "A100": GPU(bf16_tflops=312.0, memory_tbps=2.039, memory_gb=80, host_link_gbps=25.0),
+    "L40S": GPU(bf16_tflops=362.05, memory_tbps=0.864, memory_gb=48, host_link_gbps=25.0),
+})
+
+
+@dataclass(frozen=True)
+class ModelCompute:
+    """What a forward pass of a model costs, beside its KV shape (kvmem.sizing): parameters, the share a token
+    goes through (all of them but for a mixture of experts), attention heads and head dims, bytes a weight."""
+
+    params_b: float          # all weights, billions
+    active_params_b: float   # the weights one token goes through, billions
+    num_attention_heads: int
+    qk_head_dim: int
+    v_head_dim: int
+    weight_bytes: float = 2.0  # bfloat16
+
+
+# From each model's public config.json and model card: Llama-3-8B 8.03B parameters and 32 heads of 128;
+# Llama-3-70B 70.6B and 64 heads; Qwen2.5-7B 7.61B and 28 heads; Mistral-7B-v0.1 7.24B and 32 heads;
+# DeepSeek-V3 671B of which 37B active per token (its technical report), 128 heads with q/k head dim
+# 128 + 64 (rope) and v head dim 128, weights in FP8. MLA's attention is counted as its decompressed form.
+MODEL_COMPUTE: MappingProxyType[str, ModelCompute] = MappingProxyType({
+    "llama-3-8b": ModelCompute(8.03, 8.03, 32, 128, 128),
+    "llama-3-70b": ModelCompute(70.6, 70.6, 64, 128, 128),
+    "qwen2.5-7b": ModelCompute(7.61, 7.61, 28, 128, 128),
+    "mistral-7b": ModelCompute(7.24, 7.24, 32, 128, 128),
+    "deepseek-v3": ModelCompute(671.0, 37.0, 128, 192, 128, weight_bytes=1.0),
+})
+
+# The share of GPU memory an engine takes for weights and KV cache (vLLM's gpu_memory_utilization default).
+MEMORY_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class RooflineCost:
+    """A model preset (`model`, a kvmem.sizing name) on `tp` GPUs of a `GPUS` preset (`gpu`), tensor-parallel.
+
+    mfu / mbu: the share of peak FLOP/s and of memory bandwidth the kernels reach (0.5 and 0.8 are what
+    well-tuned prefill and decode kernels reach on these GPUs). kv_bytes_per_token: KV bytes a token weighs
+    (default: the model's in its own dtype). h2d_gbps / storage_gbps: each GPU's host link and the storage
+    tier's bandwidth, GB/s, for loads from those tiers (default: the GPU's link; 10 GB/s).
+    """
+
+    gpu: str
+    model: str
+    tp: int = 1
+    mfu: float = 0.5
+    mbu: float = 0.8
+    kv_bytes_per_token: int | None = None
+    h2d_gbps: float | None = None
+    storage_gbps: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.gpu not in GPUS:
+            raise ValueError(f"gpu must be one of {', '.join(GPUS)}, got {self.gpu!r}")
+        if self.model not in MODEL_COMPUTE:
+            raise ValueError(f"model must be one of {', '.join(MODEL_COMPUTE)}, got {self.model!r}")
+        check_int("tp", self.tp, minimum=1)
+        for name in ("mfu", "mbu"):
+            if not 0 < check_number(name, getattr(self, name)) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+        if self.kv_bytes_per_token is None:
+            object.__setattr__(self, "kv_bytes_per_token", sizing.bytes_per_token(sizing.get_model_config(self.model)))
+        check_int("kv_bytes_per_token", self.kv_bytes_per_token, minimum=1)
+        if self.h2d_gbps is None:
+            object.__setattr__(self, "h2d_gbps", GPUS[self.gpu].host_link_gbps)
+        check_number("h2d_gbps", self.h2d_gbps, 0, allow_minimum=False)
+        check_number("storage_gbps", self.storage_gbps, 0, allow_minimum=False)
+        spec, compute = GPUS[self.gpu], MODEL_COMPUTE[self.model]
+        kv = sizing.get_model_config(self.model)
+        # Per-step constants: FLOP/s and bytes/s the GPUs reach together, weights bytes, attention FLOPs a
+        # (query, key) pair costs, linear FLOPs a token costs.
+        object.__setattr__(self, "_flops_per_s", self.tp * spec.bf16_tflops * 1e12 * self.mfu)
+        object.__setattr__(self, "_bytes_per_s", self.tp * spec.memory_tbps * 1e12 * self.mbu)
+        object.__setattr__(self, "_weight_bytes", compute.params_b * 1e9 * compute.weight_bytes)
+        object.__setattr__(self, "_pair_flops", 2.0 * (compute.qk_head_dim + compute.v_head_dim)
+                           * compute.num_attention_heads * kv.num_layers)
+        object.__setattr__(self, "_token_flops", 2.0 * compute.active_params_b * 1e9)
+
+    @property
+    def name(self) -> str:
+        return f"roofline: {self.model} on {self.tp} x {self.gpu}"
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp
+
+    def kv_capacity_tokens(self, page_size: int = 1) -> int:
+        """The KV tokens (whole pages) that fit beside the weights in MEMORY_FRACTION of the GPUs' memory;
+        ValueError when the weights alone do not fit."""
+        total = self.tp * GPUS[self.gpu].memory_gb * 1e9 * MEMORY_FRACTION
+        left = total - self._weight_bytes
+        if left < self.kv_bytes_per_token * page_size:
+            raise ValueError(f"{self.model}'s weights ({self._weight_bytes / 1e9:,.0f} GB) leave no room for a KV "
+                             f"cache in {MEMORY_FRACTION:.0%} of {self.tp} x {self.gpu} "
+                             f"({total / 1e9:,.0f} GB): raise --tp, or give --capacity-tokens")
+        return int(left // (self.kv_bytes_per_token * page_size)) * page_size
+
+    def extend_seconds(self, prefix_lens: np.ndarray, seq_lens: np.ndarray, loaded_tokens: int = 0,
+                       storage_tokens: int = 0) -> float:
+        """A prefill step over tokens prefix_lens[i]..seq_lens[i]-1 of each request ([bs] int64 each), of which
+        `loaded_tokens` of cached prefix were loaded back from the host (`storage_tokens` of them first read
+        from the storage tier)."""
+        new_tokens = int((seq_lens - prefix_lens).sum())
+        flops = self._token_flops * new_tokens + self._pair_flops * float(_causal_pairs(prefix_lens, seq_lens))
+        moved = self._weight_bytes + self.kv_bytes_per_token * float(seq_lens.sum())
+        compute = max(flops / self._flops_per_s, moved / self._bytes_per_s)
+        load = self.kv_bytes_per_token * (loaded_tokens / (self.tp * self.h2d_gbps * 1e9)
+                                          + storage_tokens / (self.storage_gbps * 1e9))
+        return max(compute, load)
+
+    def decode_seconds(self, batch_size: int, kv_tokens: int) -> float:
+        """A decode step of `batch_size` requests attending to `kv_tokens` tokens in all: it reads the weights
+        (every one: a batch of tens of requests routes through nearly every expert of a mixture) and the KV."""
+        flops = self._token_flops * batch_size + self._pair_flops * kv_tokens
+        moved = self._weight_bytes + self.kv_bytes_per_token * kv_tokens
+        return max(flops / self._flops_per_s, moved / self._bytes_per_s)
+
+    def prefill_seconds_saved(self, cached_tokens: int) -> float:
+        """Server seconds a prefill did not spend on `cached_tokens` cached tokens at the head of its prompt:
+        their linear FLOPs and their causal attention among themselves (the rest of the prompt still attends
+        to them), at `mfu` of the GPUs' peak."""
+        c = cached_tokens
+        return (self._token_flops * c + self._pair_flops * c * (c + 1) / 2) / self._flops_per_s
+
+
+def _causal_pairs(prefix_lens: np.ndarray, seq_lens: np.ndarray) -> int:
+    """(query, key) pairs of a causal prefill of tokens p..s-1 over keys 1..s: sum of (s(s+1) - p(p+1)) / 2."""
+    return int((seq_lens * (seq_lens + 1) - prefix_lens * (prefix_lens + 1)).sum()) // 2
+
+
+def cost_model(config) -> StepCost | RooflineCost:
+    """The cost model of a ReplayConfig: the roofline of its model on its GPUs when it names a GPU, else the
+    fixed StepCost."""
+    if config.gpu is None:
+        return StepCost()
+    return RooflineCost(config.gpu, config.model or DEFAULT_MODEL, config.tp,
+                        kv_bytes_per_token=config.kv_bytes_per_token, h2d_gbps=config.h2d_gbps,
+                        storage_gbps=config.storage_gbps)
+
+
+DEFAULT_MODEL = "llama-3-8b"  # the model a --gpu prices without --model (DEFAULT_KV_BYTES_PER_TOKEN's)

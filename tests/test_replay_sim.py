@@ -1,0 +1,191 @@
+"""The simulator (ReplicaSim and its decode runs), the cost models and the report's time figures."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from kvmem import sizing
+from kvmem.replay.config import ReplayConfig
+from kvmem.replay.cost import GPUS, MODEL_COMPUTE, RooflineCost, StepCost, cost_model
+from kvmem.replay.report import ReplayReport, format_summary
+from kvmem.replay.simulator import ReplicaSim, replay
+from kvmem.replay.synthetic import multi_turn_chat
+from kvmem.replay.traces import TraceRequest, default_trace_path, read_trace
+from kvmem.scheduler import Scheduler
+
+TIMINGS = ("cache_op_seconds", "replay_seconds", "cache_op_breakdown_s")
+
+
+def report_without_timings(report: ReplayReport) -> dict:
+    return {k: v for k, v in report.to_json().items() if k not in TIMINGS}
+
+
+def samples(report: ReplayReport) -> tuple:
+    return (list(report.time_s), list(report.tokens_used), list(report.evictable_tokens), list(report.running),
+            list(report.ttft_s))
+
+
+# ---- decode runs change nothing but the time taken ------------------------------------------------------------
+
+@pytest.mark.parametrize("extra", [{}, {"page_size": 16}, {"host_capacity_tokens": 40000},
+                                   {"gpu": "H100", "model": "llama-3-70b", "tp": 8}])
+def test_a_replay_with_decode_runs_reports_what_stepping_one_by_one_reports(monkeypatch, extra):
+    trace = read_trace(default_trace_path(), limit=40)
+    config = ReplayConfig(capacity_tokens=20000, max_context_len=trace.max_context_len, **extra)
+    fast = replay(trace, config)
+    monkeypatch.setattr(Scheduler, "pure_decode_steps", lambda self: 0)
+    slow = replay(trace, config)
+    assert report_without_timings(fast) == report_without_timings(slow)
+    assert samples(fast) == samples(slow)
+    assert fast.evicted_tokens > 0 and fast.requests > 0
+
+
+def test_a_chat_replay_with_decode_runs_matches_too(monkeypatch):
+    trace = multi_turn_chat(80, system_len=64, turns=(2, 4), user_len=(16, 64), output_len=(8, 64),
+                            arrival_rate=20.0, seed=3)
+    config = ReplayConfig(capacity_tokens=3000, max_context_len=trace.max_context_len, page_size=4, max_running=8)
+    fast = replay(trace, config)
+    monkeypatch.setattr(Scheduler, "pure_decode_steps", lambda self: 0)
+    assert samples(replay(trace, config)) == samples(fast) and fast.hit_rate > 0
+
+
+# ---- ReplicaSim ---------------------------------------------------------------------------------------------
+
+def test_run_until_stops_at_the_first_step_that_would_start_at_or_after_the_time():
+    sim = ReplicaSim(ReplayConfig(capacity_tokens=4096, max_context_len=512))
+    sim.add_request("a", TraceRequest(list(range(1, 101)), output_len=50))
+    sim.run_until(0.5)  # prefill (30 ms + 100 / 50k s), then 30 ms decode steps
+    assert 0.5 <= sim.clock < 0.53 and not sim.is_idle()
+    sim.run_until(math.inf)
+    report = sim.close()
+    assert sim.is_idle() and report.output_tokens == 50 and len(report.ttft_s) == 1
+    assert report.ttft_s[0] == pytest.approx(0.032)
+
+
+def test_each_admitted_request_gets_one_time_to_first_token_from_its_arrival():
+    trace = read_trace(default_trace_path(), limit=30)
+    report = replay(trace, ReplayConfig(capacity_tokens=60000, max_context_len=trace.max_context_len))
+    assert len(report.ttft_s) == report.requests == 30 - report.rejected
+    assert min(report.ttft_s) > 0.03  # at least one step
+    p = report.ttft_percentiles()
+    assert p["p50"] <= p["p90"] <= p["p99"] <= max(report.ttft_s)
+
+
+def test_requests_that_never_fit_are_counted_and_named_only_ten_times(capsys):
+    sim = ReplicaSim(ReplayConfig(capacity_tokens=64, max_context_len=512))
+    for i in range(14):
+        assert not sim.add_request(i, TraceRequest(list(range(1, 101)), output_len=2))
+    report = sim.close()
+    err = capsys.readouterr().err
+    assert report.rejected == 14 and err.count("skipped: request") == 10 and "skipped 4 more" in err
+
+
+# ---- cost models ------------------------------------------------------------------------------------------------
+
+def test_the_fixed_step_cost_is_the_replays_original_clock():
+    cost = StepCost()
+    assert cost.extend_seconds(np.array([0, 10]), np.array([100, 60])) == 0.03 + 150 / 50_000
+    assert cost.decode_seconds(64, 10**6) == 0.03 and cost.prefill_seconds_saved(500) == 0.01
+    assert cost_model(ReplayConfig(capacity_tokens=10, max_context_len=10)) == StepCost()
+
+
+def test_every_sizing_model_has_a_compute_shape():
+    assert set(MODEL_COMPUTE) == set(sizing.MODEL_CONFIGS)
+
+
+def test_a_long_prefill_is_compute_bound_and_a_decode_step_bandwidth_bound():
+    cost = RooflineCost("H100", "llama-3-8b", tp=1, mfu=0.5, mbu=0.8)
+    h100 = GPUS["H100"]
+    # 4096 new tokens: 2 x 8.03e9 FLOPs each through the weights, plus 4096 x 4097 / 2 causal pairs at
+    # 2 x (128 + 128) x 32 heads x 32 layers FLOPs each, at half of 989.5 TFLOP/s.
+    flops = 2 * 8.03e9 * 4096 + 4096 * 4097 / 2 * 2 * 256 * 32 * 32
+    assert cost.extend_seconds(np.array([0]), np.array([4096])) == pytest.approx(flops / (0.5 * 989.5e12))
+    # 64 requests of 2048 tokens: the weights (16.06 GB) and 131072 tokens x 131072 bytes of KV at 80% of 3.35 TB/s.
+    moved = 8.03e9 * 2 + 64 * 2048 * 131072
+    assert cost.decode_seconds(64, 64 * 2048) == pytest.approx(moved / (0.8 * h100.memory_tbps * 1e12))
+    # A cached prefix saves its linear FLOPs and the attention among its own tokens.
+    assert cost.prefill_seconds_saved(4096) == pytest.approx(cost.extend_seconds(np.array([0]), np.array([4096])))
+    two = RooflineCost("H100", "llama-3-8b", tp=2)
+    assert two.decode_seconds(64, 64 * 2048) == pytest.approx(cost.decode_seconds(64, 64 * 2048) / 2)
+
+
+def test_loads_from_the_host_overlap_the_prefill_they_feed():
+    cost = RooflineCost("H100", "llama-3-8b", h2d_gbps=50.0)
+    compute = cost.extend_seconds(np.array([20000]), np.array([20100]))
+    loaded = cost.extend_seconds(np.array([20000]), np.array([20100]), loaded_tokens=20000)
+    assert loaded == pytest.approx(max(compute, 20000 * 131072 / 50e9)) and loaded > compute
+
+
+def test_the_kv_capacity_of_a_gpu_server_is_what_its_memory_leaves_beside_the_weights():
+    cost = RooflineCost("H100", "llama-3-70b", tp=8)
+    left = 8 * 80e9 * 0.9 - 70.6e9 * 2
+    assert cost.kv_capacity_tokens(16) == int(left // (327680 * 16)) * 16
+    with pytest.raises(ValueError, match="leave no room for a KV cache"):
+        RooflineCost("H100", "deepseek-v3", tp=1).kv_capacity_tokens()
+
+
+@pytest.mark.parametrize("kwargs, match", [({"gpu": "B200"}, "gpu must be one of"),
+                                           ({"model": "gpt-5"}, "model must be one of"),
+                                           ({"tp": 0}, "tp"), ({"mfu": 1.5}, "mfu")])
+def test_a_bad_roofline_is_refused_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RooflineCost(**{"gpu": "H100", "model": "llama-3-8b", **kwargs})
+
+
+def test_a_roofline_replay_reports_gpu_seconds_saved_and_throughput():
+    trace = read_trace(default_trace_path(), limit=40)
+    config = ReplayConfig(capacity_tokens=400000, max_context_len=trace.max_context_len, gpu="H100",
+                          model="llama-3-70b", tp=8, kv_bytes_per_token=327680)
+    report = replay(trace, config)
+    out = report.to_json()
+    assert out["cost_model"] == "roofline: llama-3-70b on 8 x H100" and report.num_gpus == 8
+    assert out["prefill_gpu_seconds_saved"] == pytest.approx(8 * out["prefill_seconds_saved"], rel=1e-5)
+    assert out["prefill_seconds_saved"] > 0 and out["output_tokens_per_s"] > 0
+    assert out["ttft_p50_s"] <= out["ttft_p90_s"] <= out["ttft_p99_s"]
+
+
+# ---- the report -------------------------------------------------------------------------------------------------
+
+def test_record_steps_samples_a_run_like_record_step_one_by_one():
+    one, many = ReplayReport(100), ReplayReport(100)
+    for r in (one, many):
+        r.record_admission(10, 5)
+    for t, u, e, n in [(0.1, 50, 10, 2), (0.2, 52, 8, 2)]:
+        one.record_step(t, u, e, n)
+    many.record_steps([0.1, 0.2], np.array([50, 52]), np.array([10, 8]), np.array([2, 2]))
+    assert samples(one) == samples(many) and list(one.cumulative_hit_rate) == list(many.cumulative_hit_rate)
+
+
+def a_report(capacity, host=None):
+    r = ReplayReport(capacity, host_capacity_tokens=host, cost_model="fixed", requests=0)
+    r.record_admission(1000, 250, 100 if host else 0)
+    r.record_step(2.0, capacity // 2, 10, 1)
+    r.ttft_s.extend([0.5, 1.0, 4.0])
+    r.output_tokens = 300
+    r.prefill_seconds_saved = 0.005
+    return r
+
+
+def test_the_summary_of_one_replay_lists_hit_rates_ttft_memory_and_evictions():
+    text = format_summary([a_report(4096, host=16384)], "trace.jsonl: 1 requests")
+    assert text.splitlines()[0] == "trace.jsonl: 1 requests"
+    for fragment in ("hit rate                0.250 (device 0.150, host 0.100)", "TTFT p50 / p90 / p99",
+                     "1 s / 3.4 s / 3.94 s", "peak 2.05k of 4.1k tokens", "150 output tokens/s", "host tier"):
+        assert fragment in text
+
+
+def test_the_summary_of_a_sweep_is_a_table_with_a_row_per_replay():
+    lines = format_summary([a_report(4096), a_report(8192, host=16384)], "t").splitlines()
+    assert lines[2].split()[:5] == ["capacity", "host", "hit", "rate", "device"]
+    assert lines[3].split()[:3] == ["4.1k", "-", "0.250"] and lines[4].split()[:2] == ["8.19k", "16.4k"]
+    assert len({len(line) for line in lines[2:]}) == 1  # aligned columns
+
+
+def test_a_config_names_a_known_gpu_and_model():
+    base = ReplayConfig(capacity_tokens=10, max_context_len=10)
+    for field, value, match in (("gpu", "TPU", "gpu must be one of"), ("model", "x", "model must be one of"),
+                                ("tp", 0, "tp"), ("cache_decode_pages", "no", "cache_decode_pages")):
+        with pytest.raises(ValueError, match=match):
+            dataclasses.replace(base, **{field: value})
