@@ -67,9 +67,9 @@ class CheckedClusterReplay(ClusterReplay):
             replica.step = self._snapshotting(replica, replica.step)
 
     def _snapshotting(self, replica, step):
-        def snapshot_after_step():
-            finished = step()
-            self.snapshots[replica.rank].append(cached_pages(replica.sched.tree_cache))
+        def snapshot_after_step(until):
+            finished = step(until)
+            self.snapshots[replica.rank].append(cached_pages(replica.sim.sched.tree_cache))
             return finished
         return snapshot_after_step
 
@@ -92,7 +92,7 @@ def test_the_routers_index_holds_what_each_replica_cached_as_of_the_last_step_it
     report = sim.run()
     assert sim.checks > len(CHAT) and report.events.removed_blocks > 0  # evictions were reported too
     for replica in sim.replicas:  # at the end the router has seen every step
-        assert sim.router.index.blocks(replica.rank) == cached_pages(replica.sched.tree_cache)[0]
+        assert sim.router.index.blocks(replica.rank) == cached_pages(replica.sim.sched.tree_cache)[0]
 
 
 # ---- routing -----------------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ class _Replica:
     def __init__(self, rank: int, config: ReplayConfig, cost: StepCost | RooflineCost) -> None:
         self.rank = rank
         self.collector = EventCollector(clock=lambda: self.sim.clock)
-        self.sim = ReplicaSim(config, cost, event_sink=self.collector)
+        self.sim = ReplicaSim(config, cost, event_sink=self.collector, name=f"replica {rank}")
         self.busy_s = 0.0
         self.prefill_s = 0.0
         self.routed = 0

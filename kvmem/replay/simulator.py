@@ -111,8 +111,9 @@ class ReplicaSim:
     """
 
     def __init__(self, config: ReplayConfig, cost: StepCost | RooflineCost | None = None, *,
-                 progress=None, event_sink: Callable[[KVCacheEvent], None] | None = None) -> None:
+                 progress=None, event_sink: Callable[[KVCacheEvent], None] | None = None, name: str = "") -> None:
         self.config = config
+        self._note = f"kvmem-replay: {name}: " if name else "kvmem-replay: "  # how its notes on stderr start
         self.cost = cost_model(config) if cost is None else cost
         self.timer = PhaseTimer()
         self.sched = build_scheduler(config, self.timer, event_sink)
@@ -140,7 +141,7 @@ class ReplicaSim:
         except ValueError as e:
             self.report.rejected += 1
             if self.report.rejected <= MAX_SKIP_NOTES:
-                print(f"kvmem-replay: skipped: {e}", file=sys.stderr)
+                print(f"{self._note}skipped: {e}", file=sys.stderr)
             if self._progress is not None:
                 self._progress.update(1)
             return False
@@ -253,7 +254,7 @@ class ReplicaSim:
         """Finishes the report (counters, tier statistics, timings) and closes the storage tier, if any."""
         sched, report = self.sched, self.report
         if report.rejected > MAX_SKIP_NOTES:
-            print(f"kvmem-replay: skipped {report.rejected - MAX_SKIP_NOTES} more requests that can never run here",
+            print(f"{self._note}skipped {report.rejected - MAX_SKIP_NOTES} more requests that can never run here",
                   file=sys.stderr)
         report.evicted_tokens = sched.stats.evicted_tokens
         report.retractions = sched.stats.retractions
