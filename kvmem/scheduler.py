@@ -146,8 +146,11 @@ class Scheduler:
             raise ValueError(f"request {req.rid!r} is already queued, running or finished ({req.status.value})")
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
-        # A storage tier starts reading the prompt's pages now, while the request waits to be admitted.
-        req.prefetch = self.tree_cache.prefetch(_match_key(req), req.namespace)
+        key = _match_key(req)
+        # A storage tier starts reading the prompt's pages now, while the request waits to be admitted, and a
+        # policy that looks ahead keeps what it will match.
+        req.prefetch = self.tree_cache.prefetch(key, req.namespace)
+        self.tree_cache.request_waiting(req.rid, key, req.namespace)
 
     def is_idle(self) -> bool:
         return not self.waiting and not self.running and self.chunked_req is None
@@ -173,6 +176,8 @@ class Scheduler:
             if batch.retracted:
                 self.stats.retractions += len(batch.retracted)
                 self.waiting.extendleft(reversed(batch.retracted))
+                for req in batch.retracted:
+                    self.tree_cache.request_waiting(req.rid, _match_key(req), req.namespace)
                 self.new_token_ratio = self.config.init_new_token_ratio
             else:
                 self.new_token_ratio = max(self.config.min_new_token_ratio,
@@ -272,6 +277,9 @@ class Scheduler:
         if not ok:
             self._undo_admission(reqs, chunked)
             return None
+        for req in reqs:
+            if req is not chunked:
+                self.tree_cache.request_admitted(req.rid)
         self.stats.prefill_batches += 1
         return batch
 

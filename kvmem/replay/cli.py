@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvmem.replay.compare import DEFAULT_POLICIES
 from kvmem.replay.config import (
     DEFAULT_PCIE_GBPS,
     DEFAULT_STORAGE_GBPS,
@@ -71,6 +73,25 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
+def _policy_list(text: str) -> list[str]:
+    names = [part.strip().lower() for part in text.split(",") if part.strip()]
+    unknown = [n for n in names if n not in EVICTION_POLICIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated eviction policies of {', '.join(EVICTION_POLICIES)}"
+                                         f", got {text!r}")
+    return names
+
+
 def _capacity_list(text: str) -> list[int]:
     try:
         return [_positive_int(part) for part in text.split(",")]
@@ -113,7 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what a file store may hold, in tokens (default: unbounded)")
     p.add_argument("--storage-gbps", type=_positive_float, default=DEFAULT_STORAGE_GBPS, metavar="B",
                    help=f"storage bandwidth, GB/s (default {DEFAULT_STORAGE_GBPS:g})")
-    p.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES)
+    p.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES,
+                   help="which cached prefixes go first (default lru; belady: the offline optimum)")
+    p.add_argument("--compare-policies", nargs="?", const=list(DEFAULT_POLICIES), type=_policy_list,
+                   metavar="POLICIES", help="replay under several eviction policies (comma-separated; default: "
+                   f"{','.join(DEFAULT_POLICIES)}; lru and belady always run), print a table on stderr, and with "
+                   "--plot a hit-rate-by-policy chart")
+    p.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1, metavar="J",
+                   help="replays run at once by --compare-policies (processes; default: the CPU count)")
+    p.add_argument("--pin-prefix-tokens", type=_non_negative_int, default=0, metavar="N",
+                   help="pin the first N tokens of each admitted prompt (a system prompt; default 0: no pins)")
+    p.add_argument("--pin-budget", type=_fraction, default=0.2, metavar="F",
+                   help="share of the capacity pins may hold; older pins past it degrade (default 0.2)")
     p.add_argument("--schedule-policy", default="lpm", choices=SCHEDULE_POLICIES)
     p.add_argument("--max-running", type=_positive_int, default=256, metavar="R",
                    help="most requests running at once (default 256)")
@@ -172,6 +204,8 @@ def _run(args: argparse.Namespace) -> int:
     trace_format = args.format if args.format in SYNTHETIC_FORMATS else trace.format
     out = {"trace": trace.name, "format": trace_format, "skipped_lines": len(trace.skipped),
            "config": dataclasses.asdict(config)}
+    if args.compare_policies:
+        return _compare(args, trace, config, capacities, out)
     if capacities is None:
         reports = [replay(trace, config, progress=progress)]
         out.update(reports[0].to_json())
@@ -185,6 +219,23 @@ def _run(args: argparse.Namespace) -> int:
         except OSError as e:
             return _error(f"cannot write plots to {args.plot}: {e.strerror or e}")
         out["plots"] = [str(p) for p in plots]
+    sys.stdout.write(json.dumps(out, indent=2) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+def _compare(args: argparse.Namespace, trace: Trace, config: ReplayConfig, capacities: list[int] | None,
+             out: dict) -> int:
+    from kvmem.replay.compare import compare_policies, format_table, write_policy_plot
+
+    result = compare_policies(trace, config, args.compare_policies, capacities or [config.capacity_tokens], args.jobs)
+    print(format_table(result), file=sys.stderr)
+    out["compare"] = result
+    if args.plot:
+        try:
+            out["plots"] = [str(write_policy_plot(result, args.plot))]
+        except OSError as e:
+            return _error(f"cannot write plots to {args.plot}: {e.strerror or e}")
     sys.stdout.write(json.dumps(out, indent=2) + "\n")
     sys.stdout.flush()
     return 0
@@ -235,7 +286,8 @@ def _replay_config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
         chunked_prefill_size=args.chunked_prefill_size if args.chunked_prefill_size > 0 else None,
         honour_arrivals=args.arrivals == "honour", seed=args.seed, write_policy=args.write_policy,
         h2d_gbps=args.h2d_gbps, d2h_gbps=args.d2h_gbps, storage=args.storage, storage_metadata=args.storage_metadata,
-        storage_capacity_tokens=args.storage_capacity_tokens, storage_gbps=args.storage_gbps, **tiers)
+        storage_capacity_tokens=args.storage_capacity_tokens, storage_gbps=args.storage_gbps,
+        pin_prefix_tokens=args.pin_prefix_tokens, pin_budget=args.pin_budget, **tiers)
 
 
 def _check_storage(config: ReplayConfig) -> None:

@@ -33,7 +33,8 @@ class ReplayConfig:
     max_context_len: the longest prompt + output a request may have (the req_to_token row length);
         derive it from the trace (`Trace.max_context_len`).
     page_size: tokens per KV page (1: token-granular radix cache).
-    eviction_policy: which unlocked radix-tree leaves go first: "lru", "lfu", "fifo" or "priority".
+    eviction_policy: which unlocked radix-tree leaves go first: a name of `kvmem.eviction.EVICTION_POLICIES`,
+        "belady" (the offline optimum, which only a replay can run) included.
     schedule_policy: "lpm" (longest cached prefix first) or "fcfs" (arrival order).
     max_running: cap on requests decoding at once (also the req_to_token rows).
     chunked_prefill_size: new prompt tokens per prefill step (None: a prompt is prefilled whole).
@@ -49,6 +50,8 @@ class ReplayConfig:
     storage: a storage tier under the host tier, "file:DIR" (a FileStore) or "mooncake:HOST:PORT" (a Mooncake
         master); None: none. storage_metadata: the Mooncake metadata server ("P2PHANDSHAKE" or a URL).
     storage_capacity_tokens: what the file store may hold (None: unbounded). storage_gbps: storage bandwidth.
+    pin_prefix_tokens: pin the first N tokens of each admitted prompt (`RadixCache.pin`; 0: no pins), as a
+        server would pin its system prompts. pin_budget: the share of the capacity pins may hold.
     """
 
     capacity_tokens: int
@@ -69,6 +72,8 @@ class ReplayConfig:
     storage_metadata: str = "P2PHANDSHAKE"
     storage_capacity_tokens: int | None = None
     storage_gbps: float = DEFAULT_STORAGE_GBPS
+    pin_prefix_tokens: int = 0
+    pin_budget: float = 0.2
 
     def __post_init__(self) -> None:
         for name in ("capacity_tokens", "max_context_len", "page_size", "max_running"):
@@ -103,6 +108,9 @@ class ReplayConfig:
                                  "it through the host")
         if self.storage_capacity_tokens is not None:
             check_int("storage_capacity_tokens", self.storage_capacity_tokens, minimum=1)
+        check_int("pin_prefix_tokens", self.pin_prefix_tokens, minimum=0)
+        if not 0 <= check_number("pin_budget", self.pin_budget, 0) <= 1:
+            raise ValueError(f"pin_budget must lie in [0, 1], got {self.pin_budget!r}")
 
 
     @property

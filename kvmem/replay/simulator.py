@@ -19,6 +19,7 @@ import numpy as np
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.batch import ForwardMode, Req
 from kvmem.radix_cache import RadixCache
+from kvmem.replay.belady import oracle_policies
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.report import ReplayReport
 from kvmem.replay.traces import TraceRequest
@@ -46,8 +47,9 @@ class StepCost:
             raise ValueError(f"need decode_step_s >= 0 and prefill_tokens_per_s > 0, got {self}")
 
 
-def build_scheduler(config: ReplayConfig) -> Scheduler:
-    """The pools, tree and scheduler a replay of `config` runs on.
+def build_scheduler(config: ReplayConfig, policies: dict | None = None) -> Scheduler:
+    """The pools, tree and scheduler a replay of `config` runs on; `policies` overrides the tiers' eviction
+    policies with objects (`kvmem.replay.belady.oracle_policies`).
 
     Rows are as long as the longest request that can run: a request longer than the KV capacity can never
     be admitted, so one absurd request in a trace is rejected instead of sizing every row after it.
@@ -57,13 +59,14 @@ def build_scheduler(config: ReplayConfig) -> Scheduler:
     capacity = config.capacity_tokens // ps * ps
     pool = ReqToTokenPool(config.max_running, config.context_len)
     alloc = TokenAllocator(capacity) if ps == 1 else PagedTokenAllocator(capacity, ps)
+    policies = {"eviction_policy": config.eviction_policy, "pin_budget": config.pin_budget, **(policies or {})}
     if config.host_capacity_tokens is None:
-        tree = RadixCache(pool, alloc, page_size=ps, eviction_policy=config.eviction_policy)
+        tree = RadixCache(pool, alloc, page_size=ps, **policies)
     else:
         # A replay waits for every prefetch: its clock, not the store's speed, decides what arrives in time.
         tree = HiRadixCache(pool, alloc, HostSlotPool(config.host_pages * ps, ps), page_size=ps,
-                            eviction_policy=config.eviction_policy, write_policy=config.write_policy,
-                            storage=open_storage(config), prefetch_policy="wait_complete")
+                            write_policy=config.write_policy, storage=open_storage(config),
+                            prefetch_policy="wait_complete", **policies)
     return Scheduler(pool, alloc, tree, SchedulerConfig(
         schedule_policy=config.schedule_policy, max_running_requests=config.max_running,
         chunked_prefill_size=config.chunked_prefill_size))
@@ -87,11 +90,11 @@ def replay(requests: Sequence[TraceRequest], config: ReplayConfig, progress: boo
     Requests that can never run (longer than max_context_len or the KV capacity) are rejected at
     admission, counted in the report's `rejected`, and the replay goes on.
     """
-    sched = build_scheduler(config)
+    order = _arrival_order(requests, config.honour_arrivals)
+    sched = build_scheduler(config, oracle_policies(requests, order, config))
     report = ReplayReport(capacity_tokens=sched.token_allocator.size)
     if config.host_capacity_tokens is not None:
         report.host_capacity_tokens = config.host_pages * config.page_size
-    order = _arrival_order(requests, config.honour_arrivals)
     outputs: dict[int, np.ndarray] = {}
     admitted: set[int] = set()
     bar = _progress_bar(len(order), progress)
@@ -131,6 +134,8 @@ def replay(requests: Sequence[TraceRequest], config: ReplayConfig, progress: boo
                     admitted.add(req.rid)
                     report.record_admission(len(req.input_ids), len(req.prefix_indices), req.host_hit_len,
                                             req.storage_hit_len)
+                    if config.pin_prefix_tokens:
+                        tree.pin(req.input_ids[:config.pin_prefix_tokens])
             clock += cost.decode_step_s + int(batch.extend_lens.sum()) / cost.prefill_tokens_per_s
         else:
             clock += cost.decode_step_s

@@ -1,0 +1,84 @@
+"""The parts the queue-based policies (S3-FIFO, ARC, 2Q) are built from: ordered queues of evictable leaves
+with their token counts, and ghost lists of recently evicted prefixes.
+
+Sizes are tokens, not entries: a node of a radix tree holds anywhere from one page to a whole prompt, and a
+queue's share of the cache is a share of its tokens.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from sortedcontainers import SortedList
+
+if TYPE_CHECKING:
+    from kvmem.radix_tree import TreeNode
+
+
+class Queues:
+    """`count` ordered sets of evictable leaves. An entry is a list `[order, node id, node, queue, tokens]`:
+    a list, so that a policy can move an entry between queues (a second chance) and the tier's reference to
+    it stays valid; ordered by (order, id), smallest first."""
+
+    def __init__(self, count: int) -> None:
+        self.sets = [SortedList() for _ in range(count)]
+        self.tokens = [0] * count
+
+    def add(self, queue: int, order, node: TreeNode) -> list:
+        entry = [order, node.id, node, queue, node.num_tokens]
+        self.insert(entry)
+        return entry
+
+    def insert(self, entry: list) -> None:
+        self.sets[entry[3]].add(entry)
+        self.tokens[entry[3]] += entry[4]
+
+    def remove(self, entry: list) -> None:
+        self.sets[entry[3]].remove(entry)
+        self.tokens[entry[3]] -= entry[4]
+
+    def pop_first(self, queue: int) -> list:
+        entry = self.sets[queue].pop(0)
+        self.tokens[queue] -= entry[4]
+        return entry
+
+    def total_tokens(self) -> int:
+        return sum(self.tokens)
+
+    def clear(self) -> None:
+        for s in self.sets:
+            s.clear()
+        self.tokens = [0] * len(self.sets)
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.sets)
+
+    def holds(self, entry: list) -> bool:
+        return entry in self.sets[entry[3]]
+
+
+class Ghosts:
+    """Names of evicted prefixes (see EvictionPolicy._page_key) and their tokens, oldest first, trimmed to a
+    token budget on each add. O(1) per operation."""
+
+    def __init__(self) -> None:
+        self._names: OrderedDict[int, int] = OrderedDict()
+        self.tokens = 0
+
+    def add(self, name: int, tokens: int, budget: float) -> None:
+        old = self._names.pop(name, 0)
+        self._names[name] = tokens
+        self.tokens += tokens - old
+        while self.tokens > budget and self._names:
+            self.tokens -= self._names.popitem(last=False)[1]
+
+    def take(self, name: int) -> int:
+        """The tokens of `name` if it is a ghost (and forgets it), else 0."""
+        tokens = self._names.pop(name, 0)
+        self.tokens -= tokens
+        return tokens
+
+    def clear(self) -> None:
+        self._names.clear()
+        self.tokens = 0
