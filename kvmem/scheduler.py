@@ -146,7 +146,7 @@ class Scheduler:
             raise ValueError(f"request {req.rid!r} is already queued, running or finished ({req.status.value})")
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
-        key = _match_key(req)
+        key = req.match_key()
         # A storage tier starts reading the prompt's pages now, while the request waits to be admitted, and a
         # policy that looks ahead keeps what it will match.
         req.prefetch = self.tree_cache.prefetch(key, req.namespace)
@@ -175,9 +175,7 @@ class Scheduler:
             self.stats.evicted_tokens += batch.evicted_tokens
             if batch.retracted:
                 self.stats.retractions += len(batch.retracted)
-                self.waiting.extendleft(reversed(batch.retracted))
-                for req in batch.retracted:
-                    self.tree_cache.request_waiting(req.rid, _match_key(req), req.namespace)
+                self.waiting.extendleft(reversed(batch.retracted))  # the batch told the tree (request_waiting)
                 self.new_token_ratio = self.config.init_new_token_ratio
             else:
                 self.new_token_ratio = max(self.config.min_new_token_ratio,
@@ -319,7 +317,7 @@ class Scheduler:
         if req.prefetch is not None:
             from_storage = self.tree_cache.finish_prefetch(req.prefetch)
             req.prefetch = None
-        m = self.tree_cache.match_prefix(_match_key(req), req.namespace)
+        m = self.tree_cache.match_prefix(req.match_key(), req.namespace)
         indices, node = m.indices, m.last_node
         req.host_hit_len = req.storage_hit_len = 0
         if m.host_hit_length >= self.config.load_back_threshold:
@@ -339,7 +337,7 @@ class Scheduler:
         are admitted, and a full match (split, index gather) for each would dominate the loop."""
         window = [self.waiting.popleft() for _ in range(min(self.config.lpm_window, len(self.waiting)))]
         prefix_len = self.tree_cache.prefix_len
-        window.sort(key=lambda r: -prefix_len(_match_key(r), r.namespace))  # stable: arrival order among equals
+        window.sort(key=lambda r: -prefix_len(r.match_key(), r.namespace))  # stable: arrival order among equals
         self.waiting.extendleft(reversed(window))
 
     # ---- checks -------------------------------------------------------------------------------------
@@ -385,8 +383,4 @@ def _token_ids(next_token_ids) -> array:
     except OverflowError:
         raise ValueError("next_token_ids holds a token id outside int64") from None
 
-
-def _match_key(req: Req) -> memoryview:
-    # At least one token is always left to compute: the prefill must produce the next token's logits.
-    return memoryview(req.fill_ids)[:-1]
 

@@ -6,7 +6,7 @@ A miss on a name in B1 says T1 was too small (the target p grows), one in B2 tha
 the ratio of the ghost lists' sizes; eviction takes T1's LRU leaf while T1 holds more than p, else T2's.
 
 In the tree: sizes are tokens (the variable-size form of ARC), the lists hold evictable leaves, and c (the
-cache) is the tokens the policy holds. A node joins T2 once a match reaches it after it entered, or when it
+cache) is the most tokens the policy has held. A node joins T2 once a match reaches it after it entered, or when it
 enters as a ghost of B1 or B2 (a prefix evicted and recomputed). Each operation is O(log n).
 """
 
@@ -45,7 +45,7 @@ class ARC(EvictionPolicy):
         """Adapts the target to a prefix coming back; True if it was a ghost."""
         name = self._page_key(node)
         b1, b2 = self._ghosts
-        c = self._lists.total_tokens() + node.num_tokens
+        c = self._lists.peak
         if b1_tokens := b1.take(name):
             self.target = min(c, self.target + max(1.0, b2.tokens / max(b1.tokens, 1)) * b1_tokens)
             return True
@@ -69,7 +69,7 @@ class ARC(EvictionPolicy):
         entry = lists.pop_first(which)
         node = entry[2]
         del self._state[node]
-        self._ghosts[which].add(self._page_key(node), entry[4], lists.total_tokens() + entry[4])
+        self._ghosts[which].add(self._page_key(node), entry[4], lists.peak)
         return node
 
     def split(self, head: TreeNode, child: TreeNode) -> None:

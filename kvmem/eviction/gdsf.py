@@ -12,13 +12,16 @@ equal at the "attention crossover", about 30k tokens for an 8B Llama and 53k for
 tokens at depth d costs n x (1 + (d + n/2) / crossover), and cost / size is 1 + (d + n/2) / crossover: a page
 deep in a long prefix is worth more than one of a short prefix. Frequency is hit_count + 1.
 
-In the tree: a node's H is set when it becomes an evictable leaf and each time it is reached as one (H uses
-the inflation of that moment), so a prefix whose branches were just evicted competes from the current L with
-the frequency it earned. O(log n) per operation.
+In the tree: a node's H uses the inflation of its last access (the tree stamps every node on an access's path
+with the clock tick; the policy keeps the inflation's history by tick), so a prefix that becomes a leaf when
+its branches are evicted competes with the priority its last use earned, not a fresh one. The history holds
+one entry per tick at which evictions raised L, pruned (amortized O(1)) to what the evictable leaves need; a
+node last used before the oldest kept entry is read at that entry. O(log n) per operation.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import TYPE_CHECKING
 
 from kvmem.eviction.base import KeyedPolicy
@@ -38,23 +41,55 @@ class GDSF(KeyedPolicy):
             raise ValueError(f"attention_crossover must be > 0, got {attention_crossover!r}")
         super().__init__(self._priority, "gdsf")
         self.attention_crossover = float(attention_crossover)
-        self.inflation = 0.0  # L
+        self.inflation = 0.0  # L, now
+        self._ticks: list[int] = []     # clock ticks at which evictions raised L ...
+        self._levels: list[float] = []  # ... and L after them
 
     def _priority(self, node: TreeNode) -> float:
         n = node.num_tokens
-        return self.inflation + (node.hit_count + 1) * (1.0 + (node.depth + n / 2) / self.attention_crossover)
+        return self._inflation_at(node.last_access) + (node.hit_count + 1) * (
+            1.0 + (node.depth + n / 2) / self.attention_crossover)
+
+    def _inflation_at(self, tick: int) -> float:
+        """L when the access of `tick` happened: the last level recorded at an earlier tick (the clock advances
+        before an access stamps its path, so evictions during tick t came after its access)."""
+        i = bisect_left(self._ticks, tick)
+        return self._levels[i - 1] if i else (self._levels[0] if self._pruned else 0.0)
 
     def pop(self) -> TreeNode | None:
         if not self._leaves:
             return None
         entry = self._leaves.pop(0)
-        self.inflation = max(self.inflation, entry[0])
+        if entry[0] > self.inflation:
+            self.inflation = entry[0]
+            tick = self._tree._clock
+            if self._ticks and self._ticks[-1] == tick:
+                self._levels[-1] = entry[0]
+            else:
+                self._ticks.append(tick)
+                self._levels.append(entry[0])
+                if len(self._ticks) > self._prune_at:
+                    self._prune()
         return entry[2]
+
+    _pruned = False
+    _min_history = 1024  # entries kept before the first prune
+    _prune_at = _min_history
+
+    def _prune(self) -> None:
+        """Drops the history no evictable leaf reads: entries before the one in force at the oldest access. The
+        next prune waits until the history has doubled, so the scan of the leaves is amortized O(1) a pop."""
+        oldest = min(entry[2].last_access for entry in self._leaves) if self._leaves else self._tree._clock
+        keep = max(0, bisect_left(self._ticks, oldest) - 1)
+        if keep:
+            del self._ticks[:keep], self._levels[:keep]
+            self._pruned = True
+        self._prune_at = max(self._min_history, 2 * len(self._ticks), 2 * len(self._leaves))
 
     def clear(self) -> None:
         super().clear()
         self.inflation = 0.0
-
-    def is_current(self, node: TreeNode, entry: tuple) -> bool:
-        # H was computed with the inflation of its moment: check the entry, not a recomputed key.
-        return entry[1] == node.id and entry[2] is node and entry in self._leaves
+        self._ticks.clear()
+        self._levels.clear()
+        self._pruned = False
+        self._prune_at = self._min_history

@@ -24,6 +24,8 @@ class Queues:
     def __init__(self, count: int) -> None:
         self.sets = [SortedList() for _ in range(count)]
         self.tokens = [0] * count
+        self.total = 0
+        self.peak = 0  # the most tokens the queues have held: the size a ghost list is measured against
 
     def add(self, queue: int, order, node: TreeNode) -> list:
         entry = [order, node.id, node, queue, node.num_tokens]
@@ -33,23 +35,26 @@ class Queues:
     def insert(self, entry: list) -> None:
         self.sets[entry[3]].add(entry)
         self.tokens[entry[3]] += entry[4]
+        self.total += entry[4]
+        if self.total > self.peak:
+            self.peak = self.total
 
     def remove(self, entry: list) -> None:
         self.sets[entry[3]].remove(entry)
         self.tokens[entry[3]] -= entry[4]
+        self.total -= entry[4]
 
     def pop_first(self, queue: int) -> list:
         entry = self.sets[queue].pop(0)
         self.tokens[queue] -= entry[4]
+        self.total -= entry[4]
         return entry
-
-    def total_tokens(self) -> int:
-        return sum(self.tokens)
 
     def clear(self) -> None:
         for s in self.sets:
             s.clear()
         self.tokens = [0] * len(self.sets)
+        self.total = self.peak = 0
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.sets)

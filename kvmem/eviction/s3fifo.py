@@ -7,10 +7,10 @@ was reused since it last reached M's head gets another round (frequency capped a
 Evicted from S, a prefix leaves its name in a ghost list; recomputed while remembered, it enters M directly.
 
 In the tree: queues hold evictable leaves; S's share is measured against the tokens the policy holds (all
-evictable tokens), and `hit_count` (matches reaching a node) is the access count. A node keeps its queue and
-its place while it is internal or locked, and takes them up again when it becomes a leaf. Hits need no
-re-ranking (FIFO order ignores them), so an access costs nothing here; each second chance is one re-insertion,
-O(log n), and a node gets at most `max_freq` of them per hit.
+evictable tokens), the ghost list's against the most it has held, and `hit_count` (matches reaching a node)
+is the access count. A node keeps its queue and its place while it is internal or locked, and takes them up
+again when it becomes a leaf. Hits need no re-ranking (FIFO order ignores them), so an access costs nothing
+here; each second chance is one re-insertion, O(log n), and a node gets at most `max_freq` of them per hit.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class S3FIFO(EvictionPolicy):
         queues = self._queues
         small, main = queues.sets
         while small or main:
-            from_small = bool(small) and (not main or queues.tokens[SMALL] >= self.small_ratio * queues.total_tokens())
+            from_small = bool(small) and (not main or queues.tokens[SMALL] >= self.small_ratio * queues.total)
             entry = queues.pop_first(SMALL if from_small else MAIN)
             node = entry[2]
             state = self._state[node]
@@ -86,7 +86,7 @@ class S3FIFO(EvictionPolicy):
                 continue
             del self._state[node]
             if from_small:
-                self._ghosts.add(self._page_key(node), entry[4], (1 - self.small_ratio) * queues.total_tokens())
+                self._ghosts.add(self._page_key(node), entry[4], (1 - self.small_ratio) * queues.peak)
             return node
         return None
 

@@ -7,7 +7,8 @@ A1in do not promote (they are correlated: the same scan or request); a return af
 shows a reuse distance longer than A1in's, which is what Am keeps.
 
 In the tree: the queues hold evictable leaves and their shares are measured against the tokens the policy
-holds. A node keeps its queue while it is internal or locked. Each operation is O(log n).
+holds (A1out's against the most it has held). A node keeps its queue while it is internal or locked. Each
+operation is O(log n).
 """
 
 from __future__ import annotations
@@ -67,12 +68,12 @@ class TwoQ(EvictionPolicy):
         a1in, am = queues.sets
         if not a1in and not am:
             return None
-        from_a1in = bool(a1in) and (not am or queues.tokens[A1IN] > self.kin * queues.total_tokens())
+        from_a1in = bool(a1in) and (not am or queues.tokens[A1IN] > self.kin * queues.total)
         entry = queues.pop_first(A1IN if from_a1in else AM)
         node = entry[2]
         del self._state[node]
         if from_a1in:
-            self._ghosts.add(self._page_key(node), entry[4], self.kout * (queues.total_tokens() + entry[4]))
+            self._ghosts.add(self._page_key(node), entry[4], self.kout * queues.peak)
         return node
 
     def split(self, head: TreeNode, child: TreeNode) -> None:

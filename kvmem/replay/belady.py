@@ -7,7 +7,8 @@ is measured against. Hence `kvmem.RadixCache(eviction_policy="belady")` refuses,
 a `BeladyPolicy`, over a `FutureIndex` of its trace.
 
 A node's next use is the first request, in arrival order, that has not been admitted yet (a queued request
-counts: it is future use) and whose match key covers the node's first page. Evicting a node frees all of it,
+counts: it is future use, and so does a retracted one queued again) and whose match key covers the node's
+first page. Evicting a node frees all of it,
 and its first page is the part the soonest request needs. Leaves with no future use go first, least recently
 used first; ties break by node id, so the order is deterministic for a given trace.
 
@@ -117,6 +118,14 @@ class FutureIndex:
         self._next[self._slot[i]] = NEVER
         return int(self.rank[i])
 
+    def readmit(self, i: int) -> bool:
+        """Request i is future use again (retracted, queued again); False if it already was."""
+        slot = self._slot[i]
+        if self._next[slot] != NEVER:
+            return False
+        self._next[slot] = self.rank[i]
+        return True
+
     def advance(self, pos: Position | None, tokens: np.ndarray) -> Position | None:
         """The place `tokens` further down from `pos` (None: no request's key goes there)."""
         if pos is None:
@@ -150,6 +159,7 @@ class BeladyPolicy(EvictionPolicy):
     trace indices that `index` was built with (the replay's are)."""
 
     name = "belady"
+    looks_ahead = True  # to hear of a retracted request queued again, and of the node its prefix ends at
 
     def __init__(self, index: FutureIndex) -> None:
         super().__init__()
@@ -216,6 +226,11 @@ class BeladyPolicy(EvictionPolicy):
             entry = self._entries[node]
             self._leaves.remove(entry)
             self._place(node, entry)
+
+    def waiting(self, rid: Any, node: TreeNode | None) -> None:
+        # A new request is future use already; a retracted one is again, and needs its prefix soon.
+        if self._index.readmit(rid) and node in self._entries:
+            self.update(node, self._entries[node])
 
     def clear(self) -> None:
         self._leaves.clear()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -143,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1, metavar="J",
                    help="replays run at once by --compare-policies (processes; default: the CPU count)")
     p.add_argument("--pin-prefix-tokens", type=_non_negative_int, default=0, metavar="N",
-                   help="pin the first N tokens of each admitted prompt (a system prompt; default 0: no pins)")
+                   help="pin the first N tokens of each finished request's prompt (a system prompt; default 0: none)")
     p.add_argument("--pin-budget", type=_fraction, default=0.2, metavar="F",
                    help="share of the capacity pins may hold; older pins past it degrade (default 0.2)")
     p.add_argument("--schedule-policy", default="lpm", choices=SCHEDULE_POLICIES)
@@ -228,7 +229,8 @@ def _compare(args: argparse.Namespace, trace: Trace, config: ReplayConfig, capac
              out: dict) -> int:
     from kvmem.replay.compare import compare_policies, format_table, write_policy_plot
 
-    result = compare_policies(trace, config, args.compare_policies, capacities or [config.capacity_tokens], args.jobs)
+    result = compare_policies(trace, config, args.compare_policies, capacities or [config.capacity_tokens], args.jobs,
+                              functools.partial(_load_trace, args))
     print(format_table(result), file=sys.stderr)
     out["compare"] = result
     if args.plot:

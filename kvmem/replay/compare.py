@@ -1,9 +1,11 @@
 """`kvmem-replay --compare-policies`: one trace replayed under several eviction policies, side by side.
 
-Each (policy, capacity) pair is one replay, run in a process of its own (up to `jobs` at once), with the same
-scheduler, capacities and page size for every policy. `belady` (the offline optimum) is the ceiling and `lru`
-the baseline, so both always run; each policy's `gap_closed` is (hit rate - lru's) / (belady's - lru's), the
-share of what LRU leaves on the table that the policy gets back.
+Each (policy, capacity) pair is one replay, with the same scheduler, capacities and page size for every
+policy; with `jobs` > 1 they run in `jobs` worker processes, started with "spawn" (forking a process that runs
+torch's threads can deadlock the child), each of which loads the trace once with the picklable `load_trace`.
+`belady` (the offline optimum) is the ceiling and `lru` the baseline, so both always run; each policy's
+`gap_closed` is (hit rate - lru's) / (belady's - lru's), the share of what LRU leaves on the table that the
+policy gets back.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import dataclasses
 import multiprocessing
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
@@ -22,38 +24,46 @@ from kvmem.replay.report import require_matplotlib
 BASELINE, CEILING = "lru", "belady"
 DEFAULT_POLICIES = ("lru", "lfu", "fifo", "s3fifo", "arc", "2q", "gdsf", "lookahead", "belady")
 
-_trace = None  # the trace each worker replays: inherited by fork, or set by the initializer
+_trace = None  # the trace a worker replays, loaded once by its initializer
 
 
-def _init_worker(trace) -> None:
+def _load_worker_trace(load_trace: Callable) -> None:
     global _trace
-    _trace = trace
+    _trace = load_trace()
 
 
-def _replay_one(config: ReplayConfig) -> dict:
+def _replay_one(config: ReplayConfig, trace=None) -> dict:
     from kvmem.replay.simulator import replay
 
-    return replay(_trace, config).to_json()
+    return replay(_trace if trace is None else trace, config).to_json()
 
 
 def compare_policies(trace, config: ReplayConfig, policies: Sequence[str], capacities: Sequence[int],
-                     jobs: int = 1) -> dict:
-    """Replays `trace` under each policy (plus lru and belady) at each capacity; returns the JSON-ready result:
-    `policies`, `capacities`, `hit_rate[policy]` and `gap_closed[policy]` (one value per capacity; gap_closed is
-    None where belady does no better than lru), and every replay's report in `runs`."""
+                     jobs: int = 1, load_trace: Callable | None = None) -> dict:
+    """Replays `trace` under each policy (plus lru and belady) at each capacity, in this process or (jobs > 1) in
+    worker processes that build the trace with `load_trace()` (a picklable callable; required then). Returns the
+    JSON-ready result: `policies`, `capacities`, `hit_rate[policy]` and `gap_closed[policy]` (one value per
+    capacity; gap_closed is None where belady does no better than lru), and every replay's report in `runs`."""
     policies = list(dict.fromkeys([BASELINE, *policies, CEILING]))
     configs = [dataclasses.replace(config, eviction_policy=p, capacity_tokens=c) for p in policies for c in capacities]
     reports: dict[tuple[str, int], dict] = {}
-    # fork shares the trace with the workers without pickling it (a trace can hold 100M+ tokens)
-    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
-    with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(configs))), mp_context=context,
-                             initializer=_init_worker, initargs=(trace,)) as pool:
-        futures = {pool.submit(_replay_one, c): c for c in configs}
-        for future in as_completed(futures):
-            c = futures[future]
-            reports[c.eviction_policy, c.capacity_tokens] = future.result()
-            print(f"kvmem-replay: {c.eviction_policy} at {c.capacity_tokens:,} tokens: hit rate "
-                  f"{reports[c.eviction_policy, c.capacity_tokens]['hit_rate']:.4f}", file=sys.stderr)
+
+    def done(c: ReplayConfig, report: dict) -> None:
+        reports[c.eviction_policy, c.capacity_tokens] = report
+        print(f"kvmem-replay: {c.eviction_policy} at {c.capacity_tokens:,} tokens: hit rate {report['hit_rate']:.4f}",
+              file=sys.stderr)
+
+    if jobs <= 1 or len(configs) == 1:
+        for c in configs:
+            done(c, _replay_one(c, trace))
+    else:
+        if load_trace is None:
+            raise ValueError("jobs > 1 needs load_trace: each worker process builds the trace itself")
+        with ProcessPoolExecutor(max_workers=min(jobs, len(configs)), mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_load_worker_trace, initargs=(load_trace,)) as pool:
+            futures = {pool.submit(_replay_one, c): c for c in configs}
+            for future in as_completed(futures):
+                done(futures[future], future.result())
     hit = {p: [reports[p, c]["hit_rate"] for c in capacities] for p in policies}
     gap = {p: [_gap_closed(h, lo, hi) for h, lo, hi in zip(hit[p], hit[BASELINE], hit[CEILING])] for p in policies}
     return {"policies": policies, "capacities": list(capacities), "hit_rate": hit, "gap_closed": gap,

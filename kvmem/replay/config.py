@@ -50,8 +50,8 @@ class ReplayConfig:
     storage: a storage tier under the host tier, "file:DIR" (a FileStore) or "mooncake:HOST:PORT" (a Mooncake
         master); None: none. storage_metadata: the Mooncake metadata server ("P2PHANDSHAKE" or a URL).
     storage_capacity_tokens: what the file store may hold (None: unbounded). storage_gbps: storage bandwidth.
-    pin_prefix_tokens: pin the first N tokens of each admitted prompt (`RadixCache.pin`; 0: no pins), as a
-        server would pin its system prompts. pin_budget: the share of the capacity pins may hold.
+    pin_prefix_tokens: pin the first N tokens of each finished request's prompt (`RadixCache.pin`; 0: no
+        pins), as a server would pin its system prompts. pin_budget: the share of the capacity pins may hold.
     """
 
     capacity_tokens: int

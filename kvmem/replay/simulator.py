@@ -134,8 +134,6 @@ def replay(requests: Sequence[TraceRequest], config: ReplayConfig, progress: boo
                     admitted.add(req.rid)
                     report.record_admission(len(req.input_ids), len(req.prefix_indices), req.host_hit_len,
                                             req.storage_hit_len)
-                    if config.pin_prefix_tokens:
-                        tree.pin(req.input_ids[:config.pin_prefix_tokens])
             clock += cost.decode_step_s + int(batch.extend_lens.sum()) / cost.prefill_tokens_per_s
         else:
             clock += cost.decode_step_s
@@ -145,6 +143,8 @@ def replay(requests: Sequence[TraceRequest], config: ReplayConfig, progress: boo
         cache_s += time.perf_counter() - t0
         for req in finished:
             del outputs[req.rid]
+            if config.pin_prefix_tokens:  # its prompt is cached now: pin its head, as a server pins system prompts
+                tree.pin(req.input_ids[:config.pin_prefix_tokens])
         if bar is not None and finished:
             bar.update(len(finished))
         report.record_step(clock, alloc.size - alloc.available_size(), tree.evictable_size(), len(sched.running))
