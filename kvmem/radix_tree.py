@@ -325,8 +325,7 @@ class RadixTree:
         if self._looks_ahead():
             view = key_bytes("key", key)
             walk = self._descend(view, len(view) - len(view) % self._page_bytes, self._root(namespace))
-            node = walk.node if walk.child is None else walk.child
-            self._note_waiting(rid, None if node.parent is None else node)
+            self._note_waiting(rid, walk.node if walk.child is None else walk.child, view)
 
     def request_admitted(self, rid) -> None:
         """The scheduler admitted request `rid` (matched and locked its prefix)."""
@@ -335,8 +334,8 @@ class RadixTree:
     def _looks_ahead(self) -> bool:
         return self._policy.looks_ahead
 
-    def _note_waiting(self, rid, node: TreeNode | None) -> None:
-        self._policy.waiting(rid, node)
+    def _note_waiting(self, rid, node: TreeNode, key: memoryview) -> None:
+        self._policy.waiting(rid, node, key)
 
     # ---- locks --------------------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> None:

@@ -143,6 +143,18 @@ def test_lookahead_keeps_what_a_waiting_request_will_match_until_it_is_admitted(
     assert cached_sequences(cache) == {tuple(seq(10))}
 
 
+def test_lookahead_follows_the_tree_as_it_grows_along_a_waiting_request():
+    cache, _ = make_cache(policy="lookahead")
+    put(cache, seq(0))
+    cache.request_waiting("r", seq(0) + seq(10) + seq(20) + [99])  # queued while only seq(0) is cached
+    put(cache, seq(0) + seq(10))       # the previous turn finishes: the tree grows along r's key ...
+    put(cache, seq(0) + seq(10) + seq(20))
+    put(cache, seq(50))                # ... and a newer prefix nobody waits for
+    cache.evict(1)
+    assert cached_sequences(cache) == {tuple(seq(0) + seq(10) + seq(20))}
+    cache.check_invariants()
+
+
 def test_lookahead_composes_with_a_base_policy():
     policy = Lookahead(S3FIFO())
     cache, _ = make_cache(policy=policy)

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvmem.eviction.base import EvictionPolicy
-from kvmem.eviction.queues import Ghosts, Queues
+from kvmem.eviction.queues import QueuedPolicy
 
 if TYPE_CHECKING:
     from kvmem.radix_tree import TreeNode
@@ -23,17 +22,16 @@ if TYPE_CHECKING:
 RECENT, FREQUENT = 0, 1
 
 
-class ARC(EvictionPolicy):
+class ARC(QueuedPolicy):
     """Adaptive Replacement Cache over a tier's evictable leaves (see the module docstring)."""
 
     name = "arc"
 
     def __init__(self) -> None:
-        super().__init__()
-        self._lists = Queues(2)           # T1, T2 (LRU order: last_access)
-        self._ghosts = (Ghosts(), Ghosts())  # B1, B2
-        self._state: dict[TreeNode, list] = {}  # node -> [hit_count when it entered, entered as a ghost]
-        self.target = 0.0                 # p: T1's target size, tokens
+        # queues T1, T2 (LRU order: last_access); ghosts B1, B2; state: node -> [hit_count when it entered,
+        # entered as a ghost]
+        super().__init__(queues=2, ghosts=2)
+        self.target = 0.0  # p: T1's target size, tokens
 
     def _list_of(self, node: TreeNode) -> int:
         state = self._state.get(node)
@@ -45,7 +43,7 @@ class ARC(EvictionPolicy):
         """Adapts the target to a prefix coming back; True if it was a ghost."""
         name = self._page_key(node)
         b1, b2 = self._ghosts
-        c = self._lists.peak
+        c = self._queues.peak
         if b1_tokens := b1.take(name):
             self.target = min(c, self.target + max(1.0, b2.tokens / max(b1.tokens, 1)) * b1_tokens)
             return True
@@ -55,13 +53,10 @@ class ARC(EvictionPolicy):
         return False
 
     def add(self, node: TreeNode) -> list:
-        return self._lists.add(self._list_of(node), node.last_access, node)
-
-    def remove(self, node: TreeNode, entry: list) -> None:
-        self._lists.remove(entry)
+        return self._queues.add(self._list_of(node), node.last_access, node)
 
     def pop(self) -> TreeNode | None:
-        lists = self._lists
+        lists = self._queues
         t1, t2 = lists.sets
         if not t1 and not t2:
             return None
@@ -72,21 +67,10 @@ class ARC(EvictionPolicy):
         self._ghosts[which].add(self._page_key(node), entry[4], lists.peak)
         return node
 
-    def split(self, head: TreeNode, child: TreeNode) -> None:
-        state = self._state.get(child)
-        if state is not None:
-            self._state[head] = list(state)
-
     def clear(self) -> None:
-        self._lists.clear()
-        for ghosts in self._ghosts:
-            ghosts.clear()
-        self._state.clear()
+        super().clear()
         self.target = 0.0
-
-    def __len__(self) -> int:
-        return len(self._lists)
 
     def is_current(self, node: TreeNode, entry: list) -> bool:
         return (node in self._state and entry[2] is node and entry[3] == self._list_of(node)
-                and entry[0] == node.last_access and entry[4] == node.num_tokens and self._lists.holds(entry))
+                and entry[0] == node.last_access and entry[4] == node.num_tokens and self._queues.holds(entry))

@@ -11,8 +11,8 @@ leaves, and the tree never scans: every call below is O(log n) or better in the 
                               shortened it): -> its new entry
     pop() -> node | None      the next victim, taken out of the set (None when the set is empty)
     split(head, child)        a split cut `head` off the front of `child` (state to copy; head is internal)
-    waiting(rid, node)        the scheduler queued request `rid`, which will match down to `node` (the
-                              tier's deepest node on its prefix; only for a policy that `looks_ahead`)
+    waiting(rid, node, key)   the scheduler queued request `rid`, whose match key is `key` and whose prefix
+                              ends at `node` in this tier (a root: nothing cached); only if `looks_ahead`
     admitted(rid)             it was admitted (its lock protects its prefix now)
 
 Node fields a policy may read: `last_access` and `created` (ticks of the tree's logical clock, which advances
@@ -76,9 +76,10 @@ class EvictionPolicy(ABC):
     def split(self, head: TreeNode, child: TreeNode) -> None:
         """A split made `head` (internal, new) the front part of `child`; `update` follows if child is a leaf."""
 
-    def waiting(self, rid: Any, node: TreeNode | None) -> None:
-        """Request `rid` joined the scheduler's waiting queue; it will match down to `node` (None: nothing is
-        cached). Called only when `looks_ahead`."""
+    def waiting(self, rid: Any, node: TreeNode, key: memoryview) -> None:
+        """Request `rid` joined the scheduler's waiting queue; its match key is `key` (int64 token ids as bytes)
+        and the tier holds its prefix down to `node` (a root when nothing is cached; a node the key goes only
+        partly into when the match ends inside an edge). Called only when `looks_ahead`."""
 
     def admitted(self, rid: Any) -> None:
         """Request `rid` was admitted: its prefix is locked now."""

@@ -9,9 +9,12 @@ for a set of its own, taken only when the base policy has nothing left, until th
 lock protects the path from then on). Marking only that node protects its whole path: its ancestors are not
 leaves while it is there.
 
+The tree grows while requests wait (the previous turn of a conversation finishes, a chunk is prefilled), so a
+mark follows it: a request whose key goes on past its marked node waits under that node's next page, and a
+new leaf there takes the mark over (one dict lookup per leaf, and the pages of the keys it moves along).
+
 It wraps a base policy (LRU by default; any `EvictionPolicy`) that orders everything else, so lookahead
-composes with the others. O(log n) per operation. A mark made when a request was queued stays where it was if
-the tree grows past it before the request is admitted.
+composes with the others. O(log n) per operation.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 from sortedcontainers import SortedList
 
 from kvmem.eviction.base import EvictionPolicy, KeyedPolicy, lru
+
+TOKEN_BYTES = 8
 
 if TYPE_CHECKING:
     from kvmem.radix_tree import RadixTree, TreeNode
@@ -41,6 +46,9 @@ class Lookahead(EvictionPolicy):
         self._entries: dict[TreeNode, list] = {}
         self._expected: dict[TreeNode, int] = {}  # node -> waiting requests that will match down to it
         self._target: dict[Any, TreeNode] = {}    # rid -> the node it marked
+        self._keys: dict[Any, memoryview] = {}    # rid -> its match key, while it waits
+        self._follow: dict[TreeNode, dict[bytes, set]] = {}  # node -> next page -> rids whose key goes on there
+        self._follow_at: dict[Any, tuple[TreeNode, bytes]] = {}
 
     def bind(self, tree: RadixTree) -> None:
         super().bind(tree)
@@ -61,8 +69,33 @@ class Lookahead(EvictionPolicy):
             self.base.remove(node, entry[1])
 
     def add(self, node: TreeNode) -> list:
+        if node.parent in self._follow:
+            self._grow(node)
         entry = self._entries[node] = self._place(node, [False, None])
         return entry
+
+    def _grow(self, node: TreeNode) -> None:
+        """`node` appeared where waiting requests' keys go on from its parent: their marks move down to it."""
+        waiting = self._follow[node.parent]
+        rids = waiting.pop(node.key[:self._tree._page_bytes], ())
+        if not waiting:
+            del self._follow[node.parent]
+        for rid in rids:
+            del self._follow_at[rid]
+            self._unmark(rid)
+            self._target[rid] = node
+            self._expected[node] = self._expected.get(node, 0) + 1  # not in a set yet: add() places it
+            self._follow_from(rid, node)
+
+    def _follow_from(self, rid: Any, node: TreeNode) -> None:
+        """If rid's key covers `node`'s whole path and goes on by a page, waits for the tree to grow there."""
+        key, page = self._keys[rid], self._tree._page_bytes
+        start, end = node.depth * TOKEN_BYTES, (node.depth + node.num_tokens) * TOKEN_BYTES
+        if len(key) < end + page or (node.parent is not None and key[start:end] != node.key):
+            return
+        nxt = key[end:end + page].tobytes()
+        self._follow.setdefault(node, {}).setdefault(nxt, set()).add(rid)
+        self._follow_at[rid] = (node, nxt)
 
     def remove(self, node: TreeNode, entry: list) -> None:
         self._take(node, entry)
@@ -83,23 +116,39 @@ class Lookahead(EvictionPolicy):
             node = self._marked.pop(0)[2]
             del self._expected[node]
         del self._entries[node]
+        for rids in self._follow.pop(node, {}).values():
+            for rid in rids:
+                del self._follow_at[rid]
         return node
 
     def split(self, head: TreeNode, child: TreeNode) -> None:
         self.base.split(head, child)
 
-    def waiting(self, rid: Any, node: TreeNode | None) -> None:
+    def waiting(self, rid: Any, node: TreeNode, key: memoryview) -> None:
         self.admitted(rid)  # a retracted request queued again: its old mark goes
-        if node is None:
-            return
-        self._target[rid] = node
-        count = self._expected.get(node, 0)
-        self._expected[node] = count + 1
-        if count == 0:
-            self._rerank(node)
+        self._keys[rid] = key
+        if node.parent is not None:
+            self._target[rid] = node
+            count = self._expected.get(node, 0)
+            self._expected[node] = count + 1
+            if count == 0:
+                self._rerank(node)
+        self._follow_from(rid, node)
 
     def admitted(self, rid: Any) -> None:
         self.base.admitted(rid)
+        self._keys.pop(rid, None)
+        at = self._follow_at.pop(rid, None)
+        if at is not None:
+            waiting = self._follow[at[0]]
+            waiting[at[1]].discard(rid)
+            if not waiting[at[1]]:
+                del waiting[at[1]]
+                if not waiting:
+                    del self._follow[at[0]]
+        self._unmark(rid)
+
+    def _unmark(self, rid: Any) -> None:
         node = self._target.pop(rid, None)
         count = self._expected.get(node)  # None: no mark, or its node was evicted meanwhile
         if count == 1:
@@ -119,6 +168,9 @@ class Lookahead(EvictionPolicy):
         self._entries.clear()
         self._expected.clear()
         self._target.clear()
+        self._keys.clear()
+        self._follow.clear()
+        self._follow_at.clear()
 
     def __len__(self) -> int:
         return len(self.base) + len(self._marked)

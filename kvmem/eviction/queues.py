@@ -1,5 +1,5 @@
 """The parts the queue-based policies (S3-FIFO, ARC, 2Q) are built from: ordered queues of evictable leaves
-with their token counts, and ghost lists of recently evicted prefixes.
+with their token counts, ghost lists of recently evicted prefixes, and the base class that holds them.
 
 Sizes are tokens, not entries: a node of a radix tree holds anywhere from one page to a whole prompt, and a
 queue's share of the cache is a share of its tokens.
@@ -11,6 +11,8 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from sortedcontainers import SortedList
+
+from kvmem.eviction.base import EvictionPolicy
 
 if TYPE_CHECKING:
     from kvmem.radix_tree import TreeNode
@@ -87,3 +89,32 @@ class Ghosts:
     def clear(self) -> None:
         self._names.clear()
         self.tokens = 0
+
+
+class QueuedPolicy(EvictionPolicy):
+    """What S3-FIFO, ARC and 2Q share: `queues` ordered sets of evictable leaves, `ghosts` ghost lists, and a
+    per-node state (a list) that a node keeps while it is internal or locked and that the head of a split
+    inherits."""
+
+    def __init__(self, queues: int, ghosts: int) -> None:
+        super().__init__()
+        self._queues = Queues(queues)
+        self._ghosts = [Ghosts() for _ in range(ghosts)]
+        self._state: dict[TreeNode, list] = {}
+
+    def remove(self, node: TreeNode, entry: list) -> None:
+        self._queues.remove(entry)
+
+    def split(self, head: TreeNode, child: TreeNode) -> None:
+        state = self._state.get(child)
+        if state is not None:
+            self._state[head] = list(state)
+
+    def clear(self) -> None:
+        self._queues.clear()
+        for ghosts in self._ghosts:
+            ghosts.clear()
+        self._state.clear()
+
+    def __len__(self) -> int:
+        return len(self._queues)

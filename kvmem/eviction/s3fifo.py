@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvmem.eviction.base import EvictionPolicy
-from kvmem.eviction.queues import Ghosts, Queues
+from kvmem.eviction.queues import QueuedPolicy
 
 if TYPE_CHECKING:
     from kvmem.radix_tree import TreeNode
@@ -26,27 +25,24 @@ if TYPE_CHECKING:
 SMALL, MAIN = 0, 1
 
 
-class S3FIFO(EvictionPolicy):
+class S3FIFO(QueuedPolicy):
     """S3-FIFO over a tier's evictable leaves. `small_ratio`: S's target share of the evictable tokens (the
     paper's 10%); `max_freq`: the cap on a node's access count (3)."""
 
     name = "s3fifo"
 
     def __init__(self, small_ratio: float = 0.1, max_freq: int = 3) -> None:
-        super().__init__()
         if not 0 < small_ratio < 1:
             raise ValueError(f"small_ratio must lie in (0, 1), got {small_ratio!r}")
+        super().__init__(queues=2, ghosts=1)  # state: node -> [queue, hit_count when its count restarted, order]
         self.small_ratio = small_ratio
         self.max_freq = max_freq
-        self._queues = Queues(2)
-        self._ghosts = Ghosts()
-        self._state: dict[TreeNode, list] = {}  # node -> [queue, hit_count when its count restarted, order]
         self._seq = 0
 
     def _state_of(self, node: TreeNode) -> list:
         state = self._state.get(node)
         if state is None:
-            queue = MAIN if self._ghosts.take(self._page_key(node)) else SMALL
+            queue = MAIN if self._ghosts[0].take(self._page_key(node)) else SMALL
             state = self._state[node] = [queue, node.hit_count, self._next()]
         return state
 
@@ -57,9 +53,6 @@ class S3FIFO(EvictionPolicy):
     def add(self, node: TreeNode) -> list:
         queue, _, order = self._state_of(node)
         return self._queues.add(queue, order, node)
-
-    def remove(self, node: TreeNode, entry: list) -> None:
-        self._queues.remove(entry)
 
     def update(self, node: TreeNode, entry: list) -> list:
         if entry[4] == node.num_tokens:
@@ -86,22 +79,9 @@ class S3FIFO(EvictionPolicy):
                 continue
             del self._state[node]
             if from_small:
-                self._ghosts.add(self._page_key(node), entry[4], (1 - self.small_ratio) * queues.peak)
+                self._ghosts[0].add(self._page_key(node), entry[4], (1 - self.small_ratio) * queues.peak)
             return node
         return None
-
-    def split(self, head: TreeNode, child: TreeNode) -> None:
-        state = self._state.get(child)
-        if state is not None:
-            self._state[head] = list(state)
-
-    def clear(self) -> None:
-        self._queues.clear()
-        self._ghosts.clear()
-        self._state.clear()
-
-    def __len__(self) -> int:
-        return len(self._queues)
 
     def is_current(self, node: TreeNode, entry: list) -> bool:
         state = self._state.get(node)

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvmem.eviction.base import EvictionPolicy
-from kvmem.eviction.queues import Ghosts, Queues
+from kvmem.eviction.queues import QueuedPolicy
 
 if TYPE_CHECKING:
     from kvmem.radix_tree import TreeNode
@@ -24,27 +23,24 @@ if TYPE_CHECKING:
 A1IN, AM = 0, 1
 
 
-class TwoQ(EvictionPolicy):
+class TwoQ(QueuedPolicy):
     """Full 2Q over a tier's evictable leaves. `kin`: A1in's share of the evictable tokens; `kout`: A1out's
     (ghost) budget as a share of them."""
 
     name = "2q"
 
     def __init__(self, kin: float = 0.25, kout: float = 0.5) -> None:
-        super().__init__()
         if not 0 < kin < 1 or not kout > 0:
             raise ValueError(f"need 0 < kin < 1 and kout > 0, got kin={kin!r}, kout={kout!r}")
+        super().__init__(queues=2, ghosts=1)  # state: node -> [queue, FIFO order]
         self.kin, self.kout = kin, kout
-        self._queues = Queues(2)
-        self._ghosts = Ghosts()
-        self._state: dict[TreeNode, list] = {}  # node -> [queue, FIFO order]
         self._seq = 0
 
     def _state_of(self, node: TreeNode) -> list:
         state = self._state.get(node)
         if state is None:
             self._seq += 1
-            state = self._state[node] = [AM if self._ghosts.take(self._page_key(node)) else A1IN, self._seq]
+            state = self._state[node] = [AM if self._ghosts[0].take(self._page_key(node)) else A1IN, self._seq]
         return state
 
     def _order(self, node: TreeNode, state: list):
@@ -53,9 +49,6 @@ class TwoQ(EvictionPolicy):
     def add(self, node: TreeNode) -> list:
         state = self._state_of(node)
         return self._queues.add(state[0], self._order(node, state), node)
-
-    def remove(self, node: TreeNode, entry: list) -> None:
-        self._queues.remove(entry)
 
     def update(self, node: TreeNode, entry: list) -> list:
         if entry[3] == A1IN and entry[4] == node.num_tokens:
@@ -73,21 +66,8 @@ class TwoQ(EvictionPolicy):
         node = entry[2]
         del self._state[node]
         if from_a1in:
-            self._ghosts.add(self._page_key(node), entry[4], self.kout * queues.peak)
+            self._ghosts[0].add(self._page_key(node), entry[4], self.kout * queues.peak)
         return node
-
-    def split(self, head: TreeNode, child: TreeNode) -> None:
-        state = self._state.get(child)
-        if state is not None:
-            self._state[head] = list(state)
-
-    def clear(self) -> None:
-        self._queues.clear()
-        self._ghosts.clear()
-        self._state.clear()
-
-    def __len__(self) -> int:
-        return len(self._queues)
 
     def is_current(self, node: TreeNode, entry: list) -> bool:
         state = self._state.get(node)

@@ -227,7 +227,7 @@ class BeladyPolicy(EvictionPolicy):
             self._leaves.remove(entry)
             self._place(node, entry)
 
-    def waiting(self, rid: Any, node: TreeNode | None) -> None:
+    def waiting(self, rid: Any, node: TreeNode, key: memoryview) -> None:
         # A new request is future use already; a retracted one is again, and needs its prefix soon.
         if self._index.readmit(rid) and node in self._entries:
             self.update(node, self._entries[node])

@@ -77,13 +77,14 @@ def _gap_closed(hit: float, lru: float, belady: float) -> float | None:
 def format_table(result: dict) -> str:
     """The comparison as a text table: a row per policy, a column per capacity, hit rate (gap closed)."""
     caps = result["capacities"]
-    head = f"{'policy':<10}" + "".join(f"{c:>22,}" for c in caps)
+    width = max(len("policy"), *map(len, result["policies"])) + 2
+    head = f"{'policy':<{width}}" + "".join(f"{c:>22,}" for c in caps)
     lines = [head, "-" * len(head)]
     for p in result["policies"]:
         cells = []
         for h, g in zip(result["hit_rate"][p], result["gap_closed"][p]):
             cells.append(f"{h:.4f}" + ("" if g is None or p in (BASELINE, CEILING) else f" ({g:+.0%} of gap)"))
-        lines.append(f"{p:<10}" + "".join(f"{cell:>22}" for cell in cells))
+        lines.append(f"{p:<{width}}" + "".join(f"{cell:>22}" for cell in cells))
     return "\n".join(lines)
 
 

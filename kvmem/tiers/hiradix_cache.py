@@ -349,14 +349,13 @@ class HiRadixCache(RadixCache):
     def _looks_ahead(self) -> bool:
         return self._policy.looks_ahead or self._host_policy.looks_ahead
 
-    def _note_waiting(self, rid, node: HiTreeNode | None) -> None:
+    def _note_waiting(self, rid, node: HiTreeNode, key: memoryview) -> None:
         """The device policy learns the deepest device node of the request's prefix, the host policy its
         deepest node."""
         if self._policy.looks_ahead:
-            device = None if node is None else self._device_ancestor(node)[0]
-            self._policy.waiting(rid, None if device is None or device.parent is None else device)
+            self._policy.waiting(rid, self._device_ancestor(node)[0], key)
         if self._host_policy.looks_ahead:
-            self._host_policy.waiting(rid, node)
+            self._host_policy.waiting(rid, node, key)
 
     def request_admitted(self, rid) -> None:
         self._policy.admitted(rid)
