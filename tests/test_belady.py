@@ -64,8 +64,8 @@ def test_an_admitted_request_no_longer_counts_as_a_future_use():
 
 
 def test_belady_is_deterministic_for_a_given_trace():
-    trace = multi_turn_chat(120, seed=3)
-    config = ReplayConfig(capacity_tokens=6000, max_context_len=trace.max_context_len, eviction_policy="belady")
+    trace = multi_turn_chat(60, seed=3)
+    config = ReplayConfig(capacity_tokens=4000, max_context_len=trace.max_context_len, eviction_policy="belady")
     a, b = replay(trace, config), replay(trace, config)
     assert (a.hit_rate, a.evicted_tokens, a.to_json()["steps"]) == (b.hit_rate, b.evicted_tokens, b.to_json()["steps"])
     assert a.evicted_tokens > 0

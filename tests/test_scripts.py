@@ -90,3 +90,13 @@ def test_engine_benchmark_on_cpu_reports_both_workloads(capsys):
                          for w in ("prefix_reuse", "no_reuse")}
     assert all(rows[m, "prefix_reuse"]["hit_rate"] > 0 == rows[m, "no_reuse"]["hit_rate"] for m, _ in rows)
     assert all(r["output_tokens_per_s"] > 0 for r in rows.values())
+
+
+def test_eviction_benchmark_times_every_online_policy_against_lru(tmp_path):
+    from kvmem.eviction import ONLINE_POLICIES
+
+    out = tmp_path / "report.json"
+    report = run_script("bench_eviction.py", "--quick", "--out", str(out))
+    assert json.loads(out.read_text()) == report
+    assert [r["policy"] for r in report["rows"]] == list(ONLINE_POLICIES)
+    assert all(r["cycle_us"] > 0 and r["cycle_vs_lru"] > 0 for r in report["rows"])
