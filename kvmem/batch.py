@@ -96,6 +96,11 @@ class Req:
         ids.extend(self.output_ids)
         return ids
 
+    def match_key(self) -> memoryview:
+        """The key its admission matches against the tree: fill_ids but the last token (at least one token is
+        always left to compute: the prefill must produce the next token's logits)."""
+        return memoryview(self.fill_ids)[:-1]
+
     def finished(self) -> bool:
         return len(self.output_ids) >= self.max_new_tokens
 
@@ -367,6 +372,8 @@ class ScheduleBatch:
         if req.last_node is not None:
             self.tree_cache.dec_lock_ref(req.last_node)
         req.reset_for_retract()
+        # Queued again: a policy that looks ahead learns it before the eviction that follows a retraction.
+        self.tree_cache.request_waiting(req.rid, req.match_key(), req.namespace)
 
     def _own_slots(self, req: Req) -> torch.Tensor:
         """The slots of the row that belong to the request, not the tree."""

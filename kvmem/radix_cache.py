@@ -23,11 +23,11 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from kvmem._checks import check_int
+from kvmem._checks import check_int, check_number
 from kvmem._index import as_index_array
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.events.schema import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from kvmem.eviction import EvictionKey
+from kvmem.eviction import EvictionPolicySpec
 from kvmem.page_hash import DIGEST_BYTES, chain_page_digests, event_hash, event_hashes, namespace_prefix
 from kvmem.radix_tree import TOKEN_BYTES, RadixTree, TreeNode, Walk, _fail, key_bytes
 from kvmem.req_to_token import ReqToTokenPool
@@ -80,7 +80,9 @@ class RadixCache(RadixTree):
             `cache_unfinished_req`).
         token_allocator: where evicted slots go back; its page_size must equal `page_size`.
         page_size: tokens per page; keys are matched and inserted in whole pages.
-        eviction_policy: "lru", "lfu", "fifo", "priority" (see kvmem.eviction) or a key function of a node.
+        eviction_policy: a name of `kvmem.eviction.EVICTION_POLICIES` ("lru", "lfu", "fifo", "priority",
+            "s3fifo", "arc", "2q", "gdsf", "lookahead"), a key function of a node, or an `EvictionPolicy`.
+        pin_budget: the share of the capacity that `pin` may hold (0 to 1); older pins past it degrade.
         event_sink: called with each KV event (`kvmem.events`): a `BlockStored` (medium "GPU") for the pages
             of every node that enters the tree, a `BlockRemoved` for the pages each `evict` call takes out,
             an `AllBlocksCleared` on `reset`. Block hashes are `kvmem.page_hash` page hashes, kept on the
@@ -106,14 +108,17 @@ class RadixCache(RadixTree):
     """
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_allocator: TokenAllocator | PagedTokenAllocator,
-                 page_size: int = 1, eviction_policy: str | EvictionKey = "lru",
-                 event_sink: Callable[[KVCacheEvent], None] | None = None) -> None:
+                 page_size: int = 1, eviction_policy: EvictionPolicySpec = "lru",
+                 event_sink: Callable[[KVCacheEvent], None] | None = None, pin_budget: float = 0.2) -> None:
         if not isinstance(req_to_token_pool, ReqToTokenPool):
             raise TypeError(f"req_to_token_pool must be a ReqToTokenPool, got {type(req_to_token_pool).__name__}")
         if not isinstance(token_allocator, (TokenAllocator, PagedTokenAllocator)):
             raise TypeError(f"token_allocator must be a TokenAllocator or PagedTokenAllocator, got "
                             f"{type(token_allocator).__name__}")
-        super().__init__(page_size, eviction_policy)
+        pin_budget = check_number("pin_budget", pin_budget, 0)
+        if pin_budget > 1:
+            raise ValueError(f"pin_budget must lie in [0, 1] (a share of the capacity), got {pin_budget!r}")
+        super().__init__(page_size, eviction_policy, int(pin_budget * token_allocator.size))
         if token_allocator.page_size != page_size:
             raise ValueError(f"page_size {page_size} != token_allocator.page_size {token_allocator.page_size}")
         if event_sink is not None and not callable(event_sink):
@@ -424,7 +429,7 @@ class RadixCache(RadixTree):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(page_size={self.page_size}, eviction_policy={self.eviction_policy!r}, "
                 f"total={self.total_size()}, evictable={self._evictable_size}, "
-                f"protected={self._protected_size}, evictable_leaves={len(self._evictable)})")
+                f"protected={self._protected_size}, evictable_leaves={len(self._policy) + len(self._pinned)})")
 
 
 def request_token_ids(req: CachedRequest, end: int, start: int = 0) -> array | memoryview:

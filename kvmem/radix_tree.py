@@ -14,9 +14,10 @@ Design choices, each for a measured reason:
 - Node values are numpy arrays: on this CPU a numpy slice, copy or concatenate costs a fraction of the torch
   op (slice 0.15 us against 1 us, `len()` 0.05 us against 0.35 us), which is most of what insert and evict
   do per node.
-- Evictable leaves (unlocked, childless) sit in a `SortedList` of `(policy key, node id, node)`, updated
-  where a node gains or loses that status or changes a field its key reads. Eviction pops from the front:
-  O(k log n), and nothing ever scans the tree outside `check_invariants`/`reset`.
+- Evictable leaves (unlocked, childless) are held by the eviction policy (`kvmem.eviction`), told where a
+  node gains or loses that status or changes a field its order reads; eviction asks it for victims one at a
+  time: O(k log n), and nothing ever scans the tree outside `check_invariants`/`reset`. Pinned leaves
+  (`pin`) sit in a set of their own, oldest pin first, taken only when the policy has nothing left.
 - A match that ends inside an edge splits the node (copying that one node's key and value), so that a
   match's last node covers exactly the matched prefix and a lock protects exactly what was returned.
 - Page size > 1: keys are matched in whole pages and edges are split only at page boundaries.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 from array import array
+from collections import OrderedDict
 from typing import NamedTuple
 
 import numpy as np
@@ -34,7 +36,7 @@ from sortedcontainers import SortedList
 
 from kvmem._checks import check_int
 from kvmem._index import as_index_array
-from kvmem.eviction import EvictionKey, eviction_key
+from kvmem.eviction import EvictionPolicySpec, make_policy
 from kvmem.page_hash import DIGEST_BYTES
 
 TOKEN_BYTES = 8  # keys hold int64 token ids
@@ -45,15 +47,16 @@ class TreeNode:
 
     `children` maps the bytes of a child's first page to the child. `lock_ref` counts the requests using
     the node's prefix; `last_access` and `created` are logical-clock ticks, `hit_count` counts the matches
-    that reached it, `priority` is the highest request priority inserted through it, and `id` (unique,
-    increasing) breaks ties. `entry` is its record in the evictable set, or None when it is not there.
+    that reached it, `priority` is the highest request priority inserted through it, `depth` is the tokens on
+    the path above it, and `id` (unique, increasing) breaks ties. `entry` is its record in the evictable set,
+    or None when it is not there; `pin` is 0, or the order of its newest pin (`RadixTree.pin`).
     `page_digests` (its pages' 32-byte `kvmem.page_hash` digests, concatenated) is kept only by a cache that
     needs page names (events, storage), else None. A root (one per namespace) has parent None and an empty
     key; so has a node removed by eviction or `reset`.
     """
 
     __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "hit_count", "created",
-                 "priority", "id", "entry", "page_digests")
+                 "priority", "id", "entry", "page_digests", "depth", "pin")
 
     def __init__(self, key: bytes, value: np.ndarray, parent: TreeNode | None, created: int, id: int) -> None:
         self.key = key
@@ -66,8 +69,10 @@ class TreeNode:
         self.created = created
         self.priority = 0
         self.id = id
-        self.entry: tuple | None = None
+        self.entry = None
         self.page_digests: bytes | None = None
+        self.depth = 0 if parent is None else parent.depth + len(parent.key) // TOKEN_BYTES
+        self.pin = 0
 
     @property
     def num_tokens(self) -> int:
@@ -109,11 +114,14 @@ class RadixTree:
 
     node_class: type[TreeNode] = TreeNode
 
-    def __init__(self, page_size: int, eviction_policy: str | EvictionKey) -> None:
+    def __init__(self, page_size: int, eviction_policy: EvictionPolicySpec, pin_budget_tokens: int = 0) -> None:
         self.page_size = check_int("page_size", page_size, minimum=1)
-        self.eviction_policy, self._sort_key = eviction_key(eviction_policy)
+        self._policy = make_policy(eviction_policy)
+        self._policy.bind(self)
+        self.eviction_policy = self._policy.name
         self._page_bytes = page_size * TOKEN_BYTES
-        self._evictable = SortedList()
+        self._pinned = SortedList()  # pinned evictable leaves: (pin order, id, node)
+        self._pin_budget = pin_budget_tokens
         self._ids = itertools.count()
         self._init_root()
 
@@ -121,7 +129,12 @@ class RadixTree:
         self.root_node = self._new_root()
         self._roots: dict[str | None, TreeNode] = {None: self.root_node}
         self._clock = 0
-        self._evictable.clear()
+        self._policy.clear()
+        self._pinned.clear()
+        self._pins: OrderedDict[tuple, tuple[TreeNode, int]] = OrderedDict()  # (namespace, key) -> (node, tokens)
+        self._pins_per_node: dict[TreeNode, int] = {}
+        self._pinned_tokens = 0
+        self._pin_seq = 0
         self._evictable_size = 0
         self._protected_size = 0
 
@@ -218,7 +231,11 @@ class RadixTree:
             cut = k // self.page_size * DIGEST_BYTES
             head.page_digests, child.page_digests = child.page_digests[:cut], child.page_digests[cut:]
         child.parent = head
+        child.depth += k
         head.children[child.key[:self._page_bytes]] = child
+        self._policy.split(head, child)
+        if child.entry is not None:
+            self._rekey(child)  # it is shorter now
         return head
 
     def _add_leaf(self, parent: TreeNode, key: bytes, value: np.ndarray, priority: int) -> TreeNode:
@@ -252,6 +269,95 @@ class RadixTree:
             node = node.parent
         values.reverse()
         return values
+
+    # ---- pins ---------------------------------------------------------------------------------------
+    def pin(self, key, namespace: str | None = None) -> int:
+        """Pins the cached prefix of `key` (whole pages, in `namespace`): its leaves go only when nothing
+        unpinned is left to evict, so a pin never blocks a request that needs the memory. Pins past the pin
+        budget (pinned tokens, each pin counting its whole prefix) degrade, oldest first, to ordinary cached
+        prefixes. Pinning a key again refreshes its pin (newest, and as deep as the tree holds now). Returns
+        the tokens pinned (0 when nothing of `key` is cached, or the pin alone exceeds the budget)."""
+        view = key_bytes("key", key)
+        nbytes = len(view) - len(view) % self._page_bytes
+        name = (namespace, view[:nbytes].tobytes())
+        node = self._pin_target(self._walk_to_node(self._descend(view, nbytes, self._root(namespace))))
+        old = self._pins.pop(name, None)
+        if old is not None:
+            self._drop_pin(*old)
+        if node.parent is None:
+            return 0
+        tokens = node.depth + node.num_tokens
+        self._pins[name] = (node, tokens)
+        self._pins_per_node[node] = self._pins_per_node.get(node, 0) + 1
+        self._pinned_tokens += tokens
+        self._pin_seq += 1
+        self._set_pin(node, self._pin_seq)
+        while self._pinned_tokens > self._pin_budget:
+            self._drop_pin(*self._pins.popitem(last=False)[1])
+        return tokens if name in self._pins else 0
+
+    def unpin(self, key, namespace: str | None = None) -> int:
+        """Releases the pin of `key` (as given to `pin`); returns the tokens it pinned (0 if it had none:
+        never pinned, degraded, or its prefix was evicted)."""
+        view = key_bytes("key", key)
+        if namespace is not None and not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")
+        record = self._pins.pop((namespace, view[:len(view) - len(view) % self._page_bytes].tobytes()), None)
+        if record is None:
+            return 0
+        self._drop_pin(*record)
+        return record[1]
+
+    def pinned_size(self) -> int:
+        """Tokens pinned (each pin counting its whole prefix); at most the pin budget."""
+        return self._pinned_tokens
+
+    def _pin_target(self, node: TreeNode) -> TreeNode:
+        """The node a pin of the prefix root..node marks (a tiered tree: the part its device tier holds)."""
+        return node
+
+    def _drop_pin(self, node: TreeNode, tokens: int) -> None:
+        self._pinned_tokens -= tokens
+        count = self._pins_per_node[node] - 1
+        if count:
+            self._pins_per_node[node] = count
+        else:
+            del self._pins_per_node[node]
+            self._set_pin(node, 0)
+
+    def _drop_pins_of(self, node: TreeNode) -> None:
+        """A pinned leaf is being evicted: its pins go with it (a scan of the pins, which the budget keeps few)."""
+        for name in [name for name, (pinned, _) in self._pins.items() if pinned is node]:
+            self._pinned_tokens -= self._pins.pop(name)[1]
+        del self._pins_per_node[node]
+        node.pin = 0
+
+    def _set_pin(self, node: TreeNode, pin: int) -> None:
+        if node.entry is None:
+            node.pin = pin
+            return
+        self._remove_evictable(node)
+        node.pin = pin
+        self._add_evictable(node)
+
+    # ---- what the scheduler is about to need ------------------------------------------------------------
+    def request_waiting(self, rid, key, namespace: str | None = None) -> None:
+        """The scheduler queued request `rid`, whose match key is `key`: a policy that looks ahead keeps what it
+        will match (a read-only walk, as `prefix_len`; nothing at all for the other policies)."""
+        if self._looks_ahead():
+            view = key_bytes("key", key)
+            walk = self._descend(view, len(view) - len(view) % self._page_bytes, self._root(namespace))
+            self._note_waiting(rid, walk.node if walk.child is None else walk.child, view)
+
+    def request_admitted(self, rid) -> None:
+        """The scheduler admitted request `rid` (matched and locked its prefix)."""
+        self._policy.admitted(rid)
+
+    def _looks_ahead(self) -> bool:
+        return self._policy.looks_ahead
+
+    def _note_waiting(self, rid, node: TreeNode, key: memoryview) -> None:
+        self._policy.waiting(rid, node, key)
 
     # ---- locks --------------------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> None:
@@ -324,27 +430,43 @@ class RadixTree:
 
     # ---- the evictable set --------------------------------------------------------------------------
     def _add_evictable(self, node: TreeNode) -> None:
-        node.entry = (self._sort_key(node), node.id, node)
-        self._evictable.add(node.entry)
+        if node.pin:
+            node.entry = (node.pin, node.id, node)
+            self._pinned.add(node.entry)
+        else:
+            node.entry = self._policy.add(node)
 
     def _remove_evictable(self, node: TreeNode) -> None:
-        self._evictable.remove(node.entry)
+        if node.pin:
+            self._pinned.remove(node.entry)
+        else:
+            self._policy.remove(node, node.entry)
         node.entry = None
 
     def _rekey(self, node: TreeNode) -> None:
-        self._evictable.remove(node.entry)
-        self._add_evictable(node)
+        if not node.pin:  # a pinned leaf keeps its pin's order
+            node.entry = self._policy.update(node, node.entry)
+
+    def _next_victim(self) -> TreeNode | None:
+        """The policy's next victim; a pinned leaf (oldest pin first) only when the policy has none left, so a
+        pin never keeps memory from a request that needs it."""
+        node = self._policy.pop()
+        if node is None and self._pinned:
+            node = self._pinned.pop(0)[2]
+            self._drop_pins_of(node)
+        return node
 
     def _evict_leaves(self, num_tokens: int, removed: list[TreeNode] | None = None) -> tuple[int, list[np.ndarray]]:
         """Evicts unlocked leaves in policy order until `num_tokens` tokens are out (or none is left); returns
         (tokens evicted, their values), and appends the evicted nodes to `removed` if given. Each leaves
         through `_leave_device`, which may make its parent the next evictable leaf, so a chain empties leaf
         by leaf."""
-        evictable = self._evictable
         freed = 0
         values = []
-        while freed < num_tokens and evictable:
-            node = evictable.pop(0)[2]
+        while freed < num_tokens:
+            node = self._next_victim()
+            if node is None:
+                break
             node.entry = None
             values.append(node.value)
             freed += len(node.value)
@@ -411,8 +533,10 @@ class RadixTree:
         if evictable != self._evictable_size or protected != self._protected_size:
             _fail(f"counters say evictable {self._evictable_size}, protected {self._protected_size}; "
                   f"the nodes hold {evictable} and {protected}")
-        if leaves != len(self._evictable):
-            _fail(f"the evictable set has {len(self._evictable)} entries for {leaves} unlocked leaves")
+        held = len(self._policy) + len(self._pinned)
+        if leaves != held:
+            _fail(f"the evictable sets hold {held} entries for {leaves} unlocked leaves")
+        self._check_pins()
         return nodes
 
     def _node_device_tokens(self, node: TreeNode) -> int:
@@ -429,8 +553,26 @@ class RadixTree:
         if should != (node.entry is not None):
             _fail(f"node {node.id} (lock_ref {node.lock_ref}, {len(node.children)} children) is "
                   f"{'' if node.entry is not None else 'not '}in the evictable set")
-        if should and (node.entry != (self._sort_key(node), node.id, node) or node.entry not in self._evictable):
-            _fail(f"node {node.id}: evictable entry {node.entry[:2]} is stale or missing from the sorted set")
+        if not should:
+            return
+        if node.pin:
+            current = node.entry == (node.pin, node.id, node) and node.entry in self._pinned
+        else:
+            current = self._policy.is_current(node, node.entry)
+        if not current:
+            _fail(f"node {node.id}: its evictable entry is stale or missing from its {self.eviction_policy} set")
+
+    def _check_pins(self) -> None:
+        counts: dict[TreeNode, int] = {}
+        tokens = 0
+        for node, n in self._pins.values():
+            counts[node] = counts.get(node, 0) + 1
+            tokens += n
+            if not node.pin or n != node.depth + node.num_tokens or node.parent is None:
+                _fail(f"pinned node {node.id} is not marked, out of the tree, or not {n} tokens deep")
+        if counts != self._pins_per_node or tokens != self._pinned_tokens or tokens > max(self._pin_budget, 0):
+            _fail(f"pins: {tokens} tokens on {len(counts)} nodes against counters {self._pinned_tokens} on "
+                  f"{len(self._pins_per_node)} (budget {self._pin_budget})")
 
 
 def key_bytes(name: str, key) -> memoryview:

@@ -190,8 +190,11 @@ class Scheduler:
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
         self._changes += 1
-        # A storage tier starts reading the prompt's pages now, while the request waits to be admitted.
-        req.prefetch = self.tree_cache.prefetch(_match_key(req), req.namespace)
+        key = req.match_key()
+        # A storage tier starts reading the prompt's pages now, while the request waits to be admitted, and a
+        # policy that looks ahead keeps what it will match.
+        req.prefetch = self.tree_cache.prefetch(key, req.namespace)
+        self.tree_cache.request_waiting(req.rid, key, req.namespace)
 
     def is_idle(self) -> bool:
         return not self.waiting and not self.running and self.chunked_req is None
@@ -220,7 +223,7 @@ class Scheduler:
                 self._tokens_left -= sum(r.max_new_tokens - len(r.output_ids) for r in batch.retracted)
                 for req in batch.retracted:
                     self._untrack_tail(req)
-                self.waiting.extendleft(reversed(batch.retracted))
+                self.waiting.extendleft(reversed(batch.retracted))  # the batch told the tree (request_waiting)
                 self.new_token_ratio = self.config.init_new_token_ratio
             else:
                 self._decay_new_token_ratio()
@@ -493,6 +496,9 @@ class Scheduler:
         if not ok:
             self._undo_admission(reqs, chunked)
             return None
+        for req in reqs:
+            if req is not chunked:
+                self.tree_cache.request_admitted(req.rid)
         self.stats.prefill_batches += 1
         return batch
 
@@ -545,7 +551,7 @@ class Scheduler:
         if req.prefetch is not None:
             from_storage = self.tree_cache.finish_prefetch(req.prefetch)
             req.prefetch = None
-        key = _match_key(req)
+        key = req.match_key()
         m = self.tree_cache.match_prefix(key, req.namespace)
         if m.last_node in self._tails and m.host_hit_length == 0:  # a running request's output may continue it
             view = key_bytes("key", key)
@@ -580,7 +586,7 @@ class Scheduler:
         tree, ns = self.tree_cache, req.namespace
         kept = self._walks.get(req)
         if kept is None or not tree._walk_is_current(kept[1], kept[2], ns):
-            view = key_bytes("key", _match_key(req)) if kept is None else kept[0]  # fixed while it waits
+            view = key_bytes("key", req.match_key()) if kept is None else kept[0]  # fixed while it waits
             kept = self._keep_walk(req, view, tree._prefix_walk(view, ns))
         walk = kept[1]
         if walk.child is None and walk.node in self._tails:  # a running request's output may continue it
@@ -686,8 +692,4 @@ def _token_ids(next_token_ids) -> array:
     except OverflowError:
         raise ValueError("next_token_ids holds a token id outside int64") from None
 
-
-def _match_key(req: Req) -> memoryview:
-    # At least one token is always left to compute: the prefill must produce the next token's logits.
-    return memoryview(req.fill_ids)[:-1]
 

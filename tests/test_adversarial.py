@@ -110,7 +110,7 @@ def test_req_to_token_pool_refuses_hostile_arguments(data):
 # ---- the radix cache ---------------------------------------------------------------------------------------
 def tree_snapshot(cache):
     cache.check_invariants()
-    return (cache.evictable_size(), cache.protected_size(), len(cache._evictable),
+    return (cache.evictable_size(), cache.protected_size(), len(cache._policy),
             allocator_snapshot(cache.token_allocator))
 
 

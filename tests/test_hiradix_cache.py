@@ -9,10 +9,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule, run_state_machine_as_test
 
 from kvmem import HiRadixCache, PagedTokenAllocator, RadixCache, ReqToTokenPool, TokenAllocator
+from kvmem.eviction import ONLINE_POLICIES
+from kvmem.replay.belady import BeladyPolicy
 from kvmem.tiers import Transfer
+from tests.test_radix_cache_model import future_index
 
 
 class ContentHost:
@@ -61,13 +64,13 @@ class DelayedTransfer(Transfer):
 
 
 class World:
-    def __init__(self, device=64, host=256, page_size=1, write_policy="write_through"):
+    def __init__(self, device=64, host=256, page_size=1, write_policy="write_through", **policies):
         self.ps = page_size
         self.alloc = TokenAllocator(device) if page_size == 1 else PagedTokenAllocator(device, page_size)
         self.device_kv = np.full(device + page_size, -1, dtype=np.int64)
         self.host = ContentHost(host, page_size, self.device_kv)
         self.cache = HiRadixCache(ReqToTokenPool(2, 64), self.alloc, self.host, page_size=page_size,
-                                  write_policy=write_policy)
+                                  write_policy=write_policy, **policies)
 
     def put(self, tokens):
         """Inserts `tokens` the way a request finishing does: fresh slots holding them, duplicates freed."""
@@ -291,20 +294,29 @@ def test_reset_empties_both_tiers_but_not_under_a_lock():
 
 # ---- any sequence of operations ----------------------------------------------------------------------------
 class TieredCache(RuleBasedStateMachine):
+    """Any sequence of operations, under one device eviction policy and one host eviction policy."""
+
     locks = Bundle("locks")
 
-    def __init__(self):
+    def __init__(self, device_policy="lru", host_policy="lru"):
         super().__init__()
         self.w = None
+        self.policies = device_policy, host_policy
 
     @rule(page_size=st.sampled_from([1, 2]), policy=st.sampled_from(["write_through", "write_through_selective",
-                                                                       "write_back"]))
-    def start(self, page_size, policy):
+                                                                       "write_back"]),
+          trace=st.lists(st.lists(st.integers(1, 4), min_size=1, max_size=4), min_size=8, max_size=8))
+    def start(self, page_size, policy, trace):
         if self.w is None:
-            self.w = World(device=24, host=60, page_size=page_size, write_policy=policy)
+            self.ps = page_size
+            self.trace = [self.key(parts) for parts in trace]
+            device, host = (BeladyPolicy(future_index(self.trace)) if p == "belady" else p for p in self.policies)
+            self.w = World(device=24, host=60, page_size=page_size, write_policy=policy, eviction_policy=device,
+                           host_eviction_policy=host)
+            self.queued, self.next_request = [], 0
 
     def key(self, parts):
-        ps = self.w.ps
+        ps = self.ps
         out = [t for p in parts for t in range(100 * p, 100 * p + 2 * ps)]
         return out
 
@@ -352,6 +364,23 @@ class TieredCache(RuleBasedStateMachine):
         if self.w is not None:
             self.w.cache.evict_host(n)
 
+    @rule(parts=st.lists(st.integers(1, 4), min_size=1, max_size=4), pin=st.booleans())
+    def pin(self, parts, pin):
+        if self.w is not None:
+            key = self.key(parts)
+            (self.w.cache.pin if pin else self.w.cache.unpin)(key)
+
+    @rule(admit=st.booleans())
+    def queue_or_admit(self, admit):
+        if self.w is None:
+            return
+        if admit and self.queued:
+            self.w.cache.request_admitted(self.queued.pop(0))
+        elif self.next_request < len(self.trace):
+            self.w.cache.request_waiting(self.next_request, self.trace[self.next_request])
+            self.queued.append(self.next_request)
+            self.next_request += 1
+
     @invariant()
     def tiers_hold_the_right_tokens(self):
         if self.w is not None:
@@ -360,6 +389,11 @@ class TieredCache(RuleBasedStateMachine):
             assert self.w.alloc.available_size() + self.w.cache.total_size() == self.w.alloc.size
 
 
-TieredCache.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                                         suppress_health_check=list(HealthCheck))
-test_any_sequence_of_operations_keeps_both_tiers_consistent = TieredCache.TestCase
+TIER_POLICIES = [("lru", "lru"), *((p, p) for p in ONLINE_POLICIES if p != "lru"), ("belady", "belady"),
+                 ("lookahead", "s3fifo"), ("gdsf", "arc")]
+
+
+@pytest.mark.parametrize("device_policy, host_policy", TIER_POLICIES)
+def test_any_sequence_of_operations_keeps_both_tiers_consistent(device_policy, host_policy):
+    run_state_machine_as_test(lambda: TieredCache(device_policy, host_policy), settings=settings(
+        max_examples=25, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)))

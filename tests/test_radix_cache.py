@@ -51,7 +51,7 @@ def cached_sequences(cache):
 
 def snapshot(cache):
     return (cache.evictable_size(), cache.protected_size(), cache.token_allocator.available_size(),
-            cached_sequences(cache), len(cache._evictable))
+            cached_sequences(cache), len(cache._policy))
 
 
 def sizes_add_up(cache):
@@ -553,11 +553,11 @@ def test_bad_input_raises_a_clear_error_and_changes_nothing(name, call, exc, msg
     cache, alloc = make_cache()
     put(cache, [1, 2, 3])
     put(cache, [1, 2, 4])
-    before_tree = (cache.evictable_size(), cache.protected_size(), cached_sequences(cache), len(cache._evictable))
+    before_tree = (cache.evictable_size(), cache.protected_size(), cached_sequences(cache), len(cache._policy))
     with pytest.raises(exc, match=msg):
         call(cache, alloc)
     assert (cache.evictable_size(), cache.protected_size(), cached_sequences(cache),
-            len(cache._evictable)) == before_tree
+            len(cache._policy)) == before_tree
     cache.check_invariants()
 
 

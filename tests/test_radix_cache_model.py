@@ -1,33 +1,72 @@
-"""Random insert / match / lock / unlock / evict sequences against a naive model of the radix cache.
+"""Random insert / match / lock / unlock / evict / pin / queue sequences against a naive model of the radix
+cache, under every eviction policy.
 
 The model is a dict from every cached prefix (a tuple of whole pages of tokens) to the slots of its last
 page, plus the list of locked prefixes. After every step the tree must agree with it, and
-free + evictable + protected == total slots.
+free + evictable + protected == total slots. Eviction order is each policy's business; what the model checks
+of it is what every policy promises: locked prefixes stay, a pinned prefix goes only when nothing unpinned is
+left to evict, and the pins never exceed their budget.
 """
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
+from kvmem.eviction import ONLINE_POLICIES
 from kvmem.radix_cache import RadixCache
+from kvmem.replay.belady import BeladyPolicy, FutureIndex
 from kvmem.req_to_token import ReqToTokenPool
 
 CAPACITY = 48
 # A three-letter alphabet makes keys share prefixes and diverge mid-edge often.
 keys = st.lists(st.integers(0, 2), max_size=12)
+FUTURE = 12  # requests the machine can queue (the trace Belady's oracle sees)
+
+
+def longest_first(node):
+    """A custom key function: every policy name and a plain callable must pass the same machine."""
+    return -node.num_tokens
+
+
+POLICIES = [*ONLINE_POLICIES, longest_first, "belady"]
+
+
+def future_index(trace):
+    """Belady's oracle over `trace` (lists of token ids) as a replay would build it, arrival order = list order."""
+    return FutureIndex([SimpleNamespace(input_ids=np.array(k + [0], dtype=np.int32)) for k in trace],
+                       list(range(len(trace))))
 
 
 class RadixCacheMachine(RuleBasedStateMachine):
-    @initialize(page_size=st.sampled_from([1, 2, 4]), policy=st.sampled_from(["lru", "lfu", "fifo", "priority"]))
-    def setup(self, page_size, policy):
+    def __init__(self, policy="lru"):
+        super().__init__()
+        self.policy = policy
+
+    @initialize(page_size=st.sampled_from([1, 2, 4]), trace=st.lists(keys, min_size=FUTURE, max_size=FUTURE))
+    def setup(self, page_size, trace):
         self.ps = page_size
         self.alloc = TokenAllocator(CAPACITY) if page_size == 1 else PagedTokenAllocator(CAPACITY, page_size)
-        self.cache = RadixCache(ReqToTokenPool(1, 8), self.alloc, page_size=page_size, eviction_policy=policy)
+        self.trace = trace
+        policy = BeladyPolicy(future_index(trace)) if self.policy == "belady" else self.policy
+        self.cache = RadixCache(ReqToTokenPool(1, 8), self.alloc, page_size=page_size, eviction_policy=policy,
+                                pin_budget=0.25)
         self.slots_of: dict[tuple, list[int]] = {}  # cached prefix -> slots of its last page
         self.locks: list[tuple] = []  # (node, locked prefix)
+        self.queued: list[int] = []  # requests waiting (indices into trace)
+        self.next_request = 0
 
     # ---- model helpers ----------------------------------------------------------------------------------
     def aligned(self, key):
@@ -97,12 +136,39 @@ class RadixCacheMachine(RuleBasedStateMachine):
     @rule(num_tokens=st.integers(0, CAPACITY))
     def evict(self, num_tokens):
         evictable = self.cache.evictable_size()
+        pinned = [tuple(self.path(node)) for node, _ in self.cache._pins.values()]
         freed = self.cache.evict(num_tokens)
         assert min(num_tokens, evictable) <= freed <= evictable
         assert self.cache.evictable_size() == evictable - freed
         before = len(self.slots_of)
         self.forget_evicted()
         assert (before - len(self.slots_of)) * self.ps == freed
+        if any(p not in self.slots_of for p in pinned):
+            assert len(self.cache._policy) == 0, "a pinned prefix went while unpinned leaves were evictable"
+
+    @rule(key=keys)
+    def pin(self, key):
+        tokens = self.cache.pin(key)
+        assert tokens in (0, self.longest_cached(self.aligned(key)))
+        assert self.cache.pinned_size() <= CAPACITY // 4
+
+    @rule(key=keys)
+    def unpin(self, key):
+        assert self.cache.unpin(key) >= 0
+
+    @precondition(lambda self: self.next_request < FUTURE)
+    @rule()
+    def queue_request(self):
+        self.cache.request_waiting(self.next_request, self.trace[self.next_request])
+        self.queued.append(self.next_request)
+        self.next_request += 1
+
+    @precondition(lambda self: self.queued)
+    @rule(data=st.data())
+    def admit_request(self, data):
+        rid = self.queued.pop(data.draw(st.integers(0, len(self.queued) - 1)))
+        self.match(self.trace[rid])
+        self.cache.request_admitted(rid)
 
     @rule(data=st.data())
     def bad_input_changes_nothing(self, data):
@@ -162,6 +228,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         cache.check_invariants()
 
 
-RadixCacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                                              suppress_health_check=[HealthCheck.too_slow])
-test_radix_cache_matches_the_model = RadixCacheMachine.TestCase
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p if isinstance(p, str) else p.__name__)
+def test_radix_cache_matches_the_model_under_every_policy(policy):
+    run_state_machine_as_test(lambda: RadixCacheMachine(policy), settings=settings(
+        max_examples=30, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]))

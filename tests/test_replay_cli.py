@@ -306,3 +306,74 @@ def test_a_sweep_runs_its_replays_in_worker_processes(capsys, tmp_path):
     sweep = json.loads(out)["sweep"]
     assert [r["capacity_tokens"] for r in sweep] == [64, 128, 4096]
     assert all(r["requests"] == 6 and r["output_tokens"] == 18 for r in sweep)
+# ---- eviction policies -----------------------------------------------------------------------------------------
+
+def test_every_eviction_policy_name_is_accepted(capsys, fake_replay):
+    from kvmem.eviction import EVICTION_POLICIES
+
+    for name in EVICTION_POLICIES:
+        code, out, _ = run(capsys, "--limit", "2", "--eviction-policy", name)
+        assert code == 0 and json.loads(out)["config"]["eviction_policy"] == name
+
+
+def test_compare_policies_runs_lru_and_belady_beside_the_named_ones_in_parallel_and_prints_a_table(capsys, tmp_path):
+    code, out, err = run(capsys, "--limit", "3", "--compare-policies", "s3fifo,gdsf", "--sweep", "1000,2000",
+                         "--jobs", "2", "--plot", str(tmp_path), "--no-progress")
+    assert code == 0
+    compare = json.loads(out)["compare"]
+    assert compare["policies"] == ["lru", "s3fifo", "gdsf", "belady"] and compare["capacities"] == [1000, 2000]
+    assert set(compare["hit_rate"]) == set(compare["gap_closed"]) == set(compare["policies"])
+    assert {(r["eviction_policy"], r["capacity_tokens"]) for r in compare["runs"]} == {
+        (p, c) for p in compare["policies"] for c in (1000, 2000)}
+    assert "policy" in err and "s3fifo" in err and "belady" in err
+    assert json.loads(out)["plots"] == [str(tmp_path / "hit_rate_by_policy.png")]
+    assert (tmp_path / "hit_rate_by_policy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_policies_reports_the_share_of_the_gap_each_policy_closes(capsys):
+    code, out, err = run(capsys, "--format", "synthetic-chat", "--limit", "40", "--capacity-tokens", "3000",
+                         "--compare-policies", "lookahead", "--jobs", "1", "--no-progress")
+    assert code == 0
+    compare = json.loads(out)["compare"]
+    hit, gap = compare["hit_rate"], compare["gap_closed"]
+    lru, belady = hit["lru"][0], hit["belady"][0]
+    for policy in compare["policies"]:
+        expected = (hit[policy][0] - lru) / (belady - lru) if belady > lru else None
+        assert gap[policy][0] == (expected if expected is None else pytest.approx(expected, abs=1e-3))
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--compare-policies", "lru,random"], "eviction policies"),
+    (["--eviction-policy", "random"], "invalid choice"),
+    (["--pin-budget", "2"], "[0, 1]"),
+    (["--pin-prefix-tokens", "-1"], "non-negative"),
+])
+def test_bad_policy_options_exit_2_with_one_line(capsys, fake_replay, argv, fragment):
+    assert_one_line_error(*run(capsys, *argv), fragment)
+
+
+def test_pin_options_reach_the_replay_config(capsys, fake_replay):
+    code, out, _ = run(capsys, "--format", "synthetic-system", "--limit", "5", "--pin-prefix-tokens", "1024",
+                       "--pin-budget", "0.1")
+    assert code == 0
+    config = fake_replay[0][1]
+    assert (config.pin_prefix_tokens, config.pin_budget) == (1024, 0.1)
+
+
+def test_pinning_system_prompts_in_a_replay_keeps_a_rarely_used_one_cached():
+    import dataclasses
+
+    import numpy as np
+
+    from kvmem.replay.simulator import replay
+    from kvmem.replay.traces import TraceRequest
+
+    rng = np.random.default_rng(0)
+    rare, busy = rng.integers(0, 1 << 30, 256), rng.integers(0, 1 << 30, 256)
+    prompts = [rare] + [busy] * 8 + [rare]  # the rare system prompt's users are 8 big requests apart
+    trace = [TraceRequest(np.concatenate([p, rng.integers(0, 1 << 30, 1500)]), 1, arrival_s=5.0 * i)
+             for i, p in enumerate(prompts)]
+    config = ReplayConfig(capacity_tokens=4000, max_context_len=1800, eviction_policy="lru")
+    plain = replay(trace, config)
+    pinned = replay(trace, dataclasses.replace(config, pin_prefix_tokens=256, pin_budget=0.2))
+    assert pinned.cached_tokens == plain.cached_tokens + 256  # the last request finds the rare prompt

@@ -106,3 +106,11 @@ def test_replay_benchmark_runs_kvmem_on_the_peers_workload_and_skips_missing_pee
         assert kvmem["vllm"]["cache_s"] > 0 and kvmem["vllm"]["hit_rate"] >= kvmem["sglang"]["hit_rate"] > 0
         assert "not found" in row["vllm"]["error"] and row["ratios"]["vllm_cache_ops_plus_hash"] is None
     assert report["kvmem_faster_than_vllm_cache_ops_plus_hash"] is False
+def test_eviction_benchmark_times_every_online_policy_against_lru(tmp_path):
+    from kvmem.eviction import ONLINE_POLICIES
+
+    out = tmp_path / "report.json"
+    report = run_script("bench_eviction.py", "--quick", "--out", str(out))
+    assert json.loads(out.read_text()) == report
+    assert [r["policy"] for r in report["rows"]] == list(ONLINE_POLICIES)
+    assert all(r["cycle_us"] > 0 and r["cycle_vs_lru"] > 0 for r in report["rows"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvmem.replay.cluster_cli import add_cluster_arguments, cluster_runs, run_cluster
+from kvmem.replay.compare import DEFAULT_POLICIES
 from kvmem.replay.config import (
     DEFAULT_PCIE_GBPS,
     DEFAULT_STORAGE_GBPS,
@@ -82,6 +84,25 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
+def _policy_list(text: str) -> list[str]:
+    names = [part.strip().lower() for part in text.split(",") if part.strip()]
+    unknown = [n for n in names if n not in EVICTION_POLICIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated eviction policies of {', '.join(EVICTION_POLICIES)}"
+                                         f", got {text!r}")
+    return names
+
+
 def _capacity_list(text: str) -> list[int]:
     try:
         return [_positive_int(part) for part in text.split(",")]
@@ -125,7 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what a file store may hold, in tokens (default: unbounded)")
     p.add_argument("--storage-gbps", type=_positive_float, default=DEFAULT_STORAGE_GBPS, metavar="B",
                    help=f"storage bandwidth, GB/s (default {DEFAULT_STORAGE_GBPS:g})")
-    p.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES)
+    p.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES,
+                   help="which cached prefixes go first (default lru; belady: the offline optimum)")
+    p.add_argument("--compare-policies", nargs="?", const=list(DEFAULT_POLICIES), type=_policy_list,
+                   metavar="POLICIES", help="replay under several eviction policies (comma-separated; default: "
+                   f"{','.join(DEFAULT_POLICIES)}; lru and belady always run), print a table on stderr, and with "
+                   "--plot a hit-rate-by-policy chart")
+    p.add_argument("--pin-prefix-tokens", type=_non_negative_int, default=0, metavar="N",
+                   help="pin the first N tokens of each finished request's prompt (a system prompt; default 0: none)")
+    p.add_argument("--pin-budget", type=_fraction, default=0.2, metavar="F",
+                   help="share of the capacity pins may hold; older pins past it degrade (default 0.2)")
     p.add_argument("--schedule-policy", default="lpm", choices=SCHEDULE_POLICIES)
     p.add_argument("--max-running", type=_positive_int, default=256, metavar="R",
                    help="most requests running at once (default 256)")
@@ -154,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=_positive_int, default=1, metavar="N",
                    help="GPUs per replica, tensor-parallel (with --gpu; default 1)")
     p.add_argument("--jobs", type=_positive_int, metavar="J",
-                   help="replays run at once by --sweep, in separate processes (default: the cores)")
+                   help="replays run at once by --sweep and --compare-policies, in separate processes (default: the "
+                        "cores)")
     p.add_argument("--json-only", action="store_true", help="no human summary on stderr, only the JSON report")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--seed", type=_non_negative_int, default=0, help="seed for synthetic workloads and the simulator")
@@ -202,6 +233,8 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
     trace_format = args.format if args.format in SYNTHETIC_FORMATS else trace.format
     out = {"trace": trace.name, "format": trace_format, "skipped_lines": len(trace.skipped),
            "config": dataclasses.asdict(config)}
+    if args.compare_policies:
+        return _compare(args, trace, config, [p.capacity_tokens for p in points] if points else None, out)
     if runs is not None:  # a cluster replay
         try:
             out = run_cluster(args, trace, config, runs, out)
@@ -283,6 +316,25 @@ def _title(trace: Trace, trace_format: str, config: ReplayConfig, tour: bool) ->
             f"Next: kvmem-replay TRACE --gpu H100 --model llama-3-8b --tp 4 --host-mem-gb 512 (see --help)")
 
 
+def _compare(args: argparse.Namespace, trace: Trace, config: ReplayConfig, capacities: list[int] | None,
+             out: dict) -> int:
+    from kvmem.replay.compare import compare_policies, format_table, write_policy_plot
+
+    result = compare_policies(trace, config, args.compare_policies, capacities or [config.capacity_tokens],
+                              args.jobs or default_jobs(),
+                              functools.partial(_load_trace, args))
+    print(format_table(result), file=sys.stderr)
+    out["compare"] = result
+    if args.plot:
+        try:
+            out["plots"] = [str(write_policy_plot(result, args.plot))]
+        except OSError as e:
+            return _error(f"cannot write plots to {args.plot}: {e.strerror or e}")
+    sys.stdout.write(json.dumps(out, indent=2) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
 def _error(message: str, status: int = 2) -> int:
     print(f"{PROG}: error: {message.splitlines()[0] if message else 'failed'}", file=sys.stderr)
     return status
@@ -339,8 +391,8 @@ def _replay_config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
         h2d_gbps=h2d, d2h_gbps=args.d2h_gbps or h2d, storage=args.storage, storage_metadata=args.storage_metadata,
         storage_capacity_tokens=args.storage_capacity_tokens, storage_gbps=args.storage_gbps,
         cache_decode_pages=args.cache_decode_pages, in_batch_prefix_caching=args.in_batch_prefix_caching,
-        gpu=args.gpu, model=_model_name(args, None), tp=args.tp,
-        **tiers)
+        gpu=args.gpu, model=_model_name(args, None), tp=args.tp, pin_prefix_tokens=args.pin_prefix_tokens,
+        pin_budget=args.pin_budget, **tiers)
 
 
 def _check_storage(config: ReplayConfig) -> None:

@@ -33,6 +33,11 @@ def cluster_runs(args: argparse.Namespace, config: ReplayConfig) -> list[tuple[i
         if args.router is not None:
             raise ValueError("--router needs --replicas N (the router picks among replicas)")
         return None
+    if args.compare_policies:
+        raise ValueError("--compare-policies replays one engine under each policy; drop --replicas")
+    if config.eviction_policy == "belady":
+        raise ValueError("--eviction-policy belady is the single replay's oracle (it reads the whole trace's "
+                         "future in arrival order); drop --replicas")
     if args.sweep:  # a list of capacities
         raise ValueError("--sweep CAPACITIES sweeps a single replay's capacity; with --replicas, sweep replica "
                          "counts (--replicas 1,2,4) and policies (--router a,b or --sweep alone)")

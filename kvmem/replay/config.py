@@ -34,7 +34,8 @@ class ReplayConfig:
     max_context_len: the longest prompt + output a request may have (the req_to_token row length);
         derive it from the trace (`Trace.max_context_len`).
     page_size: tokens per KV page (1: token-granular radix cache).
-    eviction_policy: which unlocked radix-tree leaves go first: "lru", "lfu", "fifo" or "priority".
+    eviction_policy: which unlocked radix-tree leaves go first: a name of `kvmem.eviction.EVICTION_POLICIES`,
+        "belady" (the offline optimum, which only a replay can run) included.
     schedule_policy: "lpm" (longest cached prefix first) or "fcfs" (arrival order).
     max_running: cap on requests decoding at once (also the req_to_token rows).
     chunked_prefill_size: new prompt tokens per prefill step (None: a prompt is prefilled whole).
@@ -57,6 +58,8 @@ class ReplayConfig:
     gpu, model, tp: the simulated clock. gpu None: the fixed StepCost; a kvmem.replay.cost.GPUS name: the
         roofline of `model` (a kvmem.sizing preset; None: llama-3-8b) on `tp` of those GPUs (see
         kvmem.replay.cost). `model` names the preset kv_bytes_per_token was taken from, if any.
+    pin_prefix_tokens: pin the first N tokens of each finished request's prompt (`RadixCache.pin`; 0: no
+        pins), as a server would pin its system prompts. pin_budget: the share of the capacity pins may hold.
     """
 
     capacity_tokens: int
@@ -82,6 +85,8 @@ class ReplayConfig:
     gpu: str | None = None
     model: str | None = None
     tp: int = 1
+    pin_prefix_tokens: int = 0
+    pin_budget: float = 0.2
 
     def __post_init__(self) -> None:
         for name in ("capacity_tokens", "max_context_len", "page_size", "max_running"):
@@ -124,6 +129,9 @@ class ReplayConfig:
         if self.model is not None and self.model not in MODEL_COMPUTE:
             raise ValueError(f"model must be one of {', '.join(MODEL_COMPUTE)}, got {self.model!r}")
         check_int("tp", self.tp, minimum=1)
+        check_int("pin_prefix_tokens", self.pin_prefix_tokens, minimum=0)
+        if not 0 <= check_number("pin_budget", self.pin_budget, 0) <= 1:
+            raise ValueError(f"pin_budget must lie in [0, 1], got {self.pin_budget!r}")
 
 
     @property

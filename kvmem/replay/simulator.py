@@ -28,6 +28,7 @@ from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.batch import ForwardMode, Req
 from kvmem.events.schema import KVCacheEvent
 from kvmem.radix_cache import RadixCache
+from kvmem.replay.belady import oracle_policies
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.cost import RooflineCost, StepCost, cost_model
 from kvmem.replay.report import ReplayReport
@@ -44,9 +45,11 @@ MAX_SKIP_NOTES = 10  # requests that can never run, named one by one on stderr; 
 
 
 def build_scheduler(config: ReplayConfig, timer: PhaseTimer | None = None,
-                    event_sink: Callable[[KVCacheEvent], None] | None = None) -> Scheduler:
+                    event_sink: Callable[[KVCacheEvent], None] | None = None,
+                    policies: dict | None = None) -> Scheduler:
     """The pools, tree and scheduler a replay of `config` runs on; the tree reports its KV events to
-    `event_sink` (a cluster replay's replicas feed their router that way).
+    `event_sink` (a cluster replay's replicas feed their router that way), and `policies` overrides the tiers'
+    eviction policies with objects (`kvmem.replay.belady.oracle_policies`).
 
     Rows are as long as the longest request that can run: a request longer than the KV capacity can never
     be admitted, so one absurd request in a trace is rejected instead of sizing every row after it.
@@ -56,13 +59,14 @@ def build_scheduler(config: ReplayConfig, timer: PhaseTimer | None = None,
     capacity = config.capacity_tokens // ps * ps
     pool = ReqToTokenPool(config.max_running, config.context_len)
     alloc = TokenAllocator(capacity) if ps == 1 else PagedTokenAllocator(capacity, ps)
+    policies = {"eviction_policy": config.eviction_policy, "pin_budget": config.pin_budget, **(policies or {})}
     if config.host_capacity_tokens is None:
-        tree = RadixCache(pool, alloc, page_size=ps, eviction_policy=config.eviction_policy, event_sink=event_sink)
+        tree = RadixCache(pool, alloc, page_size=ps, event_sink=event_sink, **policies)
     else:
         # A replay waits for every prefetch: its clock, not the store's speed, decides what arrives in time.
         tree = HiRadixCache(pool, alloc, HostSlotPool(config.host_pages * ps, ps), page_size=ps,
-                            eviction_policy=config.eviction_policy, write_policy=config.write_policy,
-                            storage=open_storage(config), prefetch_policy="wait_complete", event_sink=event_sink)
+                            write_policy=config.write_policy, storage=open_storage(config),
+                            prefetch_policy="wait_complete", event_sink=event_sink, **policies)
     return Scheduler(pool, alloc, tree, SchedulerConfig(
         schedule_policy=config.schedule_policy, max_running_requests=config.max_running,
         chunked_prefill_size=config.chunked_prefill_size, cache_decode_pages=config.cache_decode_pages,
@@ -111,12 +115,13 @@ class ReplicaSim:
     """
 
     def __init__(self, config: ReplayConfig, cost: StepCost | RooflineCost | None = None, *,
-                 progress=None, event_sink: Callable[[KVCacheEvent], None] | None = None, name: str = "") -> None:
+                 progress=None, event_sink: Callable[[KVCacheEvent], None] | None = None, name: str = "",
+                 policies: dict | None = None) -> None:
         self.config = config
         self._note = f"kvmem-replay: {name}: " if name else "kvmem-replay: "  # how its notes on stderr start
         self.cost = cost_model(config) if cost is None else cost
         self.timer = PhaseTimer()
-        self.sched = build_scheduler(config, self.timer, event_sink)
+        self.sched = build_scheduler(config, self.timer, event_sink, policies)
         self.clock = 0.0
         self.report = ReplayReport(capacity_tokens=self.sched.token_allocator.size, cost_model=self.cost.name,
                                    num_gpus=self.cost.num_gpus)
@@ -217,10 +222,13 @@ class ReplicaSim:
                 self.report.ttft_s.append(self.clock - arrival.pop(req.rid))
 
     def _finished(self, finished: list[Req]) -> None:
+        pin = self.config.pin_prefix_tokens
         for req in finished:
             del self._outputs[req.rid]
             self._live.discard(req.rid)
             self.report.output_tokens += len(req.output_ids)
+            if pin:  # its prompt is cached now: pin its head, as a server pins its system prompts
+                self.sched.tree_cache.pin(req.input_ids[:pin])
         if self._progress is not None and finished:
             self._progress.update(len(finished))
 
@@ -277,7 +285,7 @@ def replay(requests: Sequence[TraceRequest], config: ReplayConfig, progress: boo
     """
     order = _arrival_order(requests, config.honour_arrivals)
     bar = _progress_bar(len(order), progress)
-    sim = ReplicaSim(config, cost, progress=bar)
+    sim = ReplicaSim(config, cost, progress=bar, policies=oracle_policies(requests, order, config))
     for i in order.tolist():
         arrival = requests_arrival(requests, i) if config.honour_arrivals else 0.0
         sim.run_until(arrival)

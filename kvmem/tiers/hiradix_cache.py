@@ -49,12 +49,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from sortedcontainers import SortedList
 
 from kvmem._checks import check_int
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.events.schema import MEDIUM_CPU_PINNED, AllBlocksCleared, KVCacheEvent
-from kvmem.eviction import EvictionKey, eviction_key
+from kvmem.eviction import EvictionPolicy, EvictionPolicySpec, make_policy
 from kvmem.page_hash import DIGEST_BYTES, chain_page_digests, namespace_prefix
 from kvmem.radix_cache import MatchResult, RadixCache
 from kvmem.radix_tree import TOKEN_BYTES, TreeNode, _fail, key_bytes
@@ -110,10 +109,11 @@ class HiRadixCache(RadixCache):
     """A radix cache over a device slot allocator and a host pool (see the module docstring).
 
     Args:
-        req_to_token_pool, token_allocator, page_size, eviction_policy, event_sink: as for RadixCache.
+        req_to_token_pool, token_allocator, page_size, eviction_policy, event_sink, pin_budget: as for RadixCache.
         host_pool: a `HostKVPool` (or `HostSlotPool`) with the same page size, larger than the device.
         write_policy: "write_through", "write_through_selective" or "write_back".
-        host_eviction_policy: the host tier's eviction order (default: the device's).
+        host_eviction_policy: the host tier's eviction policy (default: a new one of the device's kind; pass
+            one when eviction_policy is a policy object, which serves one tier only).
         tp_group: a torch.distributed process group of tensor-parallel ranks running the same cache.
         storage: a storage tier under the host (`kvmem.storage.FileStore`, `MooncakeStore`): pages are written
             to it once backed up to the host, and `prefetch` reads a prompt's pages beyond the tree from it.
@@ -125,10 +125,11 @@ class HiRadixCache(RadixCache):
     node_class = HiTreeNode
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_allocator: TokenAllocator | PagedTokenAllocator,
-                 host_pool, *, page_size: int = 1, eviction_policy: str | EvictionKey = "lru",
-                 write_policy: str = "write_through", host_eviction_policy: str | EvictionKey | None = None,
+                 host_pool, *, page_size: int = 1, eviction_policy: EvictionPolicySpec = "lru",
+                 write_policy: str = "write_through", host_eviction_policy: EvictionPolicySpec | None = None,
                  tp_group=None, event_sink: Callable[[KVCacheEvent], None] | None = None, storage=None,
-                 prefetch_policy: str = "best_effort", prefetch_timeout_s: float = 0.05) -> None:
+                 prefetch_policy: str = "best_effort", prefetch_timeout_s: float = 0.05,
+                 pin_budget: float = 0.2) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
         host_allocator = getattr(host_pool, "allocator", None)
@@ -143,10 +144,16 @@ class HiRadixCache(RadixCache):
         if getattr(host_pool, "device_pool", None) is not None and host_pool.device_pool.size != token_allocator.size:
             raise ValueError(f"host_pool backs a device pool of {host_pool.device_pool.size} tokens, but "
                              f"token_allocator has {token_allocator.size}")
-        self._host_policy = host_eviction_policy
+        if host_eviction_policy is None:
+            if isinstance(eviction_policy, EvictionPolicy):
+                raise ValueError("host_eviction_policy is needed when eviction_policy is a policy object: a policy "
+                                 "object orders one tier's leaves")
+            host_eviction_policy = eviction_policy
+        self._host_policy = make_policy(host_eviction_policy)
+        self._host_policy.bind(self)
         link = None if storage is None else StorageLink(
             storage, host_pool, "wait_complete" if tp_group is not None else prefetch_policy, prefetch_timeout_s)
-        super().__init__(req_to_token_pool, token_allocator, page_size, eviction_policy, event_sink)
+        super().__init__(req_to_token_pool, token_allocator, page_size, eviction_policy, event_sink, pin_budget)
         self.storage_link = link
         self._names = self._names or link is not None  # storage keys are page digests
         self.host_pool = host_pool
@@ -157,10 +164,7 @@ class HiRadixCache(RadixCache):
 
     def _init_root(self) -> None:
         super()._init_root()
-        if not hasattr(self, "_host_sort_key"):
-            self._host_sort_key = eviction_key(self._host_policy or self._sort_key)[1]
-            self._host_evictable = SortedList()
-        self._host_evictable.clear()
+        self._host_policy.clear()
         self._host_evictable_size = 0
         self._host_protected_size = 0
         self._prefetch_held = 0  # host slots reading pages for prefetches, not yet the tree's
@@ -335,19 +339,38 @@ class HiRadixCache(RadixCache):
         head.stored = child.stored
         if backup is not None:
             backup.nodes.append(head)
+        self._host_policy.split(head, child)
+        if child.host_entry is not None:
+            self._host_rekey(child)
         return head
 
     def _add_host_evictable(self, node: HiTreeNode) -> None:
-        node.host_entry = (self._host_sort_key(node), node.id, node)
-        self._host_evictable.add(node.host_entry)
+        node.host_entry = self._host_policy.add(node)
 
     def _remove_host_evictable(self, node: HiTreeNode) -> None:
-        self._host_evictable.remove(node.host_entry)
+        self._host_policy.remove(node, node.host_entry)
         node.host_entry = None
 
     def _host_rekey(self, node: HiTreeNode) -> None:
-        self._remove_host_evictable(node)
-        self._add_host_evictable(node)
+        node.host_entry = self._host_policy.update(node, node.host_entry)
+
+    def _pin_target(self, node: HiTreeNode) -> HiTreeNode:
+        return self._device_ancestor(node)[0]
+
+    def _looks_ahead(self) -> bool:
+        return self._policy.looks_ahead or self._host_policy.looks_ahead
+
+    def _note_waiting(self, rid, node: HiTreeNode, key: memoryview) -> None:
+        """The device policy learns the deepest device node of the request's prefix, the host policy its
+        deepest node."""
+        if self._policy.looks_ahead:
+            self._policy.waiting(rid, self._device_ancestor(node)[0], key)
+        if self._host_policy.looks_ahead:
+            self._host_policy.waiting(rid, node, key)
+
+    def request_admitted(self, rid) -> None:
+        self._policy.admitted(rid)
+        self._host_policy.admitted(rid)
 
     # ---- device eviction: backed-up leaves stay as host-only ----------------------------------------
     def _leave_device(self, node: HiTreeNode) -> None:
@@ -382,8 +405,10 @@ class HiRadixCache(RadixCache):
         are); returns the number freed. O(k log n) for k nodes freed."""
         num_tokens = check_int("num_tokens", num_tokens, minimum=0)
         freed, values, removed = 0, [], []
-        while freed < num_tokens and self._host_evictable:
-            node = self._host_evictable.pop(0)[2]
+        while freed < num_tokens:
+            node = self._host_policy.pop()
+            if node is None:
+                break
             node.host_entry = None
             parent = node.parent
             del parent.children[node.key[:self._page_bytes]]
@@ -733,14 +758,14 @@ class HiRadixCache(RadixCache):
             should = not on_device and node.lock_ref == 0 and not node.children
             if should != (node.host_entry is not None):
                 _fail(f"node {node.id} is {'' if node.host_entry else 'not '}in the host-evictable set")
-            if should and node.host_entry != (self._host_sort_key(node), node.id, node):
+            if should and not self._host_policy.is_current(node, node.host_entry):
                 _fail(f"node {node.id}: host-evictable entry is stale")
             leaves += should
         for root in self._roots.values():
             if root.device_children != sum(1 for c in root.children.values() if len(c.value)):
                 _fail("a root's device_children count is wrong")
-        if leaves != len(self._host_evictable):
-            _fail(f"the host-evictable set has {len(self._host_evictable)} entries for {leaves} host-only leaves")
+        if leaves != len(self._host_policy):
+            _fail(f"the host-evictable set has {len(self._host_policy)} entries for {leaves} host-only leaves")
         if (host_evictable, host_protected) != (self._host_evictable_size, self._host_protected_size):
             _fail(f"host counters say evictable {self._host_evictable_size}, protected {self._host_protected_size};"
                   f" the nodes hold {host_evictable} and {host_protected}")

@@ -1,0 +1,112 @@
+"""`kvmem-replay --compare-policies`: one trace replayed under several eviction policies, side by side.
+
+Each (policy, capacity) pair is one replay, with the same scheduler, capacities and page size for every
+policy; with `jobs` > 1 they run in `jobs` worker processes, started with "spawn" (forking a process that runs
+torch's threads can deadlock the child), each of which loads the trace once with the picklable `load_trace`.
+`belady` (the offline optimum) is the ceiling and `lru` the baseline, so both always run; each policy's
+`gap_closed` is (hit rate - lru's) / (belady's - lru's), the share of what LRU leaves on the table that the
+policy gets back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+from kvmem.replay.config import ReplayConfig
+from kvmem.replay.report import require_matplotlib
+
+BASELINE, CEILING = "lru", "belady"
+DEFAULT_POLICIES = ("lru", "lfu", "fifo", "s3fifo", "arc", "2q", "gdsf", "lookahead", "belady")
+
+_trace = None  # the trace a worker replays, loaded once by its initializer
+
+
+def _load_worker_trace(load_trace: Callable) -> None:
+    global _trace
+    _trace = load_trace()
+
+
+def _replay_one(config: ReplayConfig, trace=None) -> dict:
+    from kvmem.replay.simulator import replay
+
+    return replay(_trace if trace is None else trace, config).to_json()
+
+
+def compare_policies(trace, config: ReplayConfig, policies: Sequence[str], capacities: Sequence[int],
+                     jobs: int = 1, load_trace: Callable | None = None) -> dict:
+    """Replays `trace` under each policy (plus lru and belady) at each capacity, in this process or (jobs > 1) in
+    worker processes that build the trace with `load_trace()` (a picklable callable; required then). Returns the
+    JSON-ready result: `policies`, `capacities`, `hit_rate[policy]` and `gap_closed[policy]` (one value per
+    capacity; gap_closed is None where belady does no better than lru), and every replay's report in `runs`."""
+    policies = list(dict.fromkeys([BASELINE, *policies, CEILING]))
+    configs = [dataclasses.replace(config, eviction_policy=p, capacity_tokens=c) for p in policies for c in capacities]
+    reports: dict[tuple[str, int], dict] = {}
+
+    def done(c: ReplayConfig, report: dict) -> None:
+        reports[c.eviction_policy, c.capacity_tokens] = report
+        print(f"kvmem-replay: {c.eviction_policy} at {c.capacity_tokens:,} tokens: hit rate {report['hit_rate']:.4f}",
+              file=sys.stderr)
+
+    if jobs <= 1 or len(configs) == 1:
+        for c in configs:
+            done(c, _replay_one(c, trace))
+    else:
+        if load_trace is None:
+            raise ValueError("jobs > 1 needs load_trace: each worker process builds the trace itself")
+        with ProcessPoolExecutor(max_workers=min(jobs, len(configs)), mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_load_worker_trace, initargs=(load_trace,)) as pool:
+            futures = {pool.submit(_replay_one, c): c for c in configs}
+            for future in as_completed(futures):
+                done(futures[future], future.result())
+    hit = {p: [reports[p, c]["hit_rate"] for c in capacities] for p in policies}
+    gap = {p: [_gap_closed(h, lo, hi) for h, lo, hi in zip(hit[p], hit[BASELINE], hit[CEILING])] for p in policies}
+    return {"policies": policies, "capacities": list(capacities), "hit_rate": hit, "gap_closed": gap,
+            "runs": [{"eviction_policy": p, **reports[p, c]} for p in policies for c in capacities]}
+
+
+def _gap_closed(hit: float, lru: float, belady: float) -> float | None:
+    return round((hit - lru) / (belady - lru), 4) if belady > lru else None
+
+
+def format_table(result: dict) -> str:
+    """The comparison as a text table: a row per policy, a column per capacity, hit rate (gap closed)."""
+    caps = result["capacities"]
+    width = max(len("policy"), *map(len, result["policies"])) + 2
+    head = f"{'policy':<{width}}" + "".join(f"{c:>22,}" for c in caps)
+    lines = [head, "-" * len(head)]
+    for p in result["policies"]:
+        cells = []
+        for h, g in zip(result["hit_rate"][p], result["gap_closed"][p]):
+            cells.append(f"{h:.4f}" + ("" if g is None or p in (BASELINE, CEILING) else f" ({g:+.0%} of gap)"))
+        lines.append(f"{p:<{width}}" + "".join(f"{cell:>22}" for cell in cells))
+    return "\n".join(lines)
+
+
+def write_policy_plot(result: dict, directory: str | os.PathLike) -> Path:
+    """Writes hit_rate_by_policy.png into `directory`: hit rate against capacity, a curve per policy, belady
+    dashed (the ceiling) and lru bold (the baseline). Needs matplotlib."""
+    figure_cls = require_matplotlib()
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    fig = figure_cls(figsize=(8, 4.5))
+    ax = fig.subplots()
+    caps = result["capacities"]
+    for p in result["policies"]:
+        style = {CEILING: dict(linestyle="--", color="black", linewidth=1.5),
+                 BASELINE: dict(color="tab:blue", linewidth=2.5)}.get(p, dict(linewidth=1))
+        ax.plot(caps, result["hit_rate"][p], marker="o", markersize=3, label=p, **style)
+    if len(caps) > 1:
+        ax.set_xscale("log", base=2)
+    ax.set(xlabel="KV capacity (tokens)", ylabel="hit rate", title="Hit rate by eviction policy (belady: the "
+           "offline optimum)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    path = out / "hit_rate_by_policy.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    return path

@@ -1,0 +1,270 @@
+"""What each eviction policy promises, in a few steps each; pins; and the scheduler's lookahead seam.
+
+Every policy also runs the radix-cache state machines (test_radix_cache_model, test_hiradix_cache); these
+tests pin down the order each one is for.
+"""
+
+import pytest
+
+from kvmem import HiRadixCache, Req, ReqToTokenPool, Scheduler, TokenAllocator
+from kvmem.eviction import ARC, EVICTION_POLICIES, GDSF, S3FIFO, KeyedPolicy, Lookahead, TwoQ, make_policy
+from kvmem.eviction.base import lru
+from kvmem.radix_cache import RadixCache
+from kvmem.tiers import HostSlotPool
+from tests.test_radix_cache import cached_sequences, make_cache, put
+
+
+def seq(start, n=4):
+    return list(range(start, start + n))
+
+
+# ---- the registry ---------------------------------------------------------------------------------------------
+def test_every_registered_online_policy_builds_a_fresh_object_each_time():
+    for name in EVICTION_POLICIES:
+        if name == "belady":
+            continue
+        a, b = make_policy(name), make_policy(name)
+        assert a is not b and a.name == name
+
+
+def test_belady_is_refused_outside_the_replay_with_a_clear_error():
+    with pytest.raises(ValueError, match="offline optimum.*only a trace replay"):
+        make_cache(policy="belady")
+
+
+def test_a_policy_object_serves_one_cache_only():
+    policy = S3FIFO()
+    make_cache(policy=policy)
+    with pytest.raises(ValueError, match="already orders another tier"):
+        make_cache(policy=policy)
+
+
+def test_a_tiered_cache_with_a_policy_object_needs_a_host_policy_too():
+    alloc = TokenAllocator(16)
+    with pytest.raises(ValueError, match="host_eviction_policy"):
+        HiRadixCache(ReqToTokenPool(2, 8), alloc, HostSlotPool(32, 1), eviction_policy=ARC())
+    cache = HiRadixCache(ReqToTokenPool(2, 8), alloc, HostSlotPool(32, 1), eviction_policy=ARC(),
+                         host_eviction_policy=TwoQ())
+    assert (cache.eviction_policy, cache._host_policy.name) == ("arc", "2q")
+
+
+def test_a_key_that_reads_the_node_size_stays_current_across_a_split():
+    cache, _ = make_cache(policy=lambda node: -node.num_tokens)
+    put(cache, seq(0, 8))
+    cache.match_prefix(seq(0, 3))  # splits the leaf: it is 5 tokens now
+    cache.check_invariants()
+
+
+# ---- S3-FIFO --------------------------------------------------------------------------------------------------
+def test_s3fifo_lets_a_one_hit_prefix_go_before_one_reused_while_on_probation():
+    cache, _ = make_cache(policy="s3fifo")
+    put(cache, seq(0))
+    put(cache, seq(10))
+    cache.match_prefix(seq(0))  # reused: it moves to the main queue when it reaches the head
+    cache.evict(1)
+    assert cached_sequences(cache) == {tuple(seq(0))}
+
+
+def test_s3fifo_readmits_a_recently_evicted_prefix_to_the_main_queue():
+    cache, _ = make_cache(policy="s3fifo")
+    put(cache, seq(0))
+    put(cache, seq(10))
+    cache.evict(1)  # seq(0) leaves its name in the ghost list
+    put(cache, seq(0))  # recomputed while remembered: main queue
+    put(cache, seq(20))
+    cache.evict(8)
+    assert cached_sequences(cache) == {tuple(seq(0))}
+
+
+# ---- ARC ------------------------------------------------------------------------------------------------------
+def test_arc_keeps_a_reused_prefix_over_newer_ones_seen_once():
+    cache, _ = make_cache(policy="arc")
+    put(cache, seq(0))
+    cache.match_prefix(seq(0))  # T2
+    put(cache, seq(10))
+    put(cache, seq(20))  # T1, newer
+    cache.evict(8)
+    assert cached_sequences(cache) == {tuple(seq(0))}
+
+
+def test_arc_grows_its_recency_target_when_a_prefix_evicted_from_t1_comes_back():
+    cache, _ = make_cache(policy="arc")
+    put(cache, seq(0))
+    cache.evict(4)
+    assert cache._policy.target == 0
+    put(cache, seq(0))
+    assert cache._policy.target >= 4
+
+
+# ---- 2Q -------------------------------------------------------------------------------------------------------
+def test_2q_ignores_hits_on_probation_and_promotes_what_comes_back_from_the_ghost_queue():
+    cache, _ = make_cache(policy="2q")
+    put(cache, seq(0))
+    put(cache, seq(10))
+    cache.match_prefix(seq(0))  # a correlated re-reference: no promotion
+    cache.evict(1)
+    assert cached_sequences(cache) == {tuple(seq(10))}
+    put(cache, seq(0))  # back from A1out: Am
+    put(cache, seq(20))
+    cache.evict(8)
+    assert cached_sequences(cache) == {tuple(seq(0))}
+
+
+# ---- GDSF -----------------------------------------------------------------------------------------------------
+def test_gdsf_keeps_the_deeper_page_when_recency_and_frequency_are_equal():
+    cache, _ = make_cache(size=64, policy=GDSF(attention_crossover=4))
+    put(cache, seq(100, 16) + seq(0))  # a page at depth 16
+    put(cache, seq(10))               # the same size at depth 0, inserted later
+    cache.evict(1)
+    assert cached_sequences(cache) == {tuple(seq(100, 16) + seq(0))}
+
+
+def test_gdsf_raises_its_inflation_to_each_victims_priority_so_old_frequency_ages_out():
+    cache, _ = make_cache(policy="gdsf")
+    put(cache, seq(0))
+    for _ in range(3):
+        cache.match_prefix(seq(0))
+    put(cache, seq(10))
+    cache.evict(1)
+    assert cached_sequences(cache) == {tuple(seq(0))} and cache._policy.inflation > 1
+
+
+# ---- lookahead ------------------------------------------------------------------------------------------------
+def test_lookahead_keeps_what_a_waiting_request_will_match_until_it_is_admitted():
+    cache, _ = make_cache(policy="lookahead")
+    put(cache, seq(0))
+    put(cache, seq(10))
+    cache.request_waiting("r", seq(0) + [99])
+    cache.evict(1)  # seq(0) is the least recent, but a queued request needs it
+    assert cached_sequences(cache) == {tuple(seq(0))}
+    put(cache, seq(10))
+    cache.request_admitted("r")
+    cache.evict(1)
+    assert cached_sequences(cache) == {tuple(seq(10))}
+
+
+def test_lookahead_follows_the_tree_as_it_grows_along_a_waiting_request():
+    cache, _ = make_cache(policy="lookahead")
+    put(cache, seq(0))
+    cache.request_waiting("r", seq(0) + seq(10) + seq(20) + [99])  # queued while only seq(0) is cached
+    put(cache, seq(0) + seq(10))       # the previous turn finishes: the tree grows along r's key ...
+    put(cache, seq(0) + seq(10) + seq(20))
+    put(cache, seq(50))                # ... and a newer prefix nobody waits for
+    cache.evict(1)
+    assert cached_sequences(cache) == {tuple(seq(0) + seq(10) + seq(20))}
+    cache.check_invariants()
+
+
+def test_lookahead_composes_with_a_base_policy():
+    policy = Lookahead(S3FIFO())
+    cache, _ = make_cache(policy=policy)
+    assert cache.eviction_policy == "lookahead+s3fifo"
+    put(cache, seq(0))
+    put(cache, seq(10))
+    cache.request_waiting(1, seq(0))
+    cache.evict(4)
+    assert cached_sequences(cache) == {tuple(seq(0))}
+    cache.check_invariants()
+
+
+def test_the_scheduler_tells_the_cache_what_its_queue_will_match():
+    pool, alloc = ReqToTokenPool(4, 64), TokenAllocator(24)
+    cache = RadixCache(pool, alloc, eviction_policy="lookahead")
+    sched = Scheduler(pool, alloc, cache)
+    put(cache, seq(0, 8))
+    put(cache, seq(10, 8))
+    sched.add_request(Req("a", seq(0, 8) + [50], max_new_tokens=1))  # will match seq(0, 8)
+    cache.evict(8)
+    assert cached_sequences(cache) == {tuple(seq(0, 8))}
+    sched.process_batch_result(sched.step(), [7])
+    assert cache._policy._target == {}  # admitted: its lock protects the prefix now
+
+
+# ---- pins -----------------------------------------------------------------------------------------------------
+def test_a_pinned_prefix_goes_only_when_nothing_unpinned_is_left():
+    cache, _ = make_cache(policy="lru")
+    put(cache, seq(0))
+    put(cache, seq(10))
+    assert cache.pin(seq(0)) == 4 and cache.pinned_size() == 4
+    cache.evict(1)
+    assert cached_sequences(cache) == {tuple(seq(0))}
+    assert cache.evictable_size() == 4  # still evictable: a pin never blocks a request that needs memory
+    assert cache.evict(4) == 4 and cache.total_size() == 0 and cache.pinned_size() == 0
+    cache.check_invariants()
+
+
+def test_pins_past_the_budget_degrade_oldest_first():
+    alloc = TokenAllocator(40)
+    cache = RadixCache(ReqToTokenPool(4, 64), alloc, eviction_policy="lru", pin_budget=0.2)  # 8 tokens
+    for start in (0, 10, 20):
+        put(cache, seq(start))
+    cache.pin(seq(0))
+    cache.pin(seq(10))
+    cache.pin(seq(20))  # 12 > 8: seq(0)'s pin degrades
+    assert cache.pinned_size() == 8 and cache.unpin(seq(0)) == 0
+    cache.evict(1)
+    assert tuple(seq(0)) not in cached_sequences(cache)
+    cache.check_invariants()
+
+
+def test_pinning_again_refreshes_the_pin_and_unpin_returns_what_it_held():
+    alloc = TokenAllocator(40)
+    cache = RadixCache(ReqToTokenPool(4, 64), alloc, eviction_policy="lru", pin_budget=0.2)
+    for start in (0, 10):
+        put(cache, seq(start))
+    cache.pin(seq(0))
+    cache.pin(seq(10))
+    cache.pin(seq(0))  # newest now
+    put(cache, seq(20))
+    cache.pin(seq(20))
+    assert cache.unpin(seq(10)) == 0 and cache.unpin(seq(0)) == 4 and cache.pinned_size() == 4
+    assert cache.pin([7, 7, 7]) == 0  # nothing of it is cached
+
+
+def test_a_pin_covers_what_is_cached_of_its_key_and_splits_there():
+    cache, _ = make_cache(policy="lru")
+    put(cache, seq(0, 8))
+    assert cache.pin(seq(0, 3) + [99]) == 3
+    put(cache, seq(20))
+    cache.evict(100)
+    assert cache.total_size() == 0
+    cache.check_invariants()
+
+
+def test_pin_budget_out_of_range_is_rejected():
+    with pytest.raises(ValueError, match="pin_budget"):
+        RadixCache(ReqToTokenPool(1, 8), TokenAllocator(8), pin_budget=1.5)
+
+
+def test_pins_hold_the_device_part_of_a_tiered_prefix():
+    alloc = TokenAllocator(16)
+    cache = HiRadixCache(ReqToTokenPool(2, 8), alloc, HostSlotPool(64, 1), eviction_policy="lru", pin_budget=0.5)
+    put(cache, seq(0))
+    put(cache, seq(10))
+    assert cache.pin(seq(0)) == 4
+    cache.evict(1)
+    assert cache.match_prefix(seq(0)).indices.numel() == 4
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("policy", [KeyedPolicy(lru), S3FIFO(), ARC(), TwoQ(), GDSF(), Lookahead()],
+                         ids=lambda p: p.name)
+def test_every_policy_empties_the_cache_when_asked_to_evict_everything(policy):
+    cache, alloc = make_cache(policy=policy)
+    for start in (0, 10, 20):
+        put(cache, seq(start, 6))
+    cache.match_prefix(seq(0, 3))
+    assert cache.evict(1000) == 18 and alloc.available_size() == alloc.size and len(cache._policy) == 0
+
+
+def test_gdsf_prunes_its_inflation_history_without_changing_any_leafs_priority():
+    policy = GDSF()
+    policy._min_history = policy._prune_at = 8  # prune early and often
+    cache, _ = make_cache(size=64, policy=policy)
+    for i in range(200):
+        put(cache, seq(100 * i, 3 + i % 5))
+        if i % 3 == 0:
+            cache.match_prefix(seq(100 * (i - 3), 2))
+        cache.evict(6)
+        cache.check_invariants()  # every entry's priority recomputes to the same value
+    assert policy._pruned and len(policy._ticks) < 100
