@@ -121,6 +121,67 @@ def test_skip_mode_warns_on_stderr_naming_each_bad_line(capsys, fake_replay, tmp
     assert report["skipped_lines"] == 1 and report["requests"] == 2
 
 
+# ---- the real replay, end to end (no fake): small handmade traces, figures worked out by hand ----------------
+# tests/test_replay_simulator.py works these traces through step by step; here they go through the command line.
+THREE = ['{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8], "output_ids": [100, 101], "arrival_s": 0}',
+         '{"input_ids": [1, 2, 3, 4, 9, 10], "output_ids": [102], "arrival_s": 10}',
+         '{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8], "output_ids": [103], "arrival_s": 20}']
+SMALL = ["--no-progress", "--schedule-policy", "fcfs", "--chunked-prefill-size", "0"]
+
+
+def test_the_real_replay_reports_the_hit_rate_and_steps_worked_out_by_hand(capsys, tmp_path):
+    # 0 + 4 + 7 of 8 + 6 + 8 prompt tokens cached (a wholly cached prompt still computes its last token).
+    code, out, _ = run(capsys, str(write_trace(tmp_path, THREE)), "--capacity-tokens", "64", *SMALL)
+    assert code == 0
+    report = json.loads(out)
+    assert (report["requests"], report["prompt_tokens"], report["cached_tokens"]) == (3, 22, 11)
+    assert report["hit_rate"] == 0.5
+    assert (report["steps"], report["evicted_tokens"], report["retractions"], report["rejected"]) == (4, 0, 0, 0)
+    assert (report["peak_tokens_used"], report["peak_pinned_tokens"], report["capacity_tokens"]) == (11, 8, 64)
+    assert report["config"]["max_context_len"] == 10 and report["replay_seconds"] >= report["cache_op_seconds"] > 0
+
+
+def test_the_real_replay_queues_everything_at_once_with_all_at_once_arrivals(capsys, tmp_path):
+    code, out, _ = run(capsys, str(write_trace(tmp_path, THREE)), "--capacity-tokens", "64", "--arrivals",
+                       "all-at-once", *SMALL)
+    assert code == 0
+    report = json.loads(out)
+    assert (report["cached_tokens"], report["steps"]) == (0, 2)  # all three prefilled in one step, then a decode
+
+
+def test_a_real_sweep_loses_the_hit_to_eviction_at_the_small_capacity(capsys, tmp_path):
+    trace = write_trace(tmp_path, ['{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8], "output_ids": [100], "arrival_s": 0}',
+                                   '{"input_ids": [20, 21, 22, 23, 24, 25, 26, 27, 28, 29], "output_ids": [101], '
+                                   '"arrival_s": 1}',
+                                   '{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8], "output_ids": [102], "arrival_s": 2}'])
+    code, out, _ = run(capsys, str(trace), "--sweep", "64,16", "--plot", str(tmp_path / "plots"), *SMALL)
+    assert code == 0
+    report = json.loads(out)
+    got = [(r["capacity_tokens"], r["cached_tokens"], r["evicted_tokens"], r["steps"]) for r in report["sweep"]]
+    assert got == [(16, 0, 18, 3), (64, 7, 0, 3)]
+    assert Path(report["plots"][0]).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_real_replay_matches_whole_pages_only(capsys, tmp_path):
+    trace = write_trace(tmp_path, [THREE[0], THREE[2]])
+    code, out, _ = run(capsys, str(trace), "--capacity-tokens", "64", "--page-size", "4", *SMALL)
+    assert code == 0
+    assert json.loads(out)["cached_tokens"] == 4  # A's first page; its last page holds the token to compute
+
+
+def test_the_real_replay_of_the_embedded_trace_and_a_synthetic_chat(capsys):
+    code, out, _ = run(capsys, "--no-progress", "--limit", "12", "--capacity-tokens", "65536")
+    assert code == 0
+    report = json.loads(out)
+    assert report["requests"] + report["rejected"] == 12 and report["steps"] > 0
+    assert 0 <= report["cached_tokens"] <= report["prompt_tokens"] and report["peak_tokens_used"] <= 65536
+    code, out, _ = run(capsys, "--no-progress", "--format", "synthetic-chat", "--limit", "40",
+                       "--capacity-tokens", "65536")
+    assert code == 0
+    report = json.loads(out)
+    assert report["requests"] == 40 and report["hit_rate"] > 0.2  # follow-up turns reuse their predecessors
+
+
 # ---- user errors: one line on stderr, exit 2 --------------------------------------------------------------
 
 def test_a_malformed_line_stops_the_run_naming_the_line(capsys, fake_replay, tmp_path):
@@ -179,7 +240,6 @@ def test_plotting_without_matplotlib_fails_before_the_replay(capsys, fake_replay
 
 
 def test_an_unwritable_plot_directory_fails_before_the_replay(capsys, fake_replay, tmp_path):
-    pytest.importorskip("matplotlib")
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert_one_line_error(*run(capsys, "--plot", str(blocker / "plots")), "cannot write plots")
@@ -216,7 +276,6 @@ def test_hit_rate_is_cached_prefix_tokens_at_first_admission_over_prompt_tokens(
 
 
 def test_plots_are_written_as_png_files(tmp_path):
-    pytest.importorskip("matplotlib")
     from kvmem.replay.report import write_sweep_plot
 
     reports = []
@@ -232,7 +291,6 @@ def test_plots_are_written_as_png_files(tmp_path):
 
 
 def test_plot_option_writes_the_plots_named_in_the_report(capsys, fake_replay, tmp_path):
-    pytest.importorskip("matplotlib")
     code, out, _ = run(capsys, "--limit", "3", "--plot", str(tmp_path / "single"))
     assert code == 0
     assert [Path(p).name for p in json.loads(out)["plots"]] == ["memory_use.png", "hit_rate.png"]

@@ -1,0 +1,135 @@
+"""The real replay on small handmade traces, whose hit rate, evictions, steps and clock are worked out by hand.
+
+Every trace here gives its requests explicit output ids and (unless a test says otherwise) arrivals far apart,
+so that each request runs alone and the tree's contents at each admission can be followed on paper. The cost
+model is the default StepCost: a step costs 0.03 s plus 1 / 50,000 s per prefilled token.
+"""
+
+import pytest
+
+from kvmem.replay.config import ReplayConfig
+from kvmem.replay.simulator import StepCost, build_scheduler, replay
+from kvmem.replay.traces import TraceRequest
+
+STEP_S, PREFILL_S = 0.03, 1 / 50_000
+A = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def request(prompt, outputs, arrival_s=0.0):
+    return TraceRequest(prompt, len(outputs), arrival_s, outputs)
+
+
+def config(capacity, **kwargs):
+    return ReplayConfig(**{"capacity_tokens": capacity, "max_context_len": 64, "schedule_policy": "fcfs",
+                           "chunked_prefill_size": None, **kwargs})
+
+
+def three_requests():
+    """r0: A, two outputs; r1 shares A's first four tokens; r2 is A again (already wholly cached)."""
+    return [request(A, [100, 101], 0.0), request([1, 2, 3, 4, 9, 10], [102], 10.0), request(A, [103], 20.0)]
+
+
+def test_a_replay_counts_each_cached_prefix_once_and_samples_every_step():
+    # r0 finds nothing, prefills 8 tokens, decodes once and caches A + its first output (9 tokens).
+    # r1 finds [1, 2, 3, 4] and prefills 2. r2 is A again: its last token is always computed, so 7 of its 8
+    # tokens are cached and it prefills 1. Hit rate (0 + 4 + 7) / (8 + 6 + 8) = 11 / 22.
+    report = replay(three_requests(), config(64))
+    summary = report.to_json()
+    assert (summary["requests"], summary["prompt_tokens"], summary["cached_tokens"]) == (3, 22, 11)
+    assert summary["hit_rate"] == 0.5 and summary["evicted_tokens"] == 0 and summary["retractions"] == 0
+    assert summary["steps"] == 4 and summary["rejected"] == 0
+    assert list(report.time_s) == pytest.approx([STEP_S + 8 * PREFILL_S, 2 * STEP_S + 8 * PREFILL_S,
+                                                 10 + STEP_S + 2 * PREFILL_S, 20 + STEP_S + PREFILL_S])
+    # Slots in use: r0's 8 prompt slots (locked), + its decode slot, + r1's 2 new ones; r2's duplicate slot
+    # of token 8 goes back at once. Evictable: what no running request locks.
+    assert list(report.tokens_used) == [8, 9, 11, 11]
+    assert list(report.evictable_tokens) == [0, 9, 11, 11]
+    assert list(report.running) == [1, 0, 0, 0]
+    assert list(report.cumulative_hit_rate) == pytest.approx([0, 0, 4 / 14, 0.5])
+    assert (report.peak_tokens_used, report.mean_tokens_used, report.peak_pinned_tokens) == (11, 9.75, 8)
+
+
+def test_a_prompt_sent_twice_is_served_from_the_cache_the_second_time():
+    report = replay([request(A, [100], 0.0), request(A, [100], 1.0)], config(64))
+    assert (report.prompt_tokens, report.cached_tokens, len(report.time_s)) == (16, 7, 2)
+    assert report.time_s[1] == pytest.approx(1 + STEP_S + PREFILL_S)  # one token prefilled, not eight
+
+
+def test_a_wholly_cached_page_aligned_prompt_keeps_its_last_page_to_compute():
+    # Page size 4: A is two whole pages. The second time only its first page can be a hit (the last token is
+    # always computed, and the match is cut to whole pages).
+    report = replay([request(A, [100], 0.0), request(A, [100], 1.0)], config(64, page_size=4))
+    assert (report.prompt_tokens, report.cached_tokens) == (16, 4)
+    assert report.time_s[1] == pytest.approx(1 + STEP_S + 4 * PREFILL_S)
+
+
+def test_a_small_cache_evicts_what_the_next_request_needs_and_loses_the_hit():
+    # Capacity 16: A (8 tokens, r0) is cached; r1 needs 10 slots with 8 free, so A's node (one 8-token leaf)
+    # goes; r2 (A again) then finds nothing and r1's 10-token leaf goes for it. With room for all, r2 hits 7.
+    trace = [request(A, [100], 0.0), request(list(range(20, 30)), [101], 1.0), request(A, [102], 2.0)]
+    report = replay(trace, config(16))
+    small = report.to_json()
+    assert (small["cached_tokens"], small["evicted_tokens"], small["steps"]) == (0, 18, 3)
+    assert list(report.tokens_used) == list(report.evictable_tokens) == [8, 10, 8]
+    large = replay(trace, config(64)).to_json()
+    assert (large["cached_tokens"], large["evicted_tokens"], large["steps"]) == (7, 0, 3)
+    assert large["hit_rate"] == round(7 / 26, 6)
+
+
+def test_a_retracted_request_counts_once_with_its_first_admission():
+    # Capacity 16, both at time 0: two 4-token prompts with 6 outputs each are admitted together (8 slots),
+    # decode four steps (16 slots), and the fifth decode finds no slot: r0 (first among equals) is retracted.
+    # r1 finishes and caches its 5 decoded tokens under its prompt; r0 comes back with 4 prompt + 5 output
+    # tokens, finds its prompt (4), evicts r1's 5-token leaf (its only evictable leaf) to compute 5 with 3 slots
+    # free, and finishes. Its second admission's 4-token hit is not counted: the hit rate stays 0 / 8.
+    trace = [request([1, 2, 3, 4], list(range(100, 106))), request([5, 6, 7, 8], list(range(200, 206)))]
+    report = replay(trace, config(16, honour_arrivals=False))
+    summary = report.to_json()
+    assert (summary["requests"], summary["prompt_tokens"], summary["cached_tokens"]) == (2, 8, 0)
+    assert (summary["retractions"], summary["evicted_tokens"], summary["steps"]) == (1, 5, 7)
+    assert list(report.running) == [2, 2, 2, 2, 2, 0, 0]
+    assert report.time_s[-1] == pytest.approx(7 * STEP_S + (8 + 5) * PREFILL_S)
+
+
+def test_arrivals_are_honoured_or_ignored_as_configured():
+    # Queued at once, r2 is admitted with r0 and r1 in the first batch, before anything is cached.
+    report = replay(three_requests(), config(64, honour_arrivals=False))
+    assert (report.cached_tokens, len(report.time_s)) == (0, 2)
+    assert report.time_s[-1] == pytest.approx(2 * STEP_S + 22 * PREFILL_S)
+
+
+def test_an_idle_server_waits_for_the_next_arrival_in_arrival_order():
+    # Listed out of order: the replay admits by arrival time, so the shorter prompt (arriving first) runs
+    # first and A then finds its 5 tokens cached.
+    trace = [request(A, [100], 5.0), request([1, 2, 3, 4, 5], [101], 2.0)]
+    report = replay(trace, config(64))
+    assert (report.cached_tokens, report.prompt_tokens) == (5, 13)
+    assert list(report.time_s) == pytest.approx([2 + STEP_S + 5 * PREFILL_S, 5 + STEP_S + 3 * PREFILL_S])
+
+
+def test_the_cost_model_sets_the_clock():
+    cost = StepCost(decode_step_s=1.0, prefill_tokens_per_s=4.0)
+    report = replay([request(A, [100, 101])], config(64), cost=cost)
+    assert list(report.time_s) == [1.0 + 8 / 4.0, 2.0 + 8 / 4.0]
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        StepCost(prefill_tokens_per_s=0)
+
+
+def test_a_request_that_can_never_run_is_rejected_and_the_replay_goes_on(capsys):
+    trace = [request(list(range(1, 40)), [100]), request(A, [101], 1.0)]
+    report = replay(trace, config(16))
+    assert (report.rejected, report.requests, report.prompt_tokens) == (1, 1, 8)
+    assert "request 0" in capsys.readouterr().err
+
+
+def test_a_chunked_prompt_counts_the_match_before_its_first_chunk():
+    # Chunks of 3: r1 (A again) matches 7 tokens and computes 1; r0 took ceil(8 / 3) = 3 extend steps.
+    report = replay([request(A, [100], 0.0), request(A, [101], 1.0)], config(64, chunked_prefill_size=3))
+    assert (report.prompt_tokens, report.cached_tokens, len(report.time_s)) == (16, 7, 4)
+
+
+def test_the_scheduler_a_replay_builds_follows_the_config():
+    sched = build_scheduler(config(100, page_size=8, max_running=3, schedule_policy="lpm", chunked_prefill_size=5))
+    assert sched.token_allocator.size == 96 and sched.page_size == 8 and sched.max_running == 3
+    assert sched.config.schedule_policy == "lpm" and sched.config.chunked_prefill_size == 5
+    assert sched.req_to_token_pool.max_context_len == 64
