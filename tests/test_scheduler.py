@@ -45,15 +45,19 @@ class FakeModel:
         return [next_token(list(r.fill_ids[:s])) for r, s in zip(batch.reqs, batch.seq_lens.tolist())]
 
 
-def run(sched, reqs, max_steps=100_000):
+def run(sched, reqs, max_steps=100_000, model=None, batches=None):
+    """Serves `reqs` (and whatever is queued) until idle through `model` (a new FakeModel by default), appending
+    each batch's (rid, prefix length) pairs to `batches` if given; returns the model."""
     for r in reqs:
         sched.add_request(r)
-    model = FakeModel(sched)
+    model = model or FakeModel(sched)
     for _ in range(max_steps):
         batch = sched.step()
         if batch is None:
             assert sched.is_idle(), "scheduler stalled with work left"
             return model
+        if batches is not None:
+            batches.append([(r.rid, int(n)) for r, n in zip(batch.reqs, batch.prefix_lens)])
         sched.process_batch_result(batch, model.forward(batch))
         sched.check_invariants()
     raise AssertionError("did not finish")
@@ -462,3 +466,49 @@ def test_an_empty_batch_is_refused_with_a_clear_error():
     pool, alloc = ReqToTokenPool(4, 64), TokenAllocator(64)
     with pytest.raises(ValueError, match="the batch is empty"):
         ScheduleBatch([], pool, alloc, RadixCache(pool, alloc)).prepare_for_extend()
+
+
+# ---- admission order and fully cached prompts ------------------------------------------------------------
+def admission_order(policy, **cfg):
+    """Caches two prompts (P: 12 tokens, Q: 4), then queues in this order a stranger, a request sharing Q, one
+    sharing all of P and one sharing P's first 8 tokens, and admits one request per step."""
+    sched = make_scheduler(1024, schedule_policy=policy, max_running_requests=1, **cfg)
+    p, q = list(range(100, 112)), [200, 201, 202, 203]
+    model = run(sched, [Req("P", p, 1), Req("Q", q, 1)])
+    queue = [Req("none", [300, 301, 302], 1), Req("Q4", q + [400, 401], 1), Req("P12", p + [500, 501], 1),
+             Req("P8", p[:8] + [600], 1)]
+    batches = []
+    run(sched, queue, model=model, batches=batches)
+    assert all(len(b) == 1 for b in batches)
+    return [b[0] for b in batches]
+
+
+def test_lpm_admits_the_longest_cached_prefix_first():
+    assert admission_order("lpm") == [("P12", 12), ("P8", 8), ("Q4", 4), ("none", 0)]
+
+
+def test_lpm_ranks_only_its_window_of_the_oldest_waiting_requests():
+    # A window of 2 ranks only the two oldest waiting requests at each step.
+    assert admission_order("lpm", lpm_window=2) == [("Q4", 4), ("P12", 12), ("P8", 8), ("none", 0)]
+
+
+def test_fcfs_admits_in_arrival_order():
+    assert admission_order("fcfs") == [("none", 0), ("Q4", 4), ("P12", 12), ("P8", 8)]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_the_same_prompt_sent_twice_is_served_from_the_cache_and_computes_its_last_page(page_size):
+    # The second request's prompt is wholly cached; its last token must still be computed (its logits give
+    # the first output), so the match stops one token short, cut to whole pages.
+    sched = make_scheduler(1024, page_size)
+    prompt = list(range(100, 132))  # two whole pages of 16
+    first = Req("a", prompt, 3)
+    model = run(sched, [first])
+    second = Req("b", prompt, 3)
+    sched.add_request(second)
+    batch = sched.step()
+    assert batch.prefix_lens.tolist() == [31 // page_size * page_size]
+    assert batch.extend_lens.tolist() == [32 - 31 // page_size * page_size]
+    sched.process_batch_result(batch, model.forward(batch))
+    run(sched, [], model=model)
+    assert second.output_ids == first.output_ids == expected_output(first)
