@@ -55,23 +55,29 @@ def rows_at(pool: MHAKVPool, buf: torch.Tensor, loc: torch.Tensor) -> torch.Tens
     return buf[loc // pool.page_size, :, loc % pool.page_size]
 
 
-def per_element_scale(pool: MHAKVPool, scales: list[torch.Tensor], layer_id: int, loc: torch.Tensor,
-                      dim: int) -> torch.Tensor:
-    scale = rows_at(pool, scales[layer_id], loc)
-    return scale.repeat_interleave(dim // scale.shape[-1], dim=-1)
+INT_QMAX = {"int8": 127, "int4": 7}
 
 
-def assert_within_quantization_bound(pool: MHAKVPool, layer_id: int, loc: torch.Tensor,
-                                     written: torch.Tensor, read: torch.Tensor, scales: list[torch.Tensor]) -> None:
-    """|read - written| <= scale / 2 for int8/int4, half an fp8 ulp for fp8, plus the model dtype's rounding."""
+def group_step(pool: MHAKVPool, x: torch.Tensor) -> torch.Tensor:
+    """The quantization step of each element of `x` [n, heads, dim], computed from the input alone: its group's
+    absmax / qmax (never read back from the pool, so that a quantizer at the wrong resolution cannot pass). The
+    pool keeps no scale below float32's smallest normal, so a group whose step would be smaller gets that."""
+    group = pool.quant_group or x.shape[-1]
+    absmax = x.double().unflatten(-1, (-1, group)).abs().amax(-1, keepdim=True)
+    step = (absmax / INT_QMAX[pool.kv_cache_dtype]).clamp_min(torch.finfo(torch.float32).tiny)
+    return step.expand(*step.shape[:-1], group).flatten(-2)
+
+
+def assert_within_quantization_bound(pool: MHAKVPool, written: torch.Tensor, read: torch.Tensor) -> None:
+    """|read - written| <= step / 2 for int8/int4 (step = group absmax / qmax), half an fp8 ulp for fp8, plus
+    the model dtype's rounding of the dequantized value."""
     x, r = written.double(), read.double()
     out_eps = torch.finfo(pool.dtype).eps  # rounding the dequantized float32 value back to the model dtype
     if pool.kv_cache_dtype in FP8_HALF_ULP:
         rel, absolute = FP8_HALF_ULP[pool.kv_cache_dtype]
         bound = rel * x.abs() + absolute
     else:
-        scale = per_element_scale(pool, scales, layer_id, loc, x.shape[-1]).double()
-        bound = scale * (0.5 + 1e-5) + out_eps * x.abs() + 2.0 ** -149
+        bound = group_step(pool, written) * (0.5 + 1e-5) + out_eps * x.abs() + 2.0 ** -149
     assert ((r - x).abs() <= bound).all(), (r - x).abs().max()
 
 
@@ -98,8 +104,8 @@ def test_quantized_round_trip_stays_within_its_error_bound(layout, kv_cache_dtyp
     pool.set_kv_buffer(0, loc, k * 10, v)
     rk, rv = pool.read_kv(0, loc)
     assert rk.dtype == torch.float32 and rk.shape == k.shape
-    assert_within_quantization_bound(pool, 0, loc, k * 10, rk, pool.k_scale_buffer)
-    assert_within_quantization_bound(pool, 0, loc, v, rv, pool.v_scale_buffer)
+    assert_within_quantization_bound(pool, k * 10, rk)
+    assert_within_quantization_bound(pool, v, rv)
 
 
 @settings(max_examples=60, deadline=None)
@@ -118,8 +124,8 @@ def test_quantization_error_is_bounded_for_any_values(kv_cache_dtype, quant_grou
     loc = torch.tensor([5, 13])
     pool.set_kv_buffer(1, loc, k, k.flip(-1))
     rk, rv = pool.read_kv(1, loc)
-    assert_within_quantization_bound(pool, 1, loc, k, rk, pool.k_scale_buffer)
-    assert_within_quantization_bound(pool, 1, loc, k.flip(-1), rv, pool.v_scale_buffer)
+    assert_within_quantization_bound(pool, k, rk)
+    assert_within_quantization_bound(pool, k.flip(-1), rv)
 
 
 def test_a_group_of_zeros_reads_back_as_zeros():
@@ -157,6 +163,32 @@ def test_int4_packs_two_values_per_byte_and_unpacks_every_value():
     assert packed.dtype == torch.uint8 and packed.shape == (16,)
     assert torch.equal(unpack_int4(packed), q)
     assert torch.equal(unpack_int4(torch.zeros(4, dtype=torch.uint8)), torch.zeros(8, dtype=torch.int8))
+
+
+def test_int4_puts_element_2i_in_the_low_nibble_and_2i_plus_1_in_the_high_one():
+    # The documented byte layout (two's complement nibbles): kernels that read the pool depend on it.
+    assert pack_int4(torch.tensor([1, 2, -1, 7], dtype=torch.int8)).tolist() == [0x21, 0x7F]
+    assert unpack_int4(torch.tensor([0x21, 0x7F], dtype=torch.uint8)).tolist() == [1, 2, -1, 7]
+    pool = mha(kv_cache_dtype="int4", dtype=torch.float32)
+    k = torch.zeros(1, HEADS, DIM)
+    k[0, 0] = torch.tensor([7.0, -7.0, 1.0, 2.0, 0.0, 3.0, -3.0, 4.0])  # absmax 7: the codes are the values
+    pool.set_kv_buffer(0, torch.tensor([5]), k, k)
+    assert pool.k_buffer[0][5, 0].tolist() == [0x97, 0x21, 0x30, 0x4D]
+    assert pool.k_scale_buffer[0][5, 0].tolist() == pytest.approx([1.0])
+
+
+@pytest.mark.parametrize("kv_cache_dtype, qmax", [("int8", 127), ("int4", 7)])
+def test_each_group_is_stored_as_its_absmax_over_qmax_and_the_rounded_codes(kv_cache_dtype, qmax):
+    pool = mha(kv_cache_dtype=kv_cache_dtype, quant_group=4, dtype=torch.float32)
+    k = torch.zeros(1, HEADS, DIM)
+    k[0, 0] = torch.tensor([1.0, -3.5, 2.0, 0.5, 0.0, 0.25, -0.1, 0.0])  # no code on a .5 tie
+    pool.set_kv_buffer(0, torch.tensor([2]), k, k)
+    scales = pool.k_scale_buffer[0][2, 0].tolist()
+    assert scales == pytest.approx([3.5 / qmax, 0.25 / qmax], rel=1e-6)
+    codes = [round(v / scales[i // 4]) for i, v in enumerate(k[0, 0].tolist())]
+    assert codes[:4] == [round(1.0 * qmax / 3.5), -qmax, round(2.0 * qmax / 3.5), round(0.5 * qmax / 3.5)]
+    stored = pool.k_buffer[0][2, 0]
+    assert (unpack_int4(stored) if kv_cache_dtype == "int4" else stored).tolist() == codes
 
 
 @pytest.mark.parametrize("layout, scale_shape", [("NHD", (16, HEADS, 4)), ("HND", (4, HEADS, PAGE, 4))])
