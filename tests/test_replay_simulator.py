@@ -91,6 +91,25 @@ def test_a_retracted_request_counts_once_with_its_first_admission():
     assert report.time_s[-1] == pytest.approx(7 * STEP_S + (8 + 5) * PREFILL_S)
 
 
+def test_a_host_tier_keeps_what_the_device_evicts_and_loads_it_back():
+    # Device 40, host 80, write-through. A (20 tokens) is cached and copied to the host; B (30) needs 30 slots
+    # with 20 free, so A leaves the device (20 evicted) but stays on the host. A again matches 19 tokens on the
+    # host only (>= the 16-token load-back threshold): B (30, its only device leaf) is evicted to make room,
+    # 19 tokens are loaded back, and the last token computed revives A's host-only tail on the device.
+    a, b = list(range(1, 21)), list(range(101, 131))
+    trace = [request(a, [100], 0.0), request(b, [101], 1.0), request(a, [102], 2.0)]
+    report = replay(trace, config(40, host_capacity_tokens=80))
+    summary = report.to_json()
+    assert (summary["prompt_tokens"], summary["cached_tokens"], summary["evicted_tokens"]) == (70, 19, 50)
+    assert (summary["device_hit_rate"], summary["host_hit_rate"]) == (0.0, round(19 / 70, 6))
+    assert (summary["loaded_tokens"], summary["backed_up_tokens"], summary["host_evicted_tokens"]) == (19, 50, 0)
+    assert summary["host_capacity_tokens"] == 80 and "storage" not in summary
+    # Llama-3-8B's 131,072 bytes a token over 50 GB/s each way: (19 + 50) tokens moved.
+    assert summary["transfer_seconds"] == round(131072 * 69 / 50e9, 6)
+    assert list(report.tokens_used) == list(report.evictable_tokens) == [20, 30, 20]
+    assert replay(trace, config(40)).to_json()["cached_tokens"] == 0  # without the host tier: no hit
+
+
 def test_arrivals_are_honoured_or_ignored_as_configured():
     # Queued at once, r2 is admitted with r0 and r1 in the first batch, before anything is cached.
     report = replay(three_requests(), config(64, honour_arrivals=False))
