@@ -8,7 +8,7 @@ import pytest
 
 from kvmem.replay.cli import DEFAULT_CAPACITY_TOKENS, main
 from kvmem.replay.config import ReplayConfig
-from kvmem.replay.report import ReplayReport
+from kvmem.replay.report import ReplayReport, write_sweep_plot
 from kvmem.replay.traces import default_trace_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -276,8 +276,6 @@ def test_hit_rate_is_cached_prefix_tokens_at_first_admission_over_prompt_tokens(
 
 
 def test_plots_are_written_as_png_files(tmp_path):
-    from kvmem.replay.report import write_sweep_plot
-
     reports = []
     for capacity in (1000, 2000):
         report = ReplayReport(capacity)
@@ -296,3 +294,77 @@ def test_plot_option_writes_the_plots_named_in_the_report(capsys, fake_replay, t
     assert [Path(p).name for p in json.loads(out)["plots"]] == ["memory_use.png", "hit_rate.png"]
     code, out, _ = run(capsys, "--limit", "3", "--sweep", "1000,2000", "--plot", str(tmp_path / "sweep"))
     assert code == 0 and Path(json.loads(out)["plots"][0]).exists()
+
+
+# ---- what the plots draw ------------------------------------------------------------------------------------
+@pytest.fixture
+def figures(monkeypatch):
+    """The matplotlib Figures the report draws, kept for inspection (they are still saved as usual)."""
+    from matplotlib.figure import Figure
+
+    import kvmem.replay.report as report_module
+
+    drawn = []
+
+    class Recorded(Figure):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            drawn.append(self)
+
+    monkeypatch.setattr(report_module, "require_matplotlib", lambda: Recorded)
+    return drawn
+
+
+def lines_of(ax) -> dict:
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+
+
+def png_dpi(path: Path) -> float:
+    """The resolution a PNG records in its pHYs chunk (pixels per metre), in dots per inch."""
+    data = path.read_bytes()
+    at = data.index(b"pHYs") + 4
+    return round(int.from_bytes(data[at:at + 4], "big") * 0.0254)
+
+
+def test_the_memory_and_hit_rate_plots_draw_the_samples_against_simulated_time(tmp_path, figures):
+    report = ReplayReport(1000)
+    report.record_admission(100, 25)
+    report.record_step(0.5, 500, 100, 1)
+    report.record_step(1.5, 900, 300, 2)
+    paths = report.write_plots(tmp_path / "new")
+    memory, hit = figures
+    assert [p.name for p in paths] == ["memory_use.png", "hit_rate.png"] and all(png_dpi(p) == 120 for p in paths)
+    assert tuple(memory.get_size_inches()) == tuple(hit.get_size_inches()) == (8, 4.5)
+    (ax,) = memory.axes
+    assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel()) == ("KV-cache memory use", "simulated time (s)",
+                                                                  "KV tokens")
+    lines = lines_of(ax)
+    assert lines["used (requests + cache)"] == ([0.5, 1.5], [500, 900])
+    assert lines["pinned by running requests"] == ([0.5, 1.5], [400, 600])
+    assert lines["capacity"][1] == [1000, 1000] and ax.get_lines()[2].get_linestyle() == "--"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(lines) and ax.get_legend()._loc == 4
+    (ax,) = hit.axes
+    assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel(), ax.get_ylim()) == (
+        "Prefix-cache hit rate (final 0.250)", "simulated time (s)", "cumulative hit rate", (0, 1))
+    assert list(lines_of(ax).values()) == [([0.5, 1.5], [0.25, 0.25])]
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_the_sweep_plot_draws_a_hit_rate_curve_per_tier_over_the_capacities(tmp_path, figures, tiered):
+    reports = []
+    for capacity, device, host in ((4000, 30, 10), (1000, 10, 20)):
+        report = ReplayReport(capacity, host_capacity_tokens=9000 if tiered else None)
+        report.record_admission(100, device + host, host)
+        reports.append(report)
+    path = write_sweep_plot(reports, tmp_path)
+    assert path.name == "hit_rate_vs_capacity.png" and png_dpi(path) == 120
+    (ax,) = figures[0].axes
+    assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel(), ax.get_ylim(), ax.get_xscale()) == (
+        "Hit rate vs KV capacity", "device KV capacity (tokens)", "hit rate", (0, 1), "log")
+    assert ax.xaxis.get_transform().base == 2 and ax.xaxis.get_gridlines()[0].get_visible()
+    curves = [(x, [round(y, 2) for y in ys]) for x, ys in lines_of(ax).values()]
+    if not tiered:
+        assert curves == [([1000, 4000], [0.3, 0.4])] and ax.get_legend() is None
+        return
+    assert list(lines_of(ax)) == ["any tier", "device", "host (9,000)"] and ax.get_legend()._loc == 2
+    assert curves == [([1000, 4000], [0.3, 0.4]), ([1000, 4000], [0.1, 0.3]), ([1000, 4000], [0.2, 0.1])]

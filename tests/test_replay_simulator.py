@@ -152,3 +152,45 @@ def test_the_scheduler_a_replay_builds_follows_the_config():
     assert sched.token_allocator.size == 96 and sched.page_size == 8 and sched.max_running == 3
     assert sched.config.schedule_policy == "lpm" and sched.config.chunked_prefill_size == 5
     assert sched.req_to_token_pool.max_context_len == 64
+
+
+def test_a_trace_object_replays_as_the_list_of_its_requests():
+    # A Trace hands its arrival times over as one array; a list of TraceRequest holds them request by request.
+    from kvmem.replay.synthetic import multi_turn_chat
+
+    trace = multi_turn_chat(30, system_len=32, turns=(2, 3), user_len=(4, 8), output_len=(2, 4),
+                            arrival_rate=50.0, seed=2)
+    cfg = config(512, max_context_len=trace.max_context_len, schedule_policy="lpm")
+    a, b = replay(trace, cfg).to_json(), replay(list(trace), cfg).to_json()
+    for report in (a, b):
+        report.pop("cache_op_seconds"), report.pop("replay_seconds")
+    assert a == b and a["cached_tokens"] > 0
+
+
+def test_progress_goes_to_a_bar_on_stderr_and_changes_nothing(capsys):
+    quiet = replay(three_requests(), config(64)).to_json()
+    loud = replay(three_requests(), config(64), progress=True).to_json()
+    err = capsys.readouterr().err
+    assert "3/3" in err and "req" in err
+    for report in (quiet, loud):
+        report.pop("cache_op_seconds"), report.pop("replay_seconds")
+    assert quiet == loud
+
+
+def test_a_replay_over_a_file_store_reports_what_it_stored_and_found(tmp_path):
+    # Device 40, host 80, a file store under them. The first replay computes the 36-token prompt, backs it up to
+    # the host and writes it to the store (36 each way). The second, over the same store, prefetches the 35
+    # tokens its match asks for (the last is always computed) into the host, loads them back, computes one token,
+    # and backs up and stores that one.
+    trace = [request(list(range(1, 17)) + list(range(100, 120)), [500], 0.0)]
+    cfg = config(40, host_capacity_tokens=80, storage=f"file:{tmp_path}")
+    first = replay(trace, cfg).to_json()
+    assert first["storage"] == f"file:{tmp_path}" and (first["stored_tokens"], first["backed_up_tokens"]) == (36, 36)
+    assert (first["storage_hit_rate"], first["prefetched_tokens"], first["storage_failed_ops"]) == (0.0, 0, 0)
+    assert first["transfer_seconds"] == round(131072 * (36 / 50e9 + 36 / 10e9), 6)
+    second = replay(trace, cfg).to_json()
+    assert (second["prefetched_tokens"], second["loaded_tokens"], second["cached_tokens"]) == (35, 35, 35)
+    assert (second["backed_up_tokens"], second["stored_tokens"], second["storage_misses_corrupt"]) == (1, 1, 0)
+    assert (second["storage_hit_rate"], second["host_hit_rate"], second["device_hit_rate"]) == \
+        (round(35 / 36, 6), 0.0, 0.0)
+    assert second["transfer_seconds"] == round(131072 * ((35 + 1) / 50e9 + (35 + 1) / 10e9), 6)
