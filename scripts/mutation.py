@@ -14,7 +14,7 @@ tests and scripts, with a pyproject.toml whose `[tool.mutmut]` names the module'
 `--workdir` (default /tmp/kvmem-mutation/MODULE), runs `mutmut run` there under `nice -n 10`, and prints a
 JSON summary: mutants by status, the survivors (name and mutated line), and the score
 
-    score = (killed + timeout) / (mutants - equivalent),
+    score = (killed + timeout + crashed) / (mutants - equivalent),
 
 where survivors and mutants no test reaches both count as not killed. A survivor listed as equivalent whose
 mutated line no longer matches is reported as `stale_equivalent` and counts as a survivor. mutmut keeps its
@@ -39,9 +39,10 @@ except ModuleNotFoundError:  # Python 3.10: mutmut depends on toml there
 
 ROOT = Path(__file__).resolve().parents[1]
 EQUIVALENTS = Path(__file__).with_name("mutation_equivalents.toml")
-KILLED = {1: "killed", 3: "killed", 36: "timeout", -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout"}
-OTHER = {0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 35: "suspicious", -11: "segfault",
-         -9: "segfault", None: "not checked"}
+# A mutant whose tests fail, loop past their time or crash the test process is caught.
+KILLED = {1: "killed", 3: "killed", 36: "timeout", -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout",
+          -11: "crashed", -9: "crashed"}
+OTHER = {0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 35: "suspicious", None: "not checked"}
 
 
 def load_config() -> tuple[dict, dict]:
@@ -92,7 +93,7 @@ def results(workdir: Path, module: dict) -> dict:
         for name, code in sorted(meta["exit_code_by_key"].items()):
             status = KILLED.get(code) or OTHER.get(code, "suspicious")
             counts[status] = counts.get(status, 0) + 1
-            if status not in ("killed", "timeout"):
+            if code not in KILLED:
                 diff = get_diff_for_mutant(name, path=path)
                 added = [line[1:].strip() for line in diff.splitlines() if line.startswith("+") and
                          not line.startswith("+++")]
@@ -113,7 +114,7 @@ def score(found: dict, listed: list[dict]) -> dict:
         else:
             alive.append(s)
     total = sum(found["counts"].values())
-    killed = found["counts"].get("killed", 0) + found["counts"].get("timeout", 0)
+    killed = sum(found["counts"].get(status, 0) for status in set(KILLED.values()))
     counted = total - len(judged)
     return {"mutants": total, "killed": killed, "equivalent": len(judged), "not_killed": len(alive),
             "score": round(killed / counted, 4) if counted else None, "stale_equivalent": stale,
