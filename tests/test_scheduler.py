@@ -740,3 +740,41 @@ def message_of_call(call, error=(ValueError, TypeError, RuntimeError)) -> str:
     with pytest.raises(error) as raised:
         call()
     return str(raised.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"lpm_window": 0}, "lpm_window must be a positive int, got 0"),
+    ({"load_back_threshold": 0}, "load_back_threshold must be a positive int, got 0"),
+    ({"init_new_token_ratio": -0.5}, "init_new_token_ratio must be a finite number >= 0, got -0.5"),
+    ({"min_new_token_ratio": float("nan")}, "min_new_token_ratio must be a finite number >= 0, got nan"),
+    ({"new_token_ratio_decay": -0.1}, "new_token_ratio_decay must be a finite number >= 0, got -0.1"),
+    ({"min_new_token_ratio": 0.8}, "need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got 0.8 and 0.7"),
+    ({"init_new_token_ratio": 1.5}, "need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got 0.1 and 1.5"),
+])
+def test_scheduler_config_names_what_is_wrong_in_full(kwargs, message):
+    assert message_of_call(lambda: SchedulerConfig(**kwargs)) == message
+
+
+def test_scheduler_config_takes_its_bounds_themselves():
+    config = SchedulerConfig(lpm_window=1, load_back_threshold=1, init_new_token_ratio=1.0, min_new_token_ratio=1.0,
+                             new_token_ratio_decay=0.0)
+    assert (config.lpm_window, config.init_new_token_ratio, config.min_new_token_ratio) == (1, 1.0, 1.0)
+
+
+def test_add_request_refuses_what_can_never_run_and_counts_it():
+    sched = make_scheduler(64, max_context_len=16)
+    assert message_of_call(lambda: sched.add_request("a")) == "req must be a Req, got str"
+    assert message_of_call(lambda: sched.add_request(Req("a", list(range(12)), 5))) == \
+        "request 'a': 12 prompt + 5 new tokens exceed max_context_len 16"
+    assert sched.stats.rejected == 1
+    sched = make_scheduler(16, max_context_len=64)
+    assert message_of_call(lambda: sched.add_request(Req("b", list(range(12)), 5))) == \
+        "request 'b': 17 tokens exceed the KV capacity 16"
+    assert message_of_call(lambda: sched.add_request(Req("c", list(range(12)), 6))) == \
+        "request 'c': 18 tokens exceed the KV capacity 16"
+    assert sched.stats.rejected == 2
+    sched = make_scheduler(64, max_context_len=16)
+    sched.add_request(Req("d", list(range(12)), 4))  # exactly max_context_len: it fits
+    assert len(sched.waiting) == 1 and sched.stats.rejected == 0
+    assert message_of_call(lambda: Scheduler(sched.req_to_token_pool, sched.token_allocator, sched.tree_cache,
+                                             config={})) == "config must be a SchedulerConfig, got dict"

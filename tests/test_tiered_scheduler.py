@@ -236,7 +236,7 @@ def test_a_prompt_another_server_stored_is_read_from_storage_and_loaded_back(tmp
         tree = HiRadixCache(rows, alloc, HostSlotPool(128), storage=open_store(f"file:{tmp_path}"),
                             prefetch_policy="wait_complete")
         sched = Scheduler(rows, alloc, tree)
-        req = Req("a", prompt, 1)
+        req = Req("a", prompt, 1, namespace="tenant")
         sched.add_request(req)
         while not sched.is_idle():
             sched.process_batch_result(sched.step(), [7])
