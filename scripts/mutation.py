@@ -14,10 +14,12 @@ tests and scripts, with a pyproject.toml whose `[tool.mutmut]` names the module'
 `--workdir` (default /tmp/kvmem-mutation/MODULE), runs `mutmut run` there under `nice -n 10`, and prints a
 JSON summary: mutants by status, the survivors (name and mutated line), and the score
 
-    score = (killed + timeout + crashed) / (mutants - equivalent),
+    score = (killed + timeout + crashed) / (mutants - equivalent - needs_cuda),
 
-where survivors and mutants no test reaches both count as not killed. A survivor listed as equivalent whose
-mutated line no longer matches is reported as `stale_equivalent` and counts as a survivor. mutmut keeps its
+where survivors and mutants no test reaches both count as not killed; survivors that only a CUDA device could
+kill (listed as such) are left out like the equivalent ones and counted apart (`needs_cuda`), and
+`score_of_all_mutants` divides by every mutant. A listed survivor whose mutated line no longer matches is
+reported as `stale_equivalent` and counts as a survivor. mutmut keeps its
 results in the work directory: `cd WORKDIR && mutmut show NAME` prints a mutant's diff.
 """
 
@@ -102,23 +104,26 @@ def results(workdir: Path, module: dict) -> dict:
 
 
 def score(found: dict, listed: list[dict]) -> dict:
-    equivalent = {e["mutant"]: e for e in listed}
-    judged, stale, alive = [], [], []
+    """Kills over the mutants a test could kill here: the listed survivors (equivalent, or needing CUDA) are left
+    out when their mutated line still matches; a stale entry counts as a survivor."""
+    judged = {e["mutant"]: e for e in listed}
+    left_out: dict[str, list[str]] = {"equivalent": [], "needs CUDA": []}
+    stale, alive = [], []
     for s in found["survivors"]:
-        e = equivalent.get(s["name"])
+        e = judged.get(s["name"])
         if e is not None and e["line"] == s["line"]:
-            judged.append(s["name"])
-        elif e is not None:
-            stale.append(s["name"])
-            alive.append(s)
+            left_out[e.get("kind", "equivalent")].append(s["name"])
         else:
+            (stale if e is not None else []).append(s["name"])
             alive.append(s)
     total = sum(found["counts"].values())
     killed = sum(found["counts"].get(status, 0) for status in set(KILLED.values()))
-    counted = total - len(judged)
-    return {"mutants": total, "killed": killed, "equivalent": len(judged), "not_killed": len(alive),
-            "score": round(killed / counted, 4) if counted else None, "stale_equivalent": stale,
-            "survivors": alive}
+    counted = total - len(left_out["equivalent"]) - len(left_out["needs CUDA"])
+    return {"mutants": total, "killed": killed, "equivalent": len(left_out["equivalent"]),
+            "needs_cuda": len(left_out["needs CUDA"]), "not_killed": len(alive),
+            "score": round(killed / counted, 4) if counted else None,
+            "score_of_all_mutants": round(killed / total, 4) if total else None,
+            "stale_equivalent": stale, "survivors": alive}
 
 
 def main() -> int:
