@@ -5,7 +5,8 @@
     python scripts/mutation.py --list
 
 MODULE is a table of `[tool.kvmem.mutation]` in pyproject.toml: the files mutmut mutates (paths inside the
-installed package, so kernels/ is kvmem/kernels/) and the tests that must kill the mutants; `[tool.mutmut]` holds
+installed package, so kernels/ is kvmem/kernels/), the tests that must kill the mutants and, optionally, `env`
+(variables the tests run with); `[tool.mutmut]` holds
 what every run shares. scripts/mutation_equivalents.toml lists, per module, the survivors judged equivalent (the
 mutant, the line mutmut wrote, and why no test can tell it from the original).
 
@@ -145,7 +146,7 @@ def main() -> int:
     workdir = (args.workdir or Path("/tmp/kvmem-mutation") / args.module).resolve()
     out = args.out.resolve() if args.out else None
     build_workdir(workdir, module, shared)
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **module.get("env", {})}
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     log = workdir / "mutmut.log"
