@@ -235,7 +235,7 @@ def test_an_unknown_model_exits_2(capsys, fake_replay):
 def test_plotting_without_matplotlib_fails_before_the_replay(capsys, fake_replay, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib...` raise ImportError
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    assert_one_line_error(*run(capsys, "--plot", str(tmp_path)), "pip install matplotlib")
+    assert_one_line_error(*run(capsys, "--plot", str(tmp_path)), "plots need matplotlib: pip install matplotlib\n")
     assert fake_replay == []
 
 
@@ -319,6 +319,11 @@ def lines_of(ax) -> dict:
     return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
 
 
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
 def png_dpi(path: Path) -> float:
     """The resolution a PNG records in its pHYs chunk (pixels per metre), in dots per inch."""
     data = path.read_bytes()
@@ -331,9 +336,11 @@ def test_the_memory_and_hit_rate_plots_draw_the_samples_against_simulated_time(t
     report.record_admission(100, 25)
     report.record_step(0.5, 500, 100, 1)
     report.record_step(1.5, 900, 300, 2)
-    paths = report.write_plots(tmp_path / "new")
+    paths = report.write_plots(tmp_path / "new" / "plots")
     memory, hit = figures
     assert [p.name for p in paths] == ["memory_use.png", "hit_rate.png"] and all(png_dpi(p) == 120 for p in paths)
+    # Cropped to what is drawn: smaller than the 960 x 540 of the whole 8 x 4.5 in figure at 120 dpi.
+    assert all(png_size(p)[0] < 960 and png_size(p)[1] < 540 for p in paths)
     assert tuple(memory.get_size_inches()) == tuple(hit.get_size_inches()) == (8, 4.5)
     (ax,) = memory.axes
     assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel()) == ("KV-cache memory use", "simulated time (s)",
@@ -342,6 +349,7 @@ def test_the_memory_and_hit_rate_plots_draw_the_samples_against_simulated_time(t
     assert lines["used (requests + cache)"] == ([0.5, 1.5], [500, 900])
     assert lines["pinned by running requests"] == ([0.5, 1.5], [400, 600])
     assert lines["capacity"][1] == [1000, 1000] and ax.get_lines()[2].get_linestyle() == "--"
+    assert ax.get_lines()[2].get_color() == "grey"
     assert [t.get_text() for t in ax.get_legend().get_texts()] == list(lines) and ax.get_legend()._loc == 4
     (ax,) = hit.axes
     assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel(), ax.get_ylim()) == (

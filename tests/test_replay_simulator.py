@@ -167,14 +167,86 @@ def test_a_trace_object_replays_as_the_list_of_its_requests():
     assert a == b and a["cached_tokens"] > 0
 
 
-def test_progress_goes_to_a_bar_on_stderr_and_changes_nothing(capsys):
+def test_progress_goes_to_a_bar_on_stderr_only_when_asked_and_changes_nothing(capsys):
     quiet = replay(three_requests(), config(64)).to_json()
-    loud = replay(three_requests(), config(64), progress=True).to_json()
+    assert capsys.readouterr().err == ""
+    # A request that can never run still advances the bar: 4 requests, 4 done.
+    loud = replay([request(list(range(1, 80)), [1])] + three_requests(), config(64), progress=True).to_json()
     err = capsys.readouterr().err
-    assert "3/3" in err and "req" in err
+    assert "4/4" in err and "req/s]" in err and "5/4" not in err
     for report in (quiet, loud):
         report.pop("cache_op_seconds"), report.pop("replay_seconds")
+    quiet["rejected"] = 1
     assert quiet == loud
+
+
+def test_requests_arriving_together_keep_their_trace_order():
+    # 40 prompts of 1..40 tokens, all arriving at 1 s, one at a time: each step's clock advance says which ran.
+    trace = [request(list(range(100 * i, 100 * i + i + 1)), [7], 1.0) for i in range(40)]
+    report = replay(trace, config(64, max_running=1))
+    steps = [b - a for a, b in zip([1.0] + list(report.time_s), report.time_s)]
+    assert steps == pytest.approx([STEP_S + (i + 1) * PREFILL_S for i in range(40)])
+
+
+def test_the_eviction_policy_of_the_config_is_the_tree_s():
+    # Capacity 20: A, B, then A again (a hit that makes A recent), then C needs 4 more slots and A again. LRU evicts
+    # B (8) for C and A hits; FIFO evicts A (inserted first, 8) for C, so A misses and B (8) goes for it.
+    b, c = list(range(20, 28)), list(range(40, 48))
+    trace = [request(A, [1], 0.0), request(b, [1], 1.0), request(A, [1], 2.0), request(c, [1], 3.0),
+             request(A, [1], 4.0)]
+    lru, fifo = (replay(trace, config(20, eviction_policy=p)).to_json() for p in ("lru", "fifo"))
+    assert (lru["cached_tokens"], lru["evicted_tokens"]) == (14, 8)
+    assert (fifo["cached_tokens"], fifo["evicted_tokens"]) == (7, 16)
+
+
+def test_a_replay_at_page_size_2_with_a_host_tier_reports_the_host_in_tokens():
+    report = replay([request(A, [1], 0.0), request(A, [1], 1.0)], config(16, page_size=2, host_capacity_tokens=33))
+    summary = report.to_json()
+    assert summary["host_capacity_tokens"] == 32 and summary["cached_tokens"] == 6  # 7 tokens, cut to 3 pages
+
+
+def test_rejections_are_counted_one_by_one():
+    report = replay([request(list(range(1, 80)), [1]), request(list(range(1, 90)), [1]), request(A, [1])],
+                    config(64))
+    assert (report.rejected, report.requests) == (2, 1)
+
+
+def test_the_replay_times_its_cache_calls_and_itself_with_the_clock(monkeypatch):
+    # A clock that ticks once a reading: the two timed calls of each step take 1 s each, the replay all readings.
+    import kvmem.replay.simulator as simulator
+
+    ticks = iter(range(1000))
+    monkeypatch.setattr(simulator.time, "perf_counter", lambda: float(next(ticks)))
+    report = replay(three_requests(), config(64))
+    assert (report.cache_op_seconds, report.replay_seconds) == (8.0, 17.0)
+
+
+def test_the_cost_model_takes_free_decodes_and_slow_prefills_but_refuses_impossible_ones():
+    assert StepCost(decode_step_s=0, prefill_tokens_per_s=0.5) and StepCost(decode_step_s=0.5)
+    for kwargs in ({"decode_step_s": -1.0}, {"prefill_tokens_per_s": 0.0}):
+        with pytest.raises(ValueError) as raised:
+            StepCost(**kwargs)
+        assert str(raised.value) == f"need decode_step_s >= 0 and prefill_tokens_per_s > 0, got {StepCost.__name__}(" \
+            f"decode_step_s={kwargs.get('decode_step_s', 0.03)}, prefill_tokens_per_s=" \
+            f"{kwargs.get('prefill_tokens_per_s', 50000.0)})"
+
+
+def test_a_file_store_of_limited_capacity_keeps_only_its_newest_pages(tmp_path):
+    # A 20-token store keeps the last 20 of the 36 pages written: the prompt's first page is gone, so the second
+    # replay prefetches nothing. A replay's stored page is its header alone (the host tier holds no bytes).
+    from kvmem.replay.simulator import open_storage
+    from kvmem.storage.page_format import CHECKSUM_BYTES, HEADER_BYTES
+
+    trace = [request(list(range(1, 17)) + list(range(100, 120)), [500], 0.0)]
+    cfg = config(40, host_capacity_tokens=80, storage=f"file:{tmp_path}", storage_capacity_tokens=20)
+    assert replay(trace, cfg).to_json()["stored_tokens"] == 36
+    assert replay(trace, cfg).to_json()["prefetched_tokens"] == 0
+    for page_size, tokens, pages in ((1, 20, 20), (2, 10, 5), (2, 1, 1)):
+        store = open_storage(config(40, page_size=page_size, host_capacity_tokens=80, storage=f"file:{tmp_path}",
+                                    storage_capacity_tokens=tokens))
+        assert store.capacity_bytes == pages * (HEADER_BYTES + CHECKSUM_BYTES)
+        store.close()
+    assert open_storage(config(40)) is None
 
 
 def test_a_replay_over_a_file_store_reports_what_it_stored_and_found(tmp_path):
@@ -194,3 +266,5 @@ def test_a_replay_over_a_file_store_reports_what_it_stored_and_found(tmp_path):
     assert (second["storage_hit_rate"], second["host_hit_rate"], second["device_hit_rate"]) == \
         (round(35 / 36, 6), 0.0, 0.0)
     assert second["transfer_seconds"] == round(131072 * ((35 + 1) / 50e9 + (35 + 1) / 10e9), 6)
+    moved = (35 / 50e9 + 1 / 50e9 + 36 / 10e9) * 131072
+    assert replay(trace, cfg).transfer_seconds == pytest.approx(moved, rel=1e-12)
