@@ -260,6 +260,23 @@ def test_the_script_shim_reports_errors_without_a_traceback(tmp_path):
 
 # ---- the report itself ------------------------------------------------------------------------------------
 
+def test_a_one_capacity_sweep_still_plots(tmp_path, figures):
+    report = ReplayReport(1000)
+    report.record_admission(100, 25)
+    assert write_sweep_plot([report], tmp_path).exists() and len(figures[0].axes[0].get_lines()) == 1
+
+
+def test_tier_hits_add_up_over_admissions_and_a_wholly_cached_prompt_is_admissible():
+    report = ReplayReport(capacity_tokens=100, host_capacity_tokens=1000)
+    report.record_admission(10, 10)  # all of it cached on the device
+    report.record_admission(30, 20, 12, 5)  # 20 cached: 8 on the device, 7 from the host, 5 from storage
+    report.record_admission(15, 9, 3)
+    assert (report.cached_tokens, report.host_cached_tokens, report.storage_cached_tokens) == (39, 10, 5)
+    summary = report.to_json()
+    assert (summary["hit_rate"], summary["host_hit_rate"]) == (round(39 / 55, 6), round(10 / 55, 6))
+    assert summary["device_hit_rate"] == round(24 / 55, 6)
+
+
 def test_hit_rate_is_cached_prefix_tokens_at_first_admission_over_prompt_tokens():
     report = ReplayReport(capacity_tokens=100)
     report.record_admission(40, 10)
@@ -271,6 +288,7 @@ def test_hit_rate_is_cached_prefix_tokens_at_first_admission_over_prompt_tokens(
     assert summary["peak_tokens_used"] == 90 and summary["mean_tokens_used"] == 75.0
     assert summary["peak_pinned_tokens"] == 80 and summary["steps"] == 2
     assert list(report.cumulative_hit_rate) == [0.25, 0.4]
+    assert (report.host_cached_tokens, report.storage_cached_tokens) == (0, 0)
     with pytest.raises(ValueError, match="cached_len"):
         report.record_admission(5, 6)
 
@@ -364,15 +382,20 @@ def test_the_sweep_plot_draws_a_hit_rate_curve_per_tier_over_the_capacities(tmp_
         report = ReplayReport(capacity, host_capacity_tokens=9000 if tiered else None)
         report.record_admission(100, device + host, host)
         reports.append(report)
-    path = write_sweep_plot(reports, tmp_path)
+    path = write_sweep_plot(reports, tmp_path / "sweep" / "plots")
     assert path.name == "hit_rate_vs_capacity.png" and png_dpi(path) == 120
+    assert png_size(path)[0] < 960 and png_size(path)[1] < 540 and tuple(figures[0].get_size_inches()) == (8, 4.5)
     (ax,) = figures[0].axes
     assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel(), ax.get_ylim(), ax.get_xscale()) == (
         "Hit rate vs KV capacity", "device KV capacity (tokens)", "hit rate", (0, 1), "log")
-    assert ax.xaxis.get_transform().base == 2 and ax.xaxis.get_gridlines()[0].get_visible()
+    assert ax.xaxis.get_transform().base == 2
+    assert all(g.get_visible() and g.get_alpha() == 0.3 for g in ax.xaxis.get_gridlines() + ax.yaxis.get_gridlines())
     curves = [(x, [round(y, 2) for y in ys]) for x, ys in lines_of(ax).values()]
+    markers = [line.get_marker() for line in ax.get_lines()]
     if not tiered:
-        assert curves == [([1000, 4000], [0.3, 0.4])] and ax.get_legend() is None
+        assert curves == [([1000, 4000], [0.3, 0.4])] and ax.get_legend() is None and markers == ["o"]
+        assert ax.get_lines()[0].get_label().startswith("_")  # unlabelled: no legend entry
         return
     assert list(lines_of(ax)) == ["any tier", "device", "host (9,000)"] and ax.get_legend()._loc == 2
+    assert markers == ["o", ".", "."]
     assert curves == [([1000, 4000], [0.3, 0.4]), ([1000, 4000], [0.1, 0.3]), ([1000, 4000], [0.2, 0.1])]

@@ -47,6 +47,7 @@ def test_a_replay_counts_each_cached_prefix_once_and_samples_every_step():
     assert list(report.running) == [1, 0, 0, 0]
     assert list(report.cumulative_hit_rate) == pytest.approx([0, 0, 4 / 14, 0.5])
     assert (report.peak_tokens_used, report.mean_tokens_used, report.peak_pinned_tokens) == (11, 9.75, 8)
+    assert summary["mean_tokens_used"] == 9.8  # rounded to a tenth
 
 
 def test_a_prompt_sent_twice_is_served_from_the_cache_the_second_time():
@@ -199,10 +200,23 @@ def test_the_eviction_policy_of_the_config_is_the_tree_s():
     assert (fifo["cached_tokens"], fifo["evicted_tokens"]) == (7, 16)
 
 
+def test_a_device_hit_under_a_host_tier_is_reported_as_such():
+    # B shares A's first 5 tokens, still on the device: 5 of 15 prompt tokens, all of them device hits.
+    trace = [request(A, [1], 0.0), request([1, 2, 3, 4, 5, 30, 31], [1], 1.0)]
+    summary = replay(trace, config(40, host_capacity_tokens=80)).to_json()
+    assert (summary["device_hit_rate"], summary["host_hit_rate"]) == (0.333333, 0.0)
+
+
 def test_a_replay_at_page_size_2_with_a_host_tier_reports_the_host_in_tokens():
     report = replay([request(A, [1], 0.0), request(A, [1], 1.0)], config(16, page_size=2, host_capacity_tokens=33))
     summary = report.to_json()
     assert summary["host_capacity_tokens"] == 32 and summary["cached_tokens"] == 6  # 7 tokens, cut to 3 pages
+
+
+def test_a_rejected_request_does_not_hold_back_those_arriving_with_it():
+    trace = [request(A, [1]), request(list(range(1, 80)), [1]), request([9, 8, 7], [1])]
+    report = replay(trace, config(64, honour_arrivals=False))
+    assert (report.rejected, report.requests, len(report.time_s)) == (1, 2, 1)  # both served in one step
 
 
 def test_rejections_are_counted_one_by_one():
@@ -216,9 +230,11 @@ def test_the_replay_times_its_cache_calls_and_itself_with_the_clock(monkeypatch)
     import kvmem.replay.simulator as simulator
 
     ticks = iter(range(1000))
-    monkeypatch.setattr(simulator.time, "perf_counter", lambda: float(next(ticks)))
+    monkeypatch.setattr(simulator.time, "perf_counter", lambda: next(ticks) * 1.0000001)
     report = replay(three_requests(), config(64))
-    assert (report.cache_op_seconds, report.replay_seconds) == (8.0, 17.0)
+    assert (report.cache_op_seconds, report.replay_seconds) == pytest.approx((8.0000008, 17.0000017))
+    summary = report.to_json()
+    assert (summary["cache_op_seconds"], summary["replay_seconds"]) == (8.000001, 17.000002)  # to the microsecond
 
 
 def test_the_cost_model_takes_free_decodes_and_slow_prefills_but_refuses_impossible_ones():
