@@ -122,9 +122,11 @@ def test_snapshots_are_refused_inside_a_free_group():
     state = a.backup_state()
     with a.free_group():
         a.free(x)
-        with pytest.raises(RuntimeError, match="backup_state inside free_group"):
+        with pytest.raises(RuntimeError,
+                           match=r"^backup_state inside free_group\(\): the pending frees would be lost$"):
             a.backup_state()
-        with pytest.raises(RuntimeError, match="restore_state inside free_group"):
+        with pytest.raises(RuntimeError,
+                           match=r"^restore_state inside free_group\(\): the pending frees would double-free$"):
             a.restore_state(state)
     assert a.available_size() == 4 and sorted(a.alloc(4).tolist()) == [1, 2, 3, 4]
 
@@ -508,3 +510,17 @@ def test_is_allocated_reads_slots_as_pages_at_every_page_size():
     a = PagedTokenAllocator(8, 2)  # pages 1..4: slots 2..9
     a.alloc(2)
     assert a.is_allocated(torch.tensor([2, 3, 4, 1, 9])).tolist() == [True, True, False, False, False]
+
+
+def test_two_requests_continuing_one_partial_page_are_refused_naming_that_page():
+    a = PagedTokenAllocator(64, 4)
+    a.alloc(8)  # pages 1 and 2
+    with pytest.raises(ValueError) as raised:
+        a.alloc_extend([1, 1, 1], [2, 2, 2], [4, 8, 8])  # page 1 once, page 2 twice
+    assert str(raised.value) == ("last_loc continues page 2 for more than one request; a partial page belongs to one "
+                                 "request")
+
+
+def test_extends_whose_page_count_would_overflow_are_a_shortage():
+    a = PagedTokenAllocator(64, 1)
+    assert a.alloc_extend([0, 0], [2**62, 2**62], [-1, -1]) is None and a.available_size() == 64
