@@ -104,16 +104,17 @@ def test_requests_reuse_host_copies_and_read_back_their_own_kv(page_size, write_
     tree.check_invariants()
 
 
-def test_a_host_hit_shorter_than_the_threshold_is_recomputed():
+@pytest.mark.parametrize("threshold, loaded", [(16, 0), (11, 0), (10, 10)])
+def test_a_host_hit_is_loaded_back_from_the_threshold_on_and_recomputed_below_it(threshold, loaded):
     alloc = TokenAllocator(64)
     rows = ReqToTokenPool(4, 64)
     tree = HiRadixCache(rows, alloc, HostSlotPool(256))
-    sched = Scheduler(rows, alloc, tree, SchedulerConfig(load_back_threshold=16))
+    sched = Scheduler(rows, alloc, tree, SchedulerConfig(load_back_threshold=threshold))
     tree.insert(list(range(100, 110)), alloc.alloc(10))
-    tree.evict(10)
+    tree.evict(10)  # the 10 tokens are on the host only
     sched.add_request(Req("a", list(range(100, 110)) + [7], 1))
     batch = sched.step()
-    assert batch.prefix_lens.tolist() == [0] and tree.stats.loaded_tokens == 0  # 10 host tokens < 16
+    assert batch.prefix_lens.tolist() == [loaded] and tree.stats.loaded_tokens == loaded
 
 
 # ---- tensor parallelism ------------------------------------------------------------------------------------
@@ -215,17 +216,6 @@ def test_the_device_tokens_evicted_to_load_a_host_hit_back_are_counted(b_len):
         sched.check_invariants()
     assert (req.host_hit_len, req.storage_hit_len, tree.stats.loaded_tokens) == (19, 0, 19)
     assert sched.stats.evicted_tokens == 20 + b_len and tree.evictable_size() == 20 and alloc.available_size() == 20
-
-
-def test_a_host_hit_of_exactly_the_threshold_is_loaded_back():
-    alloc, rows = TokenAllocator(64), ReqToTokenPool(4, 64)
-    tree = HiRadixCache(rows, alloc, HostSlotPool(256))
-    sched = Scheduler(rows, alloc, tree, SchedulerConfig(load_back_threshold=10))
-    tree.insert(list(range(100, 110)), alloc.alloc(10))
-    tree.evict(10)
-    sched.add_request(Req("a", list(range(100, 110)) + [7], 1))
-    batch = sched.step()
-    assert batch.prefix_lens.tolist() == [10] and tree.stats.loaded_tokens == 10
 
 
 def test_a_prompt_another_server_stored_is_read_from_storage_and_loaded_back(tmp_path):
