@@ -119,6 +119,13 @@ def _write_req_to_token_torch(req_to_token, req_pool_indices, prefix_lens, seq_l
                                  None if prefix_indices is None else prefix_indices.numpy(),
                                  None if prefix_indptr is None else host_values(prefix_indptr))
         return
+    _write_req_to_token_vectorized(req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cache_loc,
+                                   prefix_indices, prefix_indptr)
+
+
+def _write_req_to_token_vectorized(req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cache_loc,
+                                   prefix_indices, prefix_indptr):
+    """The fallback on a device without Triton: scatters with no host round trip (works on any device)."""
     device = req_to_token.device
     bs = len(req_pool_indices)
     rows = req_pool_indices.long()

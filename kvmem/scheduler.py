@@ -562,6 +562,7 @@ class Scheduler:
         req.host_hit_len = req.storage_hit_len = 0
         host = m.host_hit_length
         if host >= self.config.load_back_threshold and host + self._charge(req, indices.numel() + host) <= room:
+            self._evict_for_load_back(m.last_host_node, host)
             loaded = self.tree_cache.load_back(m.last_host_node, host)
             if loaded is not None:
                 indices, node, req.host_hit_len = loaded, m.last_host_node, host
@@ -571,6 +572,15 @@ class Scheduler:
         # numel(), not len(): a tensor's len() goes through a Python wrapper that costs about 6x as much, and
         # admission and prepare_for_extend read each prefix length several times.
         req.cache_protected_len = indices.numel()
+
+    def _evict_for_load_back(self, last_host_node, host_hit_length: int) -> None:
+        """Evicts the device slots a load-back is short of, with the matched path locked so that its own nodes
+        stay: load_back would evict them itself, but then they would be missing from stats.evicted_tokens."""
+        short = host_hit_length - self.token_allocator.available_size()
+        if short > 0:
+            self.tree_cache.inc_lock_ref(last_host_node)
+            self.stats.evicted_tokens += self.tree_cache.evict(short)
+            self.tree_cache.dec_lock_ref(last_host_node)
 
     def _sort_waiting_by_prefix(self) -> None:
         """Puts the first `lpm_window` waiting requests with the longest cached prefixes first (arrival order

@@ -21,7 +21,10 @@ metadata on the GPU, so rows with kvmem's metadata have no SGLang counterpart (`
 the SGLang figure holds, and such rows stay out of `kvmem_slower_rows`).
 
 `ratio` = sglang_us / kvmem_us (medians): above 1 means kvmem is faster; `ratio_min` compares the fastest
-repeats, which preemption on a shared machine does not inflate.
+repeats, which preemption on a shared machine does not inflate. A ratio is reported only where both sides did
+the same work (`work` in each side's raw results): the same batch size every step, and the same number of
+slots taken from the allocator by each of the steps both sides ran (allocated, less what finished requests
+gave back); shapes where they differ get no ratio and are listed in `shapes_with_unequal_work`.
 
     python scripts/bench_scheduler.py [--sglang-python PATH] [--quick] [--seed 0] [--out FILE]
 """
@@ -108,13 +111,18 @@ def make_kvmem_scheduler(page_size: int, rows: int, max_context_len: int, capaci
 
 def timed_steps(sched, steps: int, repeats: int, feed, check) -> dict:
     """Runs WARMUP + 2 * repeats steps (`feed(k)` queues round k's requests first): a plain block, then a block
-    with attention_metadata() between step and process. Phases come from the scheduler's timer."""
+    with attention_metadata() between step and process. Phases come from the scheduler's timer. The work: each
+    step's batch size and, over the first WARMUP + repeats steps (what the SGLang side runs), the slots each
+    took from the allocator."""
     pc, timer, rec = time.perf_counter, sched.timer, {}
     tokens = {}
+    work = {"batch_sizes": set(), "slots_taken_per_step": []}
+    free = sched.token_allocator.available_size
     gc.collect()
     gc.disable()  # a collection would land inside some timed step
     for k in range(WARMUP + 2 * repeats):
         feed(k)
+        free_before = free()
         with_metadata = k >= WARMUP + repeats
         timer.reset()
         t0 = pc()
@@ -127,6 +135,9 @@ def timed_steps(sched, steps: int, repeats: int, feed, check) -> dict:
         sched.process_batch_result(batch, tokens.setdefault(bs, [TOKEN] * bs))
         t3 = pc()
         check(batch)
+        work["batch_sizes"].add(bs)
+        if k < WARMUP + repeats:
+            work["slots_taken_per_step"].append(free_before - free())
         if k < WARMUP:
             continue
         phases = {p: s for p, s in timer.seconds.items() if p != "process"}
@@ -136,7 +147,7 @@ def timed_steps(sched, steps: int, repeats: int, feed, check) -> dict:
         for name, v in samples.items():
             rec.setdefault(name, []).append(v)
     gc.enable()
-    return summarize(rec)
+    return {**summarize(rec), "work": {**work, "batch_sizes": sorted(work["batch_sizes"])}}
 
 
 def kvmem_decode(page_size: int, seed: int, repeats: int) -> dict:
@@ -311,20 +322,23 @@ def sglang_decode(sg: dict, page_size: int, seed: int, repeats: int) -> dict:
         loop.after_prefill(admitted, running)
     assert len(running) == DECODE_BS
     pc, rec = time.perf_counter, {}
+    taken = []
     gc.collect()
     gc.disable()
     for i in range(steps):
+        free_before = loop.alloc.available_size()
         t0 = pc()
         loop.decode(running)
         t1 = pc()
         running = loop.after_decode(running)
         t2 = pc()
         assert len(running) == DECODE_BS
+        taken.append(free_before - loop.alloc.available_size())
         if i >= WARMUP:
             for name, v in (("decode_alloc", t1 - t0), ("process", t2 - t1), ("step+process", t2 - t0)):
                 rec.setdefault(name, []).append(v)
     gc.enable()
-    return summarize(rec)
+    return {**summarize(rec), "work": {"batch_sizes": [DECODE_BS], "slots_taken_per_step": taken}}
 
 
 def sglang_extend(sg: dict, page_size: int, seed: int, repeats: int) -> dict:
@@ -336,11 +350,13 @@ def sglang_extend(sg: dict, page_size: int, seed: int, repeats: int) -> dict:
     loop.prefill(admitted)
     loop.after_prefill(admitted, [])
     pc, rec = time.perf_counter, {}
+    taken = []
     gc.collect()
     gc.disable()
     for k in range(rounds):
         waiting = [loop.new_req(f"r{k}.{i}", p, 1) for i, p in enumerate(prompts[k])]
         running: list = []
+        free_before = loop.alloc.available_size()
         t0 = pc()
         admitted, match_s = loop.admit(waiting, running, EXTEND_BS)
         t1 = pc()
@@ -350,12 +366,13 @@ def sglang_extend(sg: dict, page_size: int, seed: int, repeats: int) -> dict:
         t3 = pc()
         assert len(admitted) == EXTEND_BS and not running
         assert all(r.prefix_len == PREFIX_LEN for r in admitted), "every request must hit its prefix"
+        taken.append(free_before - loop.alloc.available_size())
         if k >= WARMUP:
             for name, v in (("match", match_s), ("prefill_alloc", t2 - t1), ("step", t2 - t0), ("finish", t3 - t2),
                             ("step+process", t3 - t0)):
                 rec.setdefault(name, []).append(v)
     gc.enable()
-    return summarize(rec)
+    return {**summarize(rec), "work": {"batch_sizes": [EXTEND_BS], "slots_taken_per_step": taken}}
 
 
 def sglang_main(args) -> None:
@@ -393,22 +410,39 @@ EXTEND_ROWS = (
 )
 
 
+def same_work(mine: dict, theirs: dict) -> bool:
+    """Both sides stepped batches of the same size, and each step both ran took the same number of slots."""
+    a, b = mine.get("work"), theirs.get("work")
+    return a is not None and b is not None and a["batch_sizes"] == b["batch_sizes"] \
+        and len(a["slots_taken_per_step"]) > 0 and a["slots_taken_per_step"] == b["slots_taken_per_step"]
+
+
 def report(kv: dict, sg: dict) -> dict:
-    rows, slower = [], []
+    rows, slower, unequal = [], [], []
     for ps in PAGE_SIZES:
         for shape, table in (("decode", DECODE_ROWS), ("extend", EXTEND_ROWS)):
             mine, theirs = kv[f"page_size={ps}"][shape], sg.get(f"page_size={ps}", {}).get(shape, {})
+            same = same_work(mine, theirs)
+            if theirs and not same:
+                unequal.append(f"{shape} (page {ps})")
             for name, kv_key, sg_key, covers in table:
                 row = {"row": f"{shape}/{name}", "page_size": ps, "kvmem_us": mine[kv_key],
                        "kvmem_min_us": mine["min"][kv_key], "sglang_covers": covers}
                 if sg_key and sg_key in theirs:
-                    row.update(sglang_us=theirs[sg_key], sglang_min_us=theirs["min"][sg_key],
-                               ratio=round(theirs[sg_key] / mine[kv_key], 2),
+                    row.update(sglang_us=theirs[sg_key], sglang_min_us=theirs["min"][sg_key])
+                    if not same:
+                        row["unequal_work"] = True
+                        rows.append(row)
+                        continue
+                    row.update(ratio=round(theirs[sg_key] / mine[kv_key], 2),
                                ratio_min=round(theirs["min"][sg_key] / mine["min"][kv_key], 2))
-                    if row["ratio"] < 1 and covers != NO_METADATA:  # metadata rows are not like for like
+                    if covers == NO_METADATA:
+                        row["lopsided"] = "kvmem's figure includes building FlashInfer metadata; SGLang's does not"
+                    elif theirs[sg_key] < mine[kv_key]:
                         slower.append(f"{row['row']} (page {ps})")
                 rows.append(row)
-    return {"rows": rows, "kvmem_slower_rows": slower, "raw": {"kvmem": kv, "sglang": sg}}
+    return {"rows": rows, "kvmem_slower_rows": slower, "shapes_with_unequal_work": unequal,
+            "raw": {"kvmem": kv, "sglang": sg}}
 
 
 def main() -> None:

@@ -1,3 +1,6 @@
+import os
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -119,9 +122,11 @@ def test_snapshots_are_refused_inside_a_free_group():
     state = a.backup_state()
     with a.free_group():
         a.free(x)
-        with pytest.raises(RuntimeError, match="backup_state inside free_group"):
+        with pytest.raises(RuntimeError,
+                           match=r"^backup_state inside free_group\(\): the pending frees would be lost$"):
             a.backup_state()
-        with pytest.raises(RuntimeError, match="restore_state inside free_group"):
+        with pytest.raises(RuntimeError,
+                           match=r"^restore_state inside free_group\(\): the pending frees would double-free$"):
             a.restore_state(state)
     assert a.available_size() == 4 and sorted(a.alloc(4).tolist()) == [1, 2, 3, 4]
 
@@ -392,3 +397,145 @@ def test_owned_free_gives_slots_back_like_free_even_before_their_flags_are_set(p
         alloc.free(slots)
     again = alloc.alloc(64)
     assert sorted(again.tolist()) == list(range(page_size, 64 + page_size))
+
+
+# ---- every refusal names the argument, the request and the value -------------------------------------------
+# The messages are the user's only clue to a bad call, so each is pinned whole.
+def paged_with_page_1():
+    a = PagedTokenAllocator(64, 4)
+    a.alloc(4)  # page 1: slots 4..7
+    return a
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda a: a.alloc_extend([0.5], [2], [-1]), TypeError, "prefix_lens must hold integers, got dtype float64"),
+    (lambda a: a.alloc_extend([0], [2.5], [-1]), TypeError, "seq_lens must hold integers, got dtype float64"),
+    (lambda a: a.alloc_extend([0], [2], [-1.5]), TypeError, "last_loc must hold integers, got dtype float64"),
+    (lambda a: a.alloc_extend([], [], []), ValueError, "seq_lens is empty: nothing to allocate"),
+    (lambda a: a.alloc_extend([0, 4], [4, 3], [-1, 7]), ValueError,
+     "request 1: need 0 <= prefix_lens < seq_lens, got 4 and 3"),
+    (lambda a: a.alloc_extend([2], [5], [6]), ValueError,
+     "request 0: last_loc 6 is not the slot of token 1 (offset 2 in its page, expected 1)"),
+    (lambda a: a.alloc_extend([0, 3, 3], [4, 5, 6], [-1, 6, 6]), ValueError,
+     "last_loc continues page 1 for more than one request; a partial page belongs to one request"),
+    (lambda a: a.alloc_decode([2.5], [4]), TypeError, "seq_lens must hold integers, got dtype float64"),
+    (lambda a: a.alloc_decode([2], [4.5]), TypeError, "last_loc must hold integers, got dtype float64"),
+    (lambda a: a.alloc_decode([], []), ValueError, "seq_lens is empty: nothing to allocate"),
+    (lambda a: a.alloc_decode([1, 0], [-1, 4]), ValueError, "request 1: seq_lens must be >= 1, got 0"),
+    (lambda a: a.alloc(0), ValueError, "n must be a positive int, got 0"),
+    (lambda a: a.free(torch.tensor([4.0])), TypeError, "slots must hold integers, got dtype torch.float32"),
+    (lambda a: a.free(torch.tensor([4, 9])), ValueError, "slots must list pages from their first slot; slot 9 "
+                                                         "starts mid-page"),
+    (lambda a: a.free(torch.tensor([4, 1001])), IndexError, "slots: slot 1001 out of range [4, 68)"),
+    (lambda a: a.free(torch.tensor([4, 2])), ValueError,
+     "slots must list pages from their first slot; slot 2 starts mid-page"),
+    (lambda a: a.free(torch.tensor([8])), ValueError, "slots: page 2 is not allocated (double free?)"),
+    (lambda a: a.is_allocated(torch.tensor([4.0])), TypeError, "slots must hold integers, got dtype torch.float32"),
+    (lambda a: a.restore_state(object()), ValueError,
+     "state must come from backup_state() of an allocator of the same size"),
+    (lambda a: a.restore_state(TokenAllocator(8).backup_state()), ValueError,
+     "state must come from backup_state() of an allocator of the same size"),
+    (lambda a: a._pages.pop(-1), ValueError, "cannot take -1 pages"),
+])
+def test_bad_paged_calls_raise_naming_the_argument_and_change_nothing(call, error, message):
+    a = paged_with_page_1()
+    with pytest.raises(error) as raised:
+        call(a)
+    assert str(raised.value) == message
+    assert a.available_size() == 60 and a.is_allocated(torch.tensor([4, 5, 6, 7])).all()
+
+
+@pytest.mark.parametrize("slots, message", [([0], "slots: slot/page 0 is the padding slot 0"),
+                                            ([-1], "slots: slot/page -1 is negative")])
+def test_freeing_the_padding_slot_or_a_negative_one_says_which(slots, message):
+    a = TokenAllocator(8)
+    a.alloc(8)
+    with pytest.raises(ValueError) as raised:
+        a.free(torch.tensor(slots))
+    assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: TokenAllocator(0), "size must be a positive int, got 0"),
+    (lambda: TokenAllocator(2.0), "size must be a positive int, got 2.0"),
+    (lambda: PagedTokenAllocator(8, 0), "page_size must be a positive int, got 0"),
+    (lambda: PagedTokenAllocator(8, "4"), "page_size must be a positive int, got '4'"),
+])
+def test_bad_allocator_sizes_raise_naming_the_argument(make, message):
+    with pytest.raises(ValueError) as raised:
+        make()
+    assert str(raised.value) == message
+
+
+def test_the_host_memory_check_counts_33_bytes_a_page(monkeypatch):
+    # Two pages of slack for page 0 and the sentinel; the ring (16), flag (1), scratch (8) and arange (8).
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": (100 + 2) * 33}[name])
+    PagedTokenAllocator(400, 4)  # 100 pages: (100 + 2) * 33 bytes, exactly what the machine has
+    with pytest.raises(ValueError) as raised:
+        PagedTokenAllocator(404, 4)
+    assert str(raised.value).startswith("an allocator of size 404 needs 0.0 GiB of host memory; this machine has ")
+
+
+def test_a_new_request_with_a_page_aligned_prefix_needs_no_last_loc():
+    a = PagedTokenAllocator(64, 4)
+    assert a.alloc_extend([16], [18], [-1]).tolist() == [4, 5]  # its first 16 tokens are cached pages
+
+
+def test_the_first_decode_of_a_request_with_no_tokens_yet_takes_a_new_page():
+    a = PagedTokenAllocator(8, 1)
+    assert a.alloc_decode([1], [-1]).tolist() == [1]
+    assert a.alloc(1).tolist() == [2] and a.available_size() == 6
+
+
+def test_an_extend_longer_than_the_pool_is_a_shortage_whatever_the_sum():
+    a = PagedTokenAllocator(64, 4)
+    assert a.alloc_extend([0, 0], [65, 2**62], [-1, -1]) is None
+    assert a.available_size() == 64
+
+
+def test_clear_frees_every_slot_and_ends_a_pending_free_group():
+    a = TokenAllocator(8)
+    x = a.alloc(5)
+    a.clear()
+    assert a.available_size() == 8 and not a.is_allocated(x).any()
+    a.free(a.alloc(8))  # frees go to the list at once again
+    assert a.available_size() == 8
+
+
+@pytest.mark.parametrize("page_size, slots, repeated", [
+    (1, [3, 1, 2], False), (1, [3, 1, 3], True), (2, [2, 3, 6, 7], False), (2, [2, 3, 6, 7, 2, 3], True),
+    (4, [4, 5, 6, 7], False)])
+def test_has_repeated_pages_reads_one_slot_a_page(page_size, slots, repeated):
+    a = TokenAllocator(8) if page_size == 1 else PagedTokenAllocator(8, page_size)
+    assert a.has_repeated_pages(np.array(slots, dtype=np.int64)) is repeated
+
+
+@pytest.mark.parametrize("page_size, slots, orphan", [(4, [8, 7], 7), (4, [4, 9], 9), (3, [3, 5, 7], 7)])
+def test_a_slot_whose_page_is_not_listed_from_its_start_is_refused_wherever_it_sits(page_size, slots, orphan):
+    # Slot `orphan` lies in a page none of whose listed slots starts: freeing it would free the wrong page.
+    a = PagedTokenAllocator(24, page_size)
+    a.alloc(24)
+    with pytest.raises(ValueError) as raised:
+        a.free(torch.tensor(slots))
+    assert str(raised.value) == f"slots must list pages from their first slot; slot {orphan} starts mid-page"
+    assert a.available_size() == 0
+
+
+def test_is_allocated_reads_slots_as_pages_at_every_page_size():
+    a = PagedTokenAllocator(8, 2)  # pages 1..4: slots 2..9
+    a.alloc(2)
+    assert a.is_allocated(torch.tensor([2, 3, 4, 1, 9])).tolist() == [True, True, False, False, False]
+
+
+def test_two_requests_continuing_one_partial_page_are_refused_naming_that_page():
+    a = PagedTokenAllocator(64, 4)
+    a.alloc(8)  # pages 1 and 2
+    with pytest.raises(ValueError) as raised:
+        a.alloc_extend([1, 1, 1], [2, 2, 2], [4, 8, 8])  # page 1 once, page 2 twice
+    assert str(raised.value) == ("last_loc continues page 2 for more than one request; a partial page belongs to one "
+                                 "request")
+
+
+def test_extends_whose_page_count_would_overflow_are_a_shortage():
+    a = PagedTokenAllocator(64, 1)
+    assert a.alloc_extend([0, 0], [2**62, 2**62], [-1, -1]) is None and a.available_size() == 64

@@ -159,27 +159,69 @@ def bad_call(**overrides):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("overrides, error, message", [
-    (dict(kv_lens=torch.tensor([3])), ValueError, "kv_lens must have"),
-    (dict(kv_indptr=torch.tensor([0, 3], dtype=torch.int32)), ValueError, "kv_indptr must have"),
-    (dict(kv_lens=torch.tensor([3.0, 5.0])), TypeError, "kv_lens must have dtype"),
-    (dict(req_to_token=torch.zeros(4, 64)), TypeError, "req_to_token must have dtype"),
-    (dict(req_to_token=torch.zeros(64, dtype=torch.int32)), ValueError, "req_to_token must be 2-D"),
-    (dict(page_size=0), ValueError, "page_size must be a positive int"),
-    (dict(page_size=-4), ValueError, "page_size must be a positive int"),
-    (dict(page_size=True), ValueError, "page_size must be a positive int"),
+    (dict(kv_lens=torch.tensor([3])), ValueError,
+     "kv_lens must have one per request, len(req_pool_indices) (2) entries, got 1"),
+    (dict(kv_indptr=torch.tensor([0, 3], dtype=torch.int32)), ValueError,
+     "kv_indptr must have batch size + 1 (3) entries, got 2"),
+    (dict(kv_lens=torch.tensor([3.0, 5.0])), TypeError, "kv_lens must have dtype int32 or int64, got torch.float32"),
+    (dict(kv_indptr=torch.tensor([0.0, 3.0, 8.0])), TypeError,
+     "kv_indptr must have dtype int32 or int64, got torch.float32"),
+    (dict(req_pool_indices=torch.tensor([0.0, 1.0])), TypeError,
+     "req_pool_indices must have dtype int32 or int64, got torch.float32"),
+    (dict(req_to_token=torch.zeros(4, 64)), TypeError,
+     "req_to_token must have dtype int32 or int64, got torch.float32"),
+    (dict(req_to_token=torch.zeros(64, dtype=torch.int32)), ValueError, "req_to_token must be 2-D, got shape (64,)"),
+    (dict(req_pool_indices=[0, 1]), TypeError, "req_pool_indices must be a torch.Tensor, got list"),
+    (dict(req_pool_indices=torch.empty(2, dtype=torch.int64, device="meta")), ValueError,
+     "req_pool_indices is on the 'meta' device, which holds no values"),
+    (dict(page_size=0), ValueError, "page_size must be a positive int (at most 2147483647), got 0"),
+    (dict(page_size=-4), ValueError, "page_size must be a positive int (at most 2147483647), got -4"),
+    (dict(page_size=True), ValueError, "page_size must be a positive int (at most 2147483647), got True"),
+    (dict(page_size=2**31), ValueError, "page_size must be a positive int (at most 2147483647), got 2147483648"),
+    (dict(kv_start_idx=torch.tensor([0.0, 1.0])), TypeError,
+     "kv_start_idx must have dtype int32 or int64, got torch.float32"),
+    (dict(kv_start_idx=torch.tensor([0])), ValueError,
+     "kv_start_idx must have one per request, len(req_pool_indices) (2) entries, got 1"),
     (dict(page_size=4, kv_indptr=torch.tensor([0, 1, 3]), kv_start_idx=torch.tensor([4, 2])), ValueError,
-     r"kv_start_idx\[1\] = 2 is not a multiple of page_size 4"),
-    (dict(req_pool_indices=torch.tensor([0, 4])), IndexError, r"req_pool_indices\[1\] = 4 is out of range"),
-    (dict(req_pool_indices=torch.tensor([-1, 0])), IndexError, r"req_pool_indices\[0\] = -1 is out of range"),
-    (dict(kv_start_idx=torch.tensor([0, 60])), IndexError, "exceed req_to_token's max_context_len 64"),
-    (dict(kv_lens=torch.tensor([-1, 5]), kv_indptr=torch.tensor([0, 0, 5])), ValueError, "negative"),
-    (dict(kv_indptr=torch.tensor([0, 4, 8])), ValueError, "must equal the request's page count"),
-    (dict(kv_indices=torch.zeros(8, dtype=torch.int64)), TypeError, "kv_indices must have dtype int32"),
-    (dict(kv_indices=torch.zeros(7, dtype=torch.int32)), ValueError, "kv_indptr\\[-1\\] needs 8"),
+     "kv_start_idx[1] = 2 is not a multiple of page_size 4"),
+    (dict(kv_start_idx=torch.tensor([0, -2])), ValueError, "kv_start_idx[1] = -2 is negative"),
+    (dict(req_pool_indices=torch.tensor([0, 4])), IndexError, "req_pool_indices[1] = 4 is out of range [0, 4)"),
+    (dict(req_pool_indices=torch.tensor([-1, 0])), IndexError, "req_pool_indices[0] = -1 is out of range [0, 4)"),
+    (dict(kv_start_idx=torch.tensor([0, 60])), IndexError,
+     "request 1: tokens up to 65 exceed req_to_token's max_context_len 64"),
+    (dict(kv_lens=torch.tensor([3, 65]), kv_indptr=torch.tensor([0, 3, 68])), IndexError,
+     "request 1: tokens up to 65 exceed req_to_token's max_context_len 64"),
+    (dict(kv_lens=torch.tensor([-1, 5]), kv_indptr=torch.tensor([0, 0, 5])), ValueError, "kv_lens[0] = -1 is negative"),
+    (dict(kv_indptr=torch.tensor([-1, 2, 7])), ValueError, "kv_indptr[0] = -1 is negative"),
+    (dict(kv_indptr=torch.tensor([0, 4, 8])), ValueError,
+     "kv_indptr[1] - kv_indptr[0] = 4 must equal the request's page count ceil(kv_lens[0] / page_size) = 3"),
+    (dict(kv_indptr=torch.tensor([0, 3, 9])), ValueError,
+     "kv_indptr[2] - kv_indptr[1] = 6 must equal the request's page count ceil(kv_lens[1] / page_size) = 5"),
+    (dict(kv_indices=torch.zeros(8, dtype=torch.int64)), TypeError,
+     "kv_indices must have dtype int32 (FlashInfer's index type), got torch.int64"),
+    (dict(kv_indices=torch.zeros(7, dtype=torch.int32)), ValueError, "kv_indices has 7 entries, kv_indptr[-1] needs 8"),
 ])
 def test_bad_arguments_raise_naming_the_argument(backend, overrides, error, message):
-    with pytest.raises(error, match=message):
+    with pytest.raises(error) as raised:
         create_kv_indices(**bad_call(**overrides), backend=backend)
+    assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: create_kv_indptr(torch.tensor([1.5])), TypeError,
+     "kv_lens must have dtype int32 or int64, got torch.float32"),
+    (lambda: create_kv_indptr(torch.tensor([1]), 0), ValueError,
+     "page_size must be a positive int (at most 2147483647), got 0"),
+    (lambda: kv_last_page_len(torch.tensor([1.5]), 4), TypeError,
+     "kv_lens must have dtype int32 or int64, got torch.float32"),
+    (lambda: kv_last_page_len(torch.tensor([[1]]), 4), ValueError, "kv_lens must be 1-D, got shape (1, 1)"),
+    (lambda: kv_last_page_len(torch.tensor([1]), 0), ValueError,
+     "page_size must be a positive int (at most 2147483647), got 0"),
+])
+def test_the_page_count_helpers_refuse_bad_arguments_naming_them(call, error, message):
+    with pytest.raises(error) as raised:
+        call()
+    assert str(raised.value) == message
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

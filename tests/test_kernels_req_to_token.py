@@ -4,7 +4,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmem.kernels._dispatch import use_triton
-from kvmem.kernels.req_to_token import _write_req_to_token, _write_req_to_token_kernel, write_req_to_token
+from kvmem.kernels.req_to_token import (
+    _write_req_to_token,
+    _write_req_to_token_kernel,
+    _write_req_to_token_vectorized,
+    write_req_to_token,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TRITON_RUNS = use_triton(_write_req_to_token_kernel, DEVICE, None)
@@ -133,21 +138,84 @@ def bad_call(**overrides):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("overrides, error, message", [
-    (dict(seq_lens=torch.tensor([3])), ValueError, "seq_lens must have"),
-    (dict(prefix_lens=torch.tensor([0.0, 2.0])), TypeError, "prefix_lens must have dtype"),
-    (dict(req_pool_indices=torch.tensor([0, 4])), IndexError, r"req_pool_indices\[1\] = 4 is out of range"),
-    (dict(req_pool_indices=torch.tensor([1, 1])), ValueError, "names row 1 more than once"),
-    (dict(prefix_lens=torch.tensor([4, 2])), ValueError, "need 0 <= prefix_lens <= seq_lens"),
-    (dict(seq_lens=torch.tensor([3, 9]), out_cache_loc=torch.arange(10)), IndexError, "max_context_len 8"),
-    (dict(out_cache_loc=torch.arange(4)), ValueError, r"out_cache_loc has 4 slots, sum\(seq_lens - prefix_lens\) = 5"),
-    (dict(prefix_indices=torch.arange(3)), ValueError, "must be given together"),
-    (dict(prefix_indices=torch.arange(3), prefix_indptr=torch.tensor([0, 3])), ValueError, "prefix_indptr must have"),
+    (dict(req_to_token=torch.zeros(4, 8)), TypeError, "req_to_token must have dtype int32 or int64, got torch.float32"),
+    (dict(req_to_token=torch.zeros(8, dtype=torch.int32)), ValueError, "req_to_token must be 2-D, got shape (8,)"),
+    (dict(req_pool_indices=torch.tensor([0.0, 1.0])), TypeError,
+     "req_pool_indices must have dtype int32 or int64, got torch.float32"),
+    (dict(prefix_lens=torch.tensor([0.0, 2.0])), TypeError,
+     "prefix_lens must have dtype int32 or int64, got torch.float32"),
+    (dict(seq_lens=torch.tensor([3.0, 4.0])), TypeError, "seq_lens must have dtype int32 or int64, got torch.float32"),
+    (dict(out_cache_loc=torch.arange(1.0, 6.0)), TypeError,
+     "out_cache_loc must have dtype int32 or int64, got torch.float32"),
+    (dict(prefix_lens=torch.tensor([0])), ValueError,
+     "prefix_lens must have one per request, len(req_pool_indices) (2) entries, got 1"),
+    (dict(seq_lens=torch.tensor([3])), ValueError,
+     "seq_lens must have one per request, len(req_pool_indices) (2) entries, got 1"),
+    (dict(req_pool_indices=torch.tensor([0, 4])), IndexError, "req_pool_indices[1] = 4 is out of range [0, 4)"),
+    (dict(req_pool_indices=torch.tensor([1, 1])), ValueError, "req_pool_indices names row 1 more than once"),
+    (dict(req_pool_indices=torch.tensor([0, 3, 3]), prefix_lens=torch.tensor([0, 2, 0]),
+          seq_lens=torch.tensor([3, 4, 0])), ValueError, "req_pool_indices names row 3 more than once"),
+    (dict(prefix_lens=torch.tensor([4, 2])), ValueError, "request 0: need 0 <= prefix_lens <= seq_lens, got 4 and 3"),
+    (dict(prefix_lens=torch.tensor([0, -1]), out_cache_loc=torch.arange(1, 9)), ValueError,
+     "request 1: need 0 <= prefix_lens <= seq_lens, got -1 and 4"),
+    (dict(seq_lens=torch.tensor([3, 9]), out_cache_loc=torch.arange(10)), IndexError,
+     "seq_lens[1] = 9 exceeds req_to_token's max_context_len 8"),
+    (dict(out_cache_loc=torch.arange(4)), ValueError, "out_cache_loc has 4 slots, sum(seq_lens - prefix_lens) = 5"),
+    (dict(prefix_indices=torch.arange(3)), ValueError,
+     "prefix_indices and prefix_indptr must be given together, got prefix_indices=a tensor and prefix_indptr=None"),
+    (dict(prefix_indptr=torch.tensor([0, 0, 2])), ValueError,
+     "prefix_indices and prefix_indptr must be given together, got prefix_indices=None and prefix_indptr=a tensor"),
+    (dict(prefix_indices=torch.arange(3.0), prefix_indptr=torch.tensor([0, 0, 2])), TypeError,
+     "prefix_indices must have dtype int32 or int64, got torch.float32"),
+    (dict(prefix_indices=torch.arange(3), prefix_indptr=torch.tensor([0.0, 0.0, 2.0])), TypeError,
+     "prefix_indptr must have dtype int32 or int64, got torch.float32"),
+    (dict(prefix_indices=torch.arange(3), prefix_indptr=torch.tensor([0, 3])), ValueError,
+     "prefix_indptr must have batch size + 1 (3) entries, got 2"),
     (dict(prefix_indices=torch.arange(3), prefix_indptr=torch.tensor([0, 1, 3])), ValueError,
-     "request 0: prefix_indptr gives 1 prefix slots"),
-    (dict(prefix_indices=torch.arange(1), prefix_indptr=torch.tensor([0, 0, 2])), ValueError, "outside prefix_indices"),
+     "request 0: prefix_indptr gives 1 prefix slots, need 0..prefix_lens = 0"),
+    (dict(prefix_indices=torch.arange(3), prefix_indptr=torch.tensor([0, 0, -1])), ValueError,
+     "request 1: prefix_indptr gives -1 prefix slots, need 0..prefix_lens = 2"),
+    (dict(prefix_indices=torch.arange(1), prefix_indptr=torch.tensor([0, 0, 2])), ValueError,
+     "prefix_indptr spans [0, 2), outside prefix_indices' 1 entries"),
+    (dict(prefix_indices=torch.arange(3), prefix_indptr=torch.tensor([-1, 0, 2])), ValueError,
+     "prefix_indptr spans [-1, 2), outside prefix_indices' 3 entries"),
+    (dict(out_cache_loc=torch.tensor([1, 2, 3, 4, 1 << 33])), ValueError,
+     "out_cache_loc holds slot 8589934592, outside [0, 2147483647] of req_to_token's torch.int32"),
+    (dict(out_cache_loc=torch.tensor([1, -3, 3, 4, 5])), ValueError,
+     "out_cache_loc holds slot -3, outside [0, 2147483647] of req_to_token's torch.int32"),
+    (dict(prefix_indices=torch.tensor([1, (1 << 32) + 1]), prefix_indptr=torch.tensor([0, 0, 2])), ValueError,
+     "prefix_indices holds slot 4294967297, outside [0, 2147483647] of req_to_token's torch.int32"),
 ])
 def test_bad_arguments_raise_and_write_nothing(backend, overrides, error, message):
     args = bad_call(**overrides)
-    with pytest.raises(error, match=message):
+    with pytest.raises(error) as raised:
         write_req_to_token(**args, backend=backend)
+    assert str(raised.value) == message
     assert args["req_to_token"].count_nonzero() == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), with_prefix=st.booleans(), table_dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_the_device_fallback_writes_what_the_host_one_does(data, with_prefix, table_dtype):
+    # The fallback a GPU without Triton runs: on the CPU too it must write exactly what the host path writes.
+    bs = data.draw(st.integers(1, 5))
+    rows = data.draw(st.permutations(range(6)))[:bs]
+    seq_lens = [data.draw(st.integers(0, 40)) for _ in range(bs)]
+    prefix_lens = [data.draw(st.integers(0, s)) for s in seq_lens]
+    out_cache_loc = list(range(1, 1 + sum(seq_lens) - sum(prefix_lens)))
+    prefix_indices = prefix_indptr = None
+    if with_prefix:
+        prefix_indptr = [0]
+        for p in prefix_lens:
+            prefix_indptr.append(prefix_indptr[-1] + data.draw(st.sampled_from([0, p])))
+        prefix_indices = list(range(5000, 5000 + prefix_indptr[-1]))
+
+    def tensor(values):
+        return None if values is None else torch.tensor(values, dtype=torch.int64)
+
+    table = torch.zeros(6, 48, dtype=table_dtype)
+    _write_req_to_token_vectorized(table, tensor(rows), tensor(prefix_lens), tensor(seq_lens), tensor(out_cache_loc),
+                                   tensor(prefix_indices), tensor(prefix_indptr))
+    args = (torch.zeros(6, 48, dtype=table_dtype), rows, prefix_lens, seq_lens, out_cache_loc, prefix_indices,
+            prefix_indptr)
+    assert torch.equal(table, expected_table(*args))

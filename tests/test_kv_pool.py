@@ -55,23 +55,29 @@ def rows_at(pool: MHAKVPool, buf: torch.Tensor, loc: torch.Tensor) -> torch.Tens
     return buf[loc // pool.page_size, :, loc % pool.page_size]
 
 
-def per_element_scale(pool: MHAKVPool, scales: list[torch.Tensor], layer_id: int, loc: torch.Tensor,
-                      dim: int) -> torch.Tensor:
-    scale = rows_at(pool, scales[layer_id], loc)
-    return scale.repeat_interleave(dim // scale.shape[-1], dim=-1)
+INT_QMAX = {"int8": 127, "int4": 7}
 
 
-def assert_within_quantization_bound(pool: MHAKVPool, layer_id: int, loc: torch.Tensor,
-                                     written: torch.Tensor, read: torch.Tensor, scales: list[torch.Tensor]) -> None:
-    """|read - written| <= scale / 2 for int8/int4, half an fp8 ulp for fp8, plus the model dtype's rounding."""
+def group_step(pool: MHAKVPool, x: torch.Tensor) -> torch.Tensor:
+    """The quantization step of each element of `x` [n, heads, dim], computed from the input alone: its group's
+    absmax / qmax (never read back from the pool, so that a quantizer at the wrong resolution cannot pass). The
+    pool keeps no scale below float32's smallest normal, so a group whose step would be smaller gets that."""
+    group = pool.quant_group or x.shape[-1]
+    absmax = x.double().unflatten(-1, (-1, group)).abs().amax(-1, keepdim=True)
+    step = (absmax / INT_QMAX[pool.kv_cache_dtype]).clamp_min(torch.finfo(torch.float32).tiny)
+    return step.expand(*step.shape[:-1], group).flatten(-2)
+
+
+def assert_within_quantization_bound(pool: MHAKVPool, written: torch.Tensor, read: torch.Tensor) -> None:
+    """|read - written| <= step / 2 for int8/int4 (step = group absmax / qmax), half an fp8 ulp for fp8, plus
+    the model dtype's rounding of the dequantized value."""
     x, r = written.double(), read.double()
     out_eps = torch.finfo(pool.dtype).eps  # rounding the dequantized float32 value back to the model dtype
     if pool.kv_cache_dtype in FP8_HALF_ULP:
         rel, absolute = FP8_HALF_ULP[pool.kv_cache_dtype]
         bound = rel * x.abs() + absolute
     else:
-        scale = per_element_scale(pool, scales, layer_id, loc, x.shape[-1]).double()
-        bound = scale * (0.5 + 1e-5) + out_eps * x.abs() + 2.0 ** -149
+        bound = group_step(pool, written) * (0.5 + 1e-5) + out_eps * x.abs() + 2.0 ** -149
     assert ((r - x).abs() <= bound).all(), (r - x).abs().max()
 
 
@@ -98,8 +104,8 @@ def test_quantized_round_trip_stays_within_its_error_bound(layout, kv_cache_dtyp
     pool.set_kv_buffer(0, loc, k * 10, v)
     rk, rv = pool.read_kv(0, loc)
     assert rk.dtype == torch.float32 and rk.shape == k.shape
-    assert_within_quantization_bound(pool, 0, loc, k * 10, rk, pool.k_scale_buffer)
-    assert_within_quantization_bound(pool, 0, loc, v, rv, pool.v_scale_buffer)
+    assert_within_quantization_bound(pool, k * 10, rk)
+    assert_within_quantization_bound(pool, v, rv)
 
 
 @settings(max_examples=60, deadline=None)
@@ -118,8 +124,8 @@ def test_quantization_error_is_bounded_for_any_values(kv_cache_dtype, quant_grou
     loc = torch.tensor([5, 13])
     pool.set_kv_buffer(1, loc, k, k.flip(-1))
     rk, rv = pool.read_kv(1, loc)
-    assert_within_quantization_bound(pool, 1, loc, k, rk, pool.k_scale_buffer)
-    assert_within_quantization_bound(pool, 1, loc, k.flip(-1), rv, pool.v_scale_buffer)
+    assert_within_quantization_bound(pool, k, rk)
+    assert_within_quantization_bound(pool, k.flip(-1), rv)
 
 
 def test_a_group_of_zeros_reads_back_as_zeros():
@@ -157,6 +163,32 @@ def test_int4_packs_two_values_per_byte_and_unpacks_every_value():
     assert packed.dtype == torch.uint8 and packed.shape == (16,)
     assert torch.equal(unpack_int4(packed), q)
     assert torch.equal(unpack_int4(torch.zeros(4, dtype=torch.uint8)), torch.zeros(8, dtype=torch.int8))
+
+
+def test_int4_puts_element_2i_in_the_low_nibble_and_2i_plus_1_in_the_high_one():
+    # The documented byte layout (two's complement nibbles): kernels that read the pool depend on it.
+    assert pack_int4(torch.tensor([1, 2, -1, 7], dtype=torch.int8)).tolist() == [0x21, 0x7F]
+    assert unpack_int4(torch.tensor([0x21, 0x7F], dtype=torch.uint8)).tolist() == [1, 2, -1, 7]
+    pool = mha(kv_cache_dtype="int4", dtype=torch.float32)
+    k = torch.zeros(1, HEADS, DIM)
+    k[0, 0] = torch.tensor([7.0, -7.0, 1.0, 2.0, 0.0, 3.0, -3.0, 4.0])  # absmax 7: the codes are the values
+    pool.set_kv_buffer(0, torch.tensor([5]), k, k)
+    assert pool.k_buffer[0][5, 0].tolist() == [0x97, 0x21, 0x30, 0x4D]
+    assert pool.k_scale_buffer[0][5, 0].tolist() == pytest.approx([1.0])
+
+
+@pytest.mark.parametrize("kv_cache_dtype, qmax", [("int8", 127), ("int4", 7)])
+def test_each_group_is_stored_as_its_absmax_over_qmax_and_the_rounded_codes(kv_cache_dtype, qmax):
+    pool = mha(kv_cache_dtype=kv_cache_dtype, quant_group=4, dtype=torch.float32)
+    k = torch.zeros(1, HEADS, DIM)
+    k[0, 0] = torch.tensor([1.0, -3.5, 2.0, 0.5, 0.0, 0.25, -0.1, 0.0])  # no code on a .5 tie
+    pool.set_kv_buffer(0, torch.tensor([2]), k, k)
+    scales = pool.k_scale_buffer[0][2, 0].tolist()
+    assert scales == pytest.approx([3.5 / qmax, 0.25 / qmax], rel=1e-6)
+    codes = [round(v / scales[i // 4]) for i, v in enumerate(k[0, 0].tolist())]
+    assert codes[:4] == [round(1.0 * qmax / 3.5), -qmax, round(2.0 * qmax / 3.5), round(0.5 * qmax / 3.5)]
+    stored = pool.k_buffer[0][2, 0]
+    assert (unpack_int4(stored) if kv_cache_dtype == "int4" else stored).tolist() == codes
 
 
 @pytest.mark.parametrize("layout, scale_shape", [("NHD", (16, HEADS, 4)), ("HND", (4, HEADS, PAGE, 4))])
@@ -388,4 +420,150 @@ def test_bad_mla_writes_raise_and_write_nothing(call, match):
     before = snapshot(pool)
     with pytest.raises((ValueError, TypeError, IndexError), match=match):
         call(pool, latent(2))
+    assert_unchanged(pool, before)
+
+
+# --- what mutation testing found unpinned (scripts/mutation.py kv_pool) --------------------------------------
+
+def test_quantizing_a_2d_tensor_groups_its_last_dim_and_reads_back_in_the_asked_dtype():
+    from kvmem.kv_pool import dequantize_symmetric, quantize_symmetric
+
+    x = torch.tensor([[1.0, -2.0, 0.5, 0.25], [4.0, 0.0, -1.0, 2.0]])
+    q, scale = quantize_symmetric(x, 127, 2)
+    assert q.shape == (2, 4) and q.dtype == torch.int8 and scale.shape == (2, 2)
+    back = dequantize_symmetric(q, scale, 2, torch.float16)
+    assert back.shape == (2, 4) and back.dtype == torch.float16
+    assert torch.allclose(back.float(), x, atol=4.0 / 127)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_a_group_with_infinities_and_nan_saturates_and_keeps_its_finite_scale(kv_cache_dtype, dtype):
+    pool = mha(kv_cache_dtype=kv_cache_dtype, quant_group=4, dtype=dtype)
+    k = torch.zeros(1, HEADS, DIM, dtype=dtype)
+    k[0, 0] = torch.tensor([float("inf"), -0.25, float("nan"), float("-inf"), 0.0, 0.0, 0.0, 0.0])
+    k[0, 1] = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, 1.0, -1.0, 0.5, 0.25])
+    pool.set_kv_buffer(0, torch.tensor([3]), k, k)
+    read = pool.read_kv(0, torch.tensor([3]))[0][0]
+    assert read.dtype == dtype
+    # Head 0, group 0: the finite absmax 0.25 sets the scale; +-inf read back as +-0.25, NaN as 0.
+    assert read[0, :4].tolist() == [0.25, -0.25, 0.0, -0.25] and read[0, 4:].tolist() == [0.0] * 4
+    # Head 1, group 0 has no finite nonzero value: +-inf read back as the dtype's largest finite value.
+    top = torch.finfo(dtype).max
+    assert read[1, :4].tolist() == pytest.approx([top, -top, 0.0, 0.0], rel=1e-5)
+    assert torch.isfinite(read).all() and read[1, 4:].tolist() == pytest.approx([1.0, -1.0, 0.5, 0.25], abs=0.15)
+
+
+def test_fp8_stores_saturate_what_would_round_to_infinity():
+    for kv_cache_dtype, limit in (("fp8_e4m3", 448.0), ("fp8_e5m2", 57344.0)):
+        pool = mha(kv_cache_dtype=kv_cache_dtype)
+        k = torch.full((1, HEADS, DIM), 65504.0, dtype=torch.float16)  # past e5m2's rounding to infinity
+        pool.set_kv_buffer(0, torch.tensor([1]), k, -k)
+        rk, rv = pool.read_kv(0, torch.tensor([1]))
+        assert (rk == limit).all() and (rv == -limit).all()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_a_quantized_pool_reads_back_in_its_model_dtype(kv_cache_dtype):
+    pool = mha(kv_cache_dtype=kv_cache_dtype, dtype=torch.float16)
+    k, v = kv(pool, 2)
+    pool.set_kv_buffer(0, torch.tensor([1, 2]), k, v)
+    assert all(t.dtype == torch.float16 for t in pool.read_kv(0, torch.tensor([1, 2])))
+    mla_pool = mla(kv_cache_dtype="fp8_e4m3")
+    assert all(t.dtype == torch.bfloat16 for t in mla_pool.read_kv(0, torch.tensor([1])))
+
+
+def test_bytes_per_token_follow_the_model_dtype():
+    assert mha(dtype=torch.float32).bytes_per_token == LAYERS * HEADS * 2 * DIM * 4
+    assert mla(dtype=torch.float32).bytes_per_token == LAYERS * (16 + 8) * 4
+
+
+def test_a_pool_larger_than_the_machine_s_memory_is_refused(monkeypatch):
+    pool = mha()
+    need = pool.num_slots * pool.bytes_per_token
+    monkeypatch.setattr("os.sysconf", lambda name: {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": need}[name])
+    mha()  # exactly what the machine has
+    with pytest.raises(ValueError) as raised:
+        mha(size=SIZE + PAGE)
+    assert str(raised.value).startswith(f"a KV pool of {SIZE + PAGE} tokens needs 0.0 GiB of host memory")
+
+
+def test_kv_pool_refusals_in_full():
+    pool = mha()
+    k = torch.zeros(1, HEADS, DIM, dtype=torch.float16)
+    loc = torch.tensor([1])
+
+    def message(call):
+        with pytest.raises((ValueError, TypeError, IndexError)) as raised:
+            call()
+        return str(raised.value)
+
+    assert message(lambda: pool.set_kv_buffer(0, [1], k, k)) == "loc must be a torch.Tensor of slots, got list"
+    assert message(lambda: pool.read_kv(0, torch.tensor([0, 99]))) == "loc holds slot 99, out of range [0, 16)"
+    assert message(lambda: pool.set_kv_buffer(0, loc, k.numpy(), k)) == "cache_k must be a torch.Tensor, got ndarray"
+    assert message(lambda: pool.set_kv_buffer(0, loc, k.to("meta"), k)) == "cache_k is on meta, the pool on cpu"
+    assert message(lambda: mla(kv_lora_rank=0)) == "kv_lora_rank must be a positive int, got 0"
+    assert message(lambda: mla(qk_rope_head_dim=0)) == "qk_rope_head_dim must be a positive int, got 0"
+    small = mla(kv_lora_rank=1, qk_rope_head_dim=1)
+    assert small.kv_dim == 2 and small.get_kv_buffer(1)[1].shape == (SIZE + PAGE, 1, 1)
+
+
+def test_an_empty_loc_reads_and_writes_nothing():
+    pool = mha()
+    empty = torch.empty(0, dtype=torch.int64)
+    before = snapshot(pool)
+    pool.set_kv_buffer(0, empty, torch.empty(0, HEADS, DIM, dtype=torch.float16),
+                       torch.empty(0, HEADS, DIM, dtype=torch.float16))
+    assert pool.read_kv(0, empty)[0].shape == (0, HEADS, DIM)
+    assert_unchanged(pool, before)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kv_cache_dtype, quant_group", STORAGE_CASES)
+def test_stored_rows_copy_slots_bit_for_bit_between_pools(layout, kv_cache_dtype, quant_group):
+    src = mha(layout=layout, kv_cache_dtype=kv_cache_dtype, quant_group=quant_group)
+    dst = mha(layout=layout, kv_cache_dtype=kv_cache_dtype, quant_group=quant_group)
+    k, v = kv(src, 3, seed=4)
+    src.set_kv_buffer(1, torch.tensor([1, 6, 11]), k, v)
+    rows = src.slot_rows(1, torch.tensor([1, 6, 11]))
+    formats = src.row_formats()
+    assert [(tuple(r.shape[1:]), r.dtype) for r in rows] == formats and all(len(r) == 3 for r in rows)
+    assert len(formats) == (4 if kv_cache_dtype in ("int8", "int4") else 2)
+    dst.set_slot_rows(1, torch.tensor([2, 3, 15]), rows)
+    for a, b in zip(src.read_kv(1, torch.tensor([1, 6, 11])), dst.read_kv(1, torch.tensor([2, 3, 15]))):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(rows, dst.slot_rows(1, torch.tensor([2, 3, 15]))))
+    assert not dst.read_kv(0, torch.tensor([2]))[0].any()  # layer 0 untouched
+
+
+def test_mla_stored_rows_are_its_latent_rows():
+    src, dst = mla(), mla()
+    rows = torch.randn(2, 1, 24, dtype=torch.bfloat16)
+    src.set_kv_buffer(0, torch.tensor([1, 2]), rows)
+    (latent,) = src.slot_rows(0, torch.tensor([1, 2]))
+    assert src.row_formats() == [((1, 24), torch.bfloat16)] and torch.equal(latent, rows)
+    dst.set_slot_rows(0, torch.tensor([5, 6]), [latent])
+    assert torch.equal(dst.read_kv(0, torch.tensor([5, 6]))[0], rows)
+
+
+def test_stored_rows_of_the_wrong_count_shape_or_dtype_are_refused_and_write_nothing():
+    pool = mha(kv_cache_dtype="int8")
+    rows = pool.slot_rows(0, torch.tensor([1, 2]))
+    before = snapshot(pool)
+
+    def message(new_rows, layer=0):
+        with pytest.raises((ValueError, TypeError, IndexError)) as raised:
+            pool.set_slot_rows(layer, torch.tensor([3, 4]), new_rows)
+        return str(raised.value)
+
+    assert message(rows[:3]) == "rows must hold 4 tensors (one per stored buffer), got 3"
+    assert message([rows[0].float()] + rows[1:]) == \
+        "rows must be [2, 2, 8] torch.int8 tensors, got (2, 2, 8)"
+    assert message(rows[:1] + [rows[1][:1]] + rows[2:]) == "rows must be [2, 2, 8] torch.int8 tensors, got (1, 2, 8)"
+    assert message(rows[:3] + [rows[3].numpy()]) == "rows must be [2, 2, 1] torch.float32 tensors, got ndarray"
+    assert message(rows, layer=LAYERS) == f"layer_id {LAYERS} out of range [0, {LAYERS})"
+    with pytest.raises(IndexError):
+        pool.slot_rows(LAYERS, torch.tensor([1]))
+    with pytest.raises(IndexError):
+        pool.slot_rows(0, torch.tensor([99]))
     assert_unchanged(pool, before)

@@ -33,15 +33,20 @@ def test_every_package_folder_is_installed():
     assert config["package-dir"]["kvmem.kernels"] == "kernels"
 
 
-def test_kvmem_kernels_live_beside_hugging_face_kernels(tmp_path):
-    # From another folder, as an application imports them: the repository root (which holds kvmem's
-    # kernels/ sources) is not on sys.path there.
+def test_kvmem_kernels_live_beside_a_top_level_kernels_package(tmp_path):
+    # Hugging Face's `kernels` (which transformers imports) is a top-level package; kvmem's Triton kernels must
+    # not take that name. In a fresh interpreter started from another folder (as an application imports them:
+    # the repository root, which holds kvmem's kernels/ sources, is not on sys.path there), no `kernels` comes
+    # from kvmem, and a stand-in of Hugging Face's imports beside kvmem.kernels.
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("def get_kernel(name):\n    return name\n")
     code = ("import importlib.util, sys\n"
-            "if importlib.util.find_spec('kernels') is None: sys.exit(77)\n"
+            "spec = importlib.util.find_spec('kernels')\n"
+            f"assert spec is None or not spec.origin.startswith({str(ROOT / 'kernels')!r}), spec.origin\n"
+            f"sys.path.insert(0, {str(site)!r})\n"
             "import kernels, kvmem.kernels\n"
-            "assert hasattr(kernels, 'get_kernel'), kernels.__file__\n"
+            "assert kernels.get_kernel('x') == 'x', kernels.__file__\n"
             "assert kvmem.kernels.create_kv_indices.__module__ == 'kvmem.kernels.kv_indices'\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
-    if proc.returncode == 77:
-        pytest.skip("Hugging Face's kernels package is not installed (CI installs it)")
     assert proc.returncode == 0, proc.stderr

@@ -679,3 +679,271 @@ def test_inserting_below_a_requests_prefix_node_builds_the_tree_an_insert_from_t
         trees.append((new, path_tokens(cache, last), cached_sequences(cache), cache.evictable_size()))
         cache.check_invariants()
     assert trees[0] == trees[1]
+
+
+# ---- what mutation testing found unpinned (scripts/mutation.py radix_cache) --------------------------------
+def message_of(call) -> str:
+    with pytest.raises((ValueError, TypeError, RuntimeError)) as raised:
+        call()
+    return str(raised.value)
+
+
+def test_every_refusal_says_what_was_wrong_in_full():
+    cache, alloc = make_cache(page_size=2)
+    put(cache, [1, 2, 3, 4])
+    slots = alloc.alloc(4)
+    row = ReqToTokenPool(1, 8)
+    assert message_of(lambda: cache.insert([], torch.empty(0, dtype=torch.int64))) == \
+        "key is empty: there is nothing to insert"
+    assert message_of(lambda: cache.insert([5, 6, 7], slots[:3])) == \
+        "key has 3 tokens, not a multiple of page_size 2: insert whole pages (the partial tail belongs to the request)"
+    assert message_of(lambda: cache.insert([5, 6], slots)) == "value must have shape [len(key)] = [2], got (4,)"
+    assert message_of(lambda: cache.insert([5, 6], [1, 2])) == "value must be a torch.Tensor of slots, got list"
+    assert message_of(lambda: cache.insert([5, 6], torch.tensor([1.0, 2.0]))) == \
+        "value must hold integers, got dtype torch.float32"
+    assert message_of(lambda: cache.insert([5, 6], torch.tensor([0, 1]))) == "value holds slot 0, the padding slot"
+    assert message_of(lambda: cache.insert([5, 6], torch.tensor([40, 41]))) == \
+        "value holds slot 40, which token_allocator has not handed out"
+    assert message_of(lambda: cache.insert([5, 6, 7, 8, 9, 10], torch.cat((slots[2:], slots[:2], slots[2:])))) == \
+        f"value holds slot {int(slots[2])} more than once"
+    six = alloc.alloc(8)[1:7]  # three pages' worth, each starting mid-page
+    assert message_of(lambda: cache.insert([5, 6, 7, 8, 9, 10], six)) == \
+        "value must hold whole pages (page_size 2, each page's slots in order from its first), got " \
+        f"{six[:4].tolist()}..."
+    held = cache.match_prefix([1, 2, 3, 4]).indices
+    assert message_of(lambda: cache.insert([5, 6], held[:2])) == \
+        f"value holds slot {int(held[0])}, which the tree already caches for another prefix"
+    assert message_of(lambda: cache.insert([5, 6], slots[:2], priority=1.5)) == "priority must be an int, got 1.5"
+    assert message_of(lambda: cache.insert("ab", slots[:2])) == "key must be a sequence of int token ids, got str"
+    assert message_of(lambda: cache.match_prefix(b"ab")) == "key must be a sequence of int token ids, got bytes"
+    assert message_of(lambda: cache.prefix_len([1.5, 2.5])).startswith(
+        "key must be a sequence of int token ids, got list (")
+    assert message_of(lambda: cache.match_prefix([2**63, 1])) == "key holds a token id outside int64"
+    assert message_of(lambda: cache.match_prefix(torch.tensor([1.0, 2.0]))) == \
+        "key must hold integers, got dtype torch.float32"
+    assert message_of(lambda: cache.match_prefix([1, 2], namespace=3)) == "namespace must be a str or None, got int"
+    assert message_of(lambda: cache.evict(-1)) == "num_tokens must be a non-negative int, got -1"
+    assert message_of(lambda: cache.inc_lock_ref("root")) == "node must be a TreeNode, got str"
+    other, _ = make_cache()
+    put(other, [1, 2])
+    foreign = other.match_prefix([1, 2]).last_node
+    assert message_of(lambda: cache.inc_lock_ref(foreign)) == \
+        f"node {foreign.id} is not in this tree: it belongs to another tree"
+    assert message_of(lambda: RadixCache(None, alloc)) == "req_to_token_pool must be a ReqToTokenPool, got NoneType"
+    assert message_of(lambda: RadixCache(row, None)) == \
+        "token_allocator must be a TokenAllocator or PagedTokenAllocator, got NoneType"
+    assert message_of(lambda: RadixCache(row, TokenAllocator(8), event_sink=3)) == \
+        "event_sink must be callable (or None), got int"
+    assert message_of(lambda: RadixCache(row, TokenAllocator(8), page_size=0)) == \
+        "page_size must be a positive int, got 0"
+    cache.inc_lock_ref(cache.match_prefix([1, 2]).last_node)
+    assert message_of(cache.reset) == \
+        "reset() while requests lock 2 cached tokens; release them (dec_lock_ref) first"
+
+
+def test_a_request_s_row_is_checked_before_it_is_cached():
+    cache, alloc = make_cache(size=32)
+    req = Req("r1", [1, 2, 3], max_new_tokens=1)
+    assert message_of(lambda: cache.cache_finished_req(req)) == \
+        "request 'r1' has no req_to_token row (req_pool_idx is None)"
+    admit(cache, req, 3)
+    req.kv_len, req.cache_protected_len = 2, 3
+    assert message_of(lambda: cache.cache_finished_req(req)) == \
+        "request 'r1': need 0 <= cache_protected_len (3) <= kv_len (2)"
+    req.kv_len, req.cache_protected_len = 3, 0
+    cache.req_to_token_pool.req_to_token[req.req_pool_idx, 2] = 30  # a slot nobody allocated
+    assert message_of(lambda: cache.cache_finished_req(req)) == \
+        "value holds slot 30, which token_allocator has not handed out"
+
+
+def test_a_finished_request_holding_only_its_cached_prefix_and_a_partial_page_releases_everything():
+    cache, alloc = make_cache(size=32, page_size=4)
+    put(cache, [1, 2, 3, 4])
+    req = Req("a", [1, 2, 3, 4, 5, 6], max_new_tokens=1)
+    admit(cache, req, 4)  # the prefix page is the tree's; tokens 5, 6 sit in the request's own page
+    req.output_ids, req.kv_len = [7], 6
+    cache.cache_finished_req(req)
+    assert req.req_pool_idx is None and cache.protected_size() == 0 and cache.total_size() == 4
+    assert alloc.available_size() == 28 and sizes_add_up(cache)
+
+
+def test_a_finished_request_shorter_than_a_page_caches_nothing_and_frees_its_page():
+    cache, alloc = make_cache(size=32, page_size=4)
+    req = Req("a", [1, 2], max_new_tokens=1)
+    admit(cache, req, 4)
+    req.output_ids, req.kv_len = [3], 2
+    cache.cache_finished_req(req)
+    assert cache.total_size() == 0 and alloc.available_size() == 32 and req.req_pool_idx is None
+
+
+def test_a_request_whose_tokens_are_all_its_prefix_is_released_without_a_change_to_the_tree():
+    cache, alloc = make_cache(size=32)
+    put(cache, [1, 2, 3])
+    req = Req("a", [1, 2, 3, 4], max_new_tokens=1)
+    m = cache.match_prefix([1, 2, 3])
+    cache.inc_lock_ref(m.last_node)
+    req.prefix_indices, req.last_node, req.cache_protected_len = m.indices, m.last_node, 3
+    req.req_pool_idx = cache.req_to_token_pool.alloc(1)[0]
+    cache.req_to_token_pool.req_to_token[req.req_pool_idx, :3] = m.indices.to(torch.int32)
+    req.kv_len = 3  # protected == kv_len: nothing of its own yet
+    cache.cache_finished_req(req)
+    assert cache.protected_size() == 0 and alloc.available_size() == 29 and sizes_add_up(cache)
+
+
+def test_insert_in_a_namespace_is_matched_only_there():
+    cache, alloc = make_cache()
+    assert cache.insert([1, 2], alloc.alloc(2), namespace="tenant") == 0
+    assert len(cache.match_prefix([1, 2], namespace="tenant").indices) == 2
+    assert len(cache.match_prefix([1, 2]).indices) == 0
+
+
+def test_insert_without_a_priority_inserts_at_priority_0_and_is_no_hit():
+    cache, alloc = make_cache(policy="priority")
+    cache.insert([1, 2], alloc.alloc(2))
+    cache.insert([3, 4], alloc.alloc(2), priority=0)
+    first = cache.root_node.children[array("q", [1]).tobytes()]
+    assert (first.priority, first.hit_count) == (0, 0)  # an insert is no hit
+    assert cache.evict(1) == 2 and cache.prefix_len([1, 2]) == 0  # equal priorities: least recently used first
+
+
+def test_a_new_node_records_its_tick_its_first_hit_count_and_an_increasing_id():
+    cache, _ = make_cache()
+    put(cache, [1, 2])
+    put(cache, [3, 4])
+    a, b = (cache.match_prefix(k).last_node for k in ([1, 2], [3, 4]))
+    assert (a.created, b.created) == (1, 2) and b.id > a.id
+    assert (a.hit_count, b.hit_count) == (1, 1) and (a.priority, b.priority) == (0, 0)
+    for _ in range(3):
+        cache.match_prefix([1, 2])
+    assert a.hit_count == 4
+
+
+def test_fifo_keeps_the_age_of_a_split_node_for_its_head():
+    cache, _ = make_cache(policy="fifo")
+    put(cache, [1, 2, 3, 4])
+    put(cache, [5, 6])
+    cache.match_prefix([1, 2])  # splits [1, 2 | 3, 4]: the head is as old as the edge
+    assert cache.evict(1) == 2 and cache.prefix_len([1, 2, 3, 4]) == 2  # [3, 4], the oldest leaf
+    assert cache.evict(1) == 2 and cache.prefix_len([1, 2]) == 0 and cache.prefix_len([5, 6]) == 2
+
+
+def test_a_policy_that_ties_every_node_evicts_in_creation_order_even_across_splits():
+    cache, _ = make_cache(policy=lambda node: 0)
+    put(cache, [1, 2, 3, 4])
+    put(cache, [5, 6])
+    cache.match_prefix([1, 2])  # the split head is a newer node than [5, 6]
+    assert [cache.evict(1) for _ in range(3)] == [2, 2, 2]
+    assert cache.prefix_len([5, 6]) == 0 and cache.total_size() == 0
+
+
+def test_negative_and_large_token_ids_are_kept_exactly():
+    cache, _ = make_cache(size=32)
+    tokens = [-5, 2**62, -(2**63), 7]
+    put(cache, tokens)
+    node = cache.match_prefix(tokens).last_node
+    assert node.token_ids() == tokens and cache.prefix_len(tokens) == 4
+    req = Req("a", [-1, -2, -3], max_new_tokens=2)
+    admit(cache, req, 4)
+    req.output_ids, req.kv_len = [-4, -5], 4
+    cache.cache_finished_req(req)
+    assert cache.prefix_len([-1, -2, -3, -4]) == 4
+
+
+def test_a_memoryview_key_of_another_item_type_or_shape_is_converted_or_refused():
+    cache, _ = make_cache()
+    put(cache, [1, 2, 3])
+    assert cache.prefix_len(memoryview(array("i", [1, 2, 3]))) == 3
+    square = memoryview(array("q", [1, 2, 3, 4])).cast("B").cast("q", shape=[2, 2])
+    with pytest.raises((TypeError, ValueError, NotImplementedError)):
+        cache.prefix_len(square)
+
+
+def test_a_single_tier_cache_has_nothing_to_prefetch_or_write():
+    cache, _ = make_cache()
+    assert cache.prefetch([1, 2]) is None and cache.finish_prefetch(None) == 0 and cache.writing_check() == 0
+
+
+def test_node_and_cache_reprs_name_their_parts():
+    cache, _ = make_cache()
+    put(cache, list(range(10, 20)))
+    node = cache.match_prefix(list(range(10, 20))).last_node
+    assert repr(node) == f"TreeNode(id={node.id}, tokens=[10, 11, 12, 13, 14, 15, 16, 17, '...'], num_tokens=10, " \
+                         "lock_ref=0)"
+    assert repr(cache) == "RadixCache(page_size=1, eviction_policy='lru', total=10, evictable=10, protected=0, " \
+                          "evictable_leaves=1)"
+
+
+def corrupt(case):
+    """A tree with one invariant broken by hand, and the message check_invariants must give."""
+    cache, alloc = make_cache(size=16, page_size=2)
+    put(cache, [1, 2, 3, 4])
+    put(cache, [1, 2, 5, 6])
+    head = cache.match_prefix([1, 2]).last_node
+    leaf = cache.match_prefix([1, 2, 3, 4]).last_node
+    root = cache.root_node
+    if case == "root":
+        root.lock_ref = 1
+        return cache, "a root must have an empty key, no parent, no lock and no evictable entry"
+    if case == "root key":
+        root.key = b"x" * 16
+        return cache, "a root must have an empty key, no parent, no lock and no evictable entry"
+    if case == "root child":
+        head.parent = leaf
+        return cache, f"node {head.id}: parent is not node {root.id}, which lists it as a child"
+    if case == "parent":
+        leaf.parent = root
+        return cache, f"node {leaf.id}: parent is not node {head.id}, which lists it as a child"
+    if case == "child key":
+        head.children[b"z" * 16] = head.children.pop(leaf.key[:16])
+        return cache, f"node {leaf.id} is filed under a child key that is not its first page"
+    if case == "whole pages":
+        del head.children[leaf.key[:16]]
+        leaf.key, leaf.value = leaf.key[:8], leaf.value[:1]
+        head.children[leaf.key] = leaf
+        return cache, f"node {leaf.id}: 8 key bytes (must be 1 > 0 tokens in whole pages of 2)"
+    if case == "lock":
+        leaf.lock_ref = -1
+        return cache, f"node {leaf.id}: lock_ref -1 (parent 0) must be >= 0 and at most its parent's"
+    if case == "slots":
+        leaf.value = leaf.value[:1]
+        return cache, f"node {leaf.id}: 2 tokens and 1 slots (must be equal)"
+    if case == "entry":
+        cache._remove_evictable(leaf)
+        return cache, f"node {leaf.id} (lock_ref 0, 0 children) is not in the evictable set"
+    if case == "extra entry":
+        cache._add_evictable(head)
+        return cache, f"node {head.id} (lock_ref 0, 2 children) is in the evictable set"
+    if case == "stale entry":
+        leaf.last_access += 100
+        return cache, f"node {leaf.id}: its evictable entry is stale or missing from its lru set"
+    if case == "counters":
+        cache._protected_size += 2
+        return cache, "counters say evictable 6, protected 2; the nodes hold 6 and 0"
+    if case == "set size":
+        cache._pinned.add((0, -1, None))
+        return cache, "the evictable sets hold 3 entries for 2 unlocked leaves"
+    if case == "slot 0":
+        cache._in_tree[leaf.value] = False
+        leaf.value = np.array([0, 1])
+        return cache, "the tree holds slot 0 (slot 0 is padding)"
+    if case == "twice":
+        cache._in_tree[leaf.value] = False
+        leaf.value = head.value.copy()
+        return cache, "the tree holds a slot more than once"
+    if case == "freed":
+        alloc.free(torch.from_numpy(leaf.value))
+        return cache, "the tree holds a slot that token_allocator considers free"
+    if case == "bitmap":
+        cache._in_tree[15] = True
+        return cache, "the ownership bitmap does not match the slots in the tree"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["root", "root key", "root child", "parent", "child key", "whole pages", "lock",
+                                  "slots", "entry", "extra entry", "stale entry", "counters", "set size", "slot 0",
+                                  "twice", "freed", "bitmap"])
+def test_check_invariants_names_the_invariant_that_broke(case):
+    cache, message = corrupt(case)
+    with pytest.raises(AssertionError) as raised:
+        cache.check_invariants()
+    assert str(raised.value) == f"RadixCache invariant broken: {message}"

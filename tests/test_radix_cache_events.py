@@ -189,3 +189,42 @@ def test_a_scheduler_loop_batches_its_caches_events_per_step(page_size):
             index.apply(0, decode_batch(encode_batch(events)))
         assert index.blocks(0) == tree_page_hashes(cache)
     assert batches > 1 and index.num_blocks(0) > 0
+
+
+def test_pages_of_a_namespace_are_named_in_that_namespace():
+    cache, alloc, sink = make_cache(page_size=2)
+    cache.insert([1, 2, 3, 4], alloc.alloc(4), namespace="tenant-a")
+    (stored,) = sink.take_batch().events
+    assert stored.block_hashes == tuple(page_hashes([1, 2, 3, 4], 2, namespace="tenant-a"))
+    assert set(stored.block_hashes).isdisjoint(page_hashes([1, 2, 3, 4], 2))
+
+
+def test_stored_pages_carry_their_token_ids_negative_ones_included():
+    cache, alloc, sink = make_cache(page_size=2)
+    cache.insert([-1, 2, -(2**63), 4], alloc.alloc(4))
+    (stored,) = sink.take_batch().events
+    assert stored.token_ids == (-1, 2, -(2**63), 4)
+
+
+def test_a_child_names_the_last_page_of_a_long_parent_as_its_parent():
+    cache, alloc, sink = make_cache(page_size=2)
+    cache.insert([1, 2, 3, 4, 5, 6], alloc.alloc(6))
+    cache.insert([1, 2, 3, 4, 5, 6, 7, 8], alloc.alloc(8))
+    _, child = sink.take_batch().events
+    assert child.parent_block_hash == page_hashes([1, 2, 3, 4, 5, 6], 2)[-1]
+
+
+def test_a_host_tier_reports_its_copies_and_host_evictions_on_the_cpu_medium():
+    from kvmem import HiRadixCache
+    from kvmem.tiers import HostSlotPool
+
+    sink = EventCollector()
+    alloc = TokenAllocator(8)
+    cache = HiRadixCache(ReqToTokenPool(2, 16), alloc, HostSlotPool(16), event_sink=sink)
+    cache.insert([1, 2, 3, 4], alloc.alloc(4))
+    gpu, cpu = sink.take_batch().events
+    assert (gpu.medium, cpu.medium) == ("GPU", "CPU_PINNED") and gpu.block_hashes == cpu.block_hashes
+    cache.evict(4)  # device copy gone, host copy stays
+    cache.evict_host(4)
+    removed = [e for e in sink.take_batch().events if isinstance(e, BlockRemoved)]
+    assert [e.medium for e in removed] == ["GPU", "CPU_PINNED"]

@@ -174,18 +174,21 @@ class RadixCacheMachine(RuleBasedStateMachine):
     def bad_input_changes_nothing(self, data):
         before = (self.tree_prefixes(), self.cache.evictable_size(), self.cache.protected_size(),
                   self.alloc.available_size())
-        bad = data.draw(st.sampled_from(["evict", "empty", "length", "slot0", "unlocked"]))
-        with pytest.raises((ValueError, TypeError)):
-            if bad == "evict":
-                self.cache.evict(-1)
-            elif bad == "empty":
-                self.cache.insert([], torch.empty(0, dtype=torch.int64))
-            elif bad == "length":
-                self.cache.insert([0] * self.ps, torch.zeros(2 * self.ps, dtype=torch.int64))
-            elif bad == "slot0":
-                self.cache.insert([9] * self.ps, torch.arange(self.ps, dtype=torch.int64))
-            else:
-                self.cache.dec_lock_ref(self.unlocked_node())
+        # Each bad call is built before pytest.raises, so that only the cache's own check can satisfy it.
+        calls = {
+            "evict": (lambda: self.cache.evict(-1), "num_tokens"),
+            "empty": (lambda: self.cache.insert([], torch.empty(0, dtype=torch.int64)), "key is empty"),
+            "length": (lambda: self.cache.insert([0] * self.ps, torch.zeros(2 * self.ps, dtype=torch.int64)),
+                       r"shape \[len\(key\)\]"),
+            "slot0": (lambda: self.cache.insert([9] * self.ps, torch.arange(self.ps, dtype=torch.int64)),
+                      "the padding slot"),
+        }
+        node = self.unlocked_node()
+        if node is not None:
+            calls["unlocked"] = (lambda: self.cache.dec_lock_ref(node), "not locked")
+        call, message = calls[data.draw(st.sampled_from(sorted(calls)))]
+        with pytest.raises((ValueError, TypeError), match=message):
+            call()
         assert before == (self.tree_prefixes(), self.cache.evictable_size(), self.cache.protected_size(),
                           self.alloc.available_size())
 
@@ -207,14 +210,14 @@ class RadixCacheMachine(RuleBasedStateMachine):
         return [t for part in reversed(parts) for t in part]
 
     def unlocked_node(self):
-        """A node nobody locks (the root when there is none: dec_lock_ref(root) is a no-op, so fake one)."""
+        """A node nobody locks, or None (dec_lock_ref on the root is a no-op, not an error)."""
         stack = list(self.cache.root_node.children.values())
         while stack:
             node = stack.pop()
             if node.lock_ref == 0:
                 return node
             stack.extend(node.children.values())
-        raise ValueError("not locked (no unlocked node to try)")
+        return None
 
     @invariant()
     def memory_adds_up(self):

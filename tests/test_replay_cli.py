@@ -9,7 +9,7 @@ import pytest
 from kvmem.replay import cli
 from kvmem.replay.cli import DEFAULT_CAPACITY_TOKENS, main
 from kvmem.replay.config import ReplayConfig
-from kvmem.replay.report import ReplayReport
+from kvmem.replay.report import ReplayReport, write_sweep_plot
 from kvmem.replay.traces import default_trace_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,6 +123,67 @@ def test_skip_mode_warns_on_stderr_naming_each_bad_line(capsys, fake_replay, tmp
     assert report["skipped_lines"] == 1 and report["requests"] == 2
 
 
+# ---- the real replay, end to end (no fake): small handmade traces, figures worked out by hand ----------------
+# tests/test_replay_simulator.py works these traces through step by step; here they go through the command line.
+THREE = ['{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8], "output_ids": [100, 101], "arrival_s": 0}',
+         '{"input_ids": [1, 2, 3, 4, 9, 10], "output_ids": [102], "arrival_s": 10}',
+         '{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8], "output_ids": [103], "arrival_s": 20}']
+SMALL = ["--no-progress", "--schedule-policy", "fcfs", "--chunked-prefill-size", "0"]
+
+
+def test_the_real_replay_reports_the_hit_rate_and_steps_worked_out_by_hand(capsys, tmp_path):
+    # 0 + 4 + 7 of 8 + 6 + 8 prompt tokens cached (a wholly cached prompt still computes its last token).
+    code, out, _ = run(capsys, str(write_trace(tmp_path, THREE)), "--capacity-tokens", "64", *SMALL)
+    assert code == 0
+    report = json.loads(out)
+    assert (report["requests"], report["prompt_tokens"], report["cached_tokens"]) == (3, 22, 11)
+    assert report["hit_rate"] == 0.5
+    assert (report["steps"], report["evicted_tokens"], report["retractions"], report["rejected"]) == (4, 0, 0, 0)
+    assert (report["peak_tokens_used"], report["peak_pinned_tokens"], report["capacity_tokens"]) == (11, 8, 64)
+    assert report["config"]["max_context_len"] == 10 and report["replay_seconds"] >= report["cache_op_seconds"] > 0
+
+
+def test_the_real_replay_queues_everything_at_once_with_all_at_once_arrivals(capsys, tmp_path):
+    code, out, _ = run(capsys, str(write_trace(tmp_path, THREE)), "--capacity-tokens", "64", "--arrivals",
+                       "all-at-once", *SMALL)
+    assert code == 0
+    report = json.loads(out)
+    assert (report["cached_tokens"], report["steps"]) == (0, 2)  # all three prefilled in one step, then a decode
+
+
+def test_a_real_sweep_loses_the_hit_to_eviction_at_the_small_capacity(capsys, tmp_path):
+    trace = write_trace(tmp_path, ['{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8], "output_ids": [100], "arrival_s": 0}',
+                                   '{"input_ids": [20, 21, 22, 23, 24, 25, 26, 27, 28, 29], "output_ids": [101], '
+                                   '"arrival_s": 1}',
+                                   '{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8], "output_ids": [102], "arrival_s": 2}'])
+    code, out, _ = run(capsys, str(trace), "--sweep", "64,16", "--plot", str(tmp_path / "plots"), *SMALL)
+    assert code == 0
+    report = json.loads(out)
+    got = [(r["capacity_tokens"], r["cached_tokens"], r["evicted_tokens"], r["steps"]) for r in report["sweep"]]
+    assert got == [(16, 0, 18, 3), (64, 7, 0, 3)]
+    assert Path(report["plots"][0]).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_real_replay_matches_whole_pages_only(capsys, tmp_path):
+    trace = write_trace(tmp_path, [THREE[0], THREE[2]])
+    code, out, _ = run(capsys, str(trace), "--capacity-tokens", "64", "--page-size", "4", *SMALL)
+    assert code == 0
+    assert json.loads(out)["cached_tokens"] == 4  # A's first page; its last page holds the token to compute
+
+
+def test_the_real_replay_of_the_embedded_trace_and_a_synthetic_chat(capsys):
+    code, out, _ = run(capsys, "--no-progress", "--limit", "12", "--capacity-tokens", "65536")
+    assert code == 0
+    report = json.loads(out)
+    assert report["requests"] + report["rejected"] == 12 and report["steps"] > 0
+    assert 0 <= report["cached_tokens"] <= report["prompt_tokens"] and report["peak_tokens_used"] <= 65536
+    code, out, _ = run(capsys, "--no-progress", "--format", "synthetic-chat", "--limit", "40",
+                       "--capacity-tokens", "65536")
+    assert code == 0
+    report = json.loads(out)
+    assert report["requests"] == 40 and report["hit_rate"] > 0.2  # follow-up turns reuse their predecessors
+
+
 # ---- user errors: one line on stderr, exit 2 --------------------------------------------------------------
 
 def test_a_malformed_line_stops_the_run_naming_the_line(capsys, fake_replay, tmp_path):
@@ -176,12 +237,11 @@ def test_an_unknown_model_exits_2(capsys, fake_replay):
 def test_plotting_without_matplotlib_fails_before_the_replay(capsys, fake_replay, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib...` raise ImportError
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    assert_one_line_error(*run(capsys, "--plot", str(tmp_path)), "pip install matplotlib")
+    assert_one_line_error(*run(capsys, "--plot", str(tmp_path)), "plots need matplotlib: pip install matplotlib\n")
     assert fake_replay == []
 
 
 def test_an_unwritable_plot_directory_fails_before_the_replay(capsys, fake_replay, tmp_path):
-    pytest.importorskip("matplotlib")
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert_one_line_error(*run(capsys, "--plot", str(blocker / "plots")), "cannot write plots")
@@ -202,6 +262,23 @@ def test_the_script_shim_reports_errors_without_a_traceback(tmp_path):
 
 # ---- the report itself ------------------------------------------------------------------------------------
 
+def test_a_one_capacity_sweep_still_plots(tmp_path, figures):
+    report = ReplayReport(1000)
+    report.record_admission(100, 25)
+    assert write_sweep_plot([report], tmp_path).exists() and len(figures[0].axes[0].get_lines()) == 1
+
+
+def test_tier_hits_add_up_over_admissions_and_a_wholly_cached_prompt_is_admissible():
+    report = ReplayReport(capacity_tokens=100, host_capacity_tokens=1000)
+    report.record_admission(10, 10)  # all of it cached on the device
+    report.record_admission(30, 20, 12, 5)  # 20 cached: 8 on the device, 7 from the host, 5 from storage
+    report.record_admission(15, 9, 3)
+    assert (report.cached_tokens, report.host_cached_tokens, report.storage_cached_tokens) == (39, 10, 5)
+    summary = report.to_json()
+    assert (summary["hit_rate"], summary["host_hit_rate"]) == (round(39 / 55, 6), round(10 / 55, 6))
+    assert summary["device_hit_rate"] == round(24 / 55, 6)
+
+
 def test_hit_rate_is_cached_prefix_tokens_at_first_admission_over_prompt_tokens():
     report = ReplayReport(capacity_tokens=100)
     report.record_admission(40, 10)
@@ -213,14 +290,12 @@ def test_hit_rate_is_cached_prefix_tokens_at_first_admission_over_prompt_tokens(
     assert summary["peak_tokens_used"] == 90 and summary["mean_tokens_used"] == 75.0
     assert summary["peak_pinned_tokens"] == 80 and summary["steps"] == 2
     assert list(report.cumulative_hit_rate) == [0.25, 0.4]
+    assert (report.host_cached_tokens, report.storage_cached_tokens) == (0, 0)
     with pytest.raises(ValueError, match="cached_len"):
         report.record_admission(5, 6)
 
 
 def test_plots_are_written_as_png_files(tmp_path):
-    pytest.importorskip("matplotlib")
-    from kvmem.replay.report import write_sweep_plot
-
     reports = []
     for capacity in (1000, 2000):
         report = ReplayReport(capacity)
@@ -234,7 +309,6 @@ def test_plots_are_written_as_png_files(tmp_path):
 
 
 def test_plot_option_writes_the_plots_named_in_the_report(capsys, fake_replay, tmp_path):
-    pytest.importorskip("matplotlib")
     code, out, _ = run(capsys, "--limit", "3", "--plot", str(tmp_path / "single"))
     assert code == 0
     assert [Path(p).name for p in json.loads(out)["plots"]] == ["memory_use.png", "hit_rate.png"]
@@ -377,3 +451,90 @@ def test_pinning_system_prompts_in_a_replay_keeps_a_rarely_used_one_cached():
     plain = replay(trace, config)
     pinned = replay(trace, dataclasses.replace(config, pin_prefix_tokens=256, pin_budget=0.2))
     assert pinned.cached_tokens == plain.cached_tokens + 256  # the last request finds the rare prompt
+
+
+# ---- what the plots draw ------------------------------------------------------------------------------------
+@pytest.fixture
+def figures(monkeypatch):
+    """The matplotlib Figures the report draws, kept for inspection (they are still saved as usual)."""
+    from matplotlib.figure import Figure
+
+    import kvmem.replay.report as report_module
+
+    drawn = []
+
+    class Recorded(Figure):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            drawn.append(self)
+
+    monkeypatch.setattr(report_module, "require_matplotlib", lambda: Recorded)
+    return drawn
+
+
+def lines_of(ax) -> dict:
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def png_dpi(path: Path) -> float:
+    """The resolution a PNG records in its pHYs chunk (pixels per metre), in dots per inch."""
+    data = path.read_bytes()
+    at = data.index(b"pHYs") + 4
+    return round(int.from_bytes(data[at:at + 4], "big") * 0.0254)
+
+
+def test_the_memory_and_hit_rate_plots_draw_the_samples_against_simulated_time(tmp_path, figures):
+    report = ReplayReport(1000)
+    report.record_admission(100, 25)
+    report.record_step(0.5, 500, 100, 1)
+    report.record_step(1.5, 900, 300, 2)
+    paths = report.write_plots(tmp_path / "new" / "plots")
+    memory, hit = figures
+    assert [p.name for p in paths] == ["memory_use.png", "hit_rate.png"] and all(png_dpi(p) == 120 for p in paths)
+    # Cropped to what is drawn: smaller than the 960 x 540 of the whole 8 x 4.5 in figure at 120 dpi.
+    assert all(png_size(p)[0] < 960 and png_size(p)[1] < 540 for p in paths)
+    assert tuple(memory.get_size_inches()) == tuple(hit.get_size_inches()) == (8, 4.5)
+    (ax,) = memory.axes
+    assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel()) == ("KV-cache memory use", "simulated time (s)",
+                                                                  "KV tokens")
+    lines = lines_of(ax)
+    assert lines["used (requests + cache)"] == ([0.5, 1.5], [500, 900])
+    assert lines["pinned by running requests"] == ([0.5, 1.5], [400, 600])
+    assert lines["capacity"][1] == [1000, 1000] and ax.get_lines()[2].get_linestyle() == "--"
+    assert ax.get_lines()[2].get_color() == "grey"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(lines) and ax.get_legend()._loc == 4
+    (ax,) = hit.axes
+    assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel(), ax.get_ylim()) == (
+        "Prefix-cache hit rate (final 0.250)", "simulated time (s)", "cumulative hit rate", (0, 1))
+    assert list(lines_of(ax).values()) == [([0.5, 1.5], [0.25, 0.25])]
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_the_sweep_plot_draws_a_hit_rate_curve_per_tier_over_the_capacities(tmp_path, figures, tiered):
+    reports = []
+    for capacity, device, host in ((4000, 30, 10), (1000, 10, 20)):
+        report = ReplayReport(capacity, host_capacity_tokens=9000 if tiered else None)
+        report.record_admission(100, device + host, host)
+        reports.append(report)
+    path = write_sweep_plot(reports, tmp_path / "sweep" / "plots")
+    assert path.name == "hit_rate_vs_capacity.png" and png_dpi(path) == 120
+    assert png_size(path)[0] < 960 and png_size(path)[1] < 540 and tuple(figures[0].get_size_inches()) == (8, 4.5)
+    (ax,) = figures[0].axes
+    assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel(), ax.get_ylim(), ax.get_xscale()) == (
+        "Hit rate vs KV capacity", "device KV capacity (tokens)", "hit rate", (0, 1), "log")
+    assert ax.xaxis.get_transform().base == 2
+    assert all(g.get_visible() and g.get_alpha() == 0.3 for g in ax.xaxis.get_gridlines() + ax.yaxis.get_gridlines())
+    curves = [(x, [round(y, 2) for y in ys]) for x, ys in lines_of(ax).values()]
+    markers = [line.get_marker() for line in ax.get_lines()]
+    if not tiered:
+        assert curves == [([1000, 4000], [0.3, 0.4])] and ax.get_legend() is None and markers == ["o"]
+        assert ax.get_lines()[0].get_label().startswith("_")  # unlabelled: no legend entry
+        return
+    assert list(lines_of(ax)) == ["any tier", "device", "host (9,000)"] and ax.get_legend()._loc == 2
+    assert markers == ["o", ".", "."]
+    assert curves == [([1000, 4000], [0.3, 0.4]), ([1000, 4000], [0.1, 0.3]), ([1000, 4000], [0.2, 0.1])]

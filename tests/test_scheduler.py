@@ -45,15 +45,19 @@ class FakeModel:
         return [next_token(list(r.fill_ids[:s])) for r, s in zip(batch.reqs, batch.seq_lens.tolist())]
 
 
-def run(sched, reqs, max_steps=100_000):
+def run(sched, reqs, max_steps=100_000, model=None, batches=None):
+    """Serves `reqs` (and whatever is queued) until idle through `model` (a new FakeModel by default), appending
+    each batch's (rid, prefix length) pairs to `batches` if given; returns the model."""
     for r in reqs:
         sched.add_request(r)
-    model = FakeModel(sched)
+    model = model or FakeModel(sched)
     for _ in range(max_steps):
         batch = sched.step()
         if batch is None:
             assert sched.is_idle(), "scheduler stalled with work left"
             return model
+        if batches is not None:
+            batches.append([(r.rid, int(n)) for r, n in zip(batch.reqs, batch.prefix_lens)])
         sched.process_batch_result(batch, model.forward(batch))
         sched.check_invariants()
     raise AssertionError("did not finish")
@@ -621,3 +625,318 @@ def test_scheduler_config_refuses_non_bool_switches():
         SchedulerConfig(cache_decode_pages=1)
     with pytest.raises(ValueError, match="in_batch_prefix_caching"):
         SchedulerConfig(in_batch_prefix_caching="yes")
+
+
+# ---- admission order and fully cached prompts ------------------------------------------------------------
+def admission_order(policy, **cfg):
+    """Caches two prompts (P: 12 tokens, Q: 4), then queues in this order a stranger, a request sharing Q, one
+    sharing all of P and one sharing P's first 8 tokens, and admits one request per step."""
+    sched = make_scheduler(1024, schedule_policy=policy, max_running_requests=1, **cfg)
+    p, q = list(range(100, 112)), [200, 201, 202, 203]
+    model = run(sched, [Req("P", p, 1), Req("Q", q, 1)])
+    queue = [Req("none", [300, 301, 302], 1), Req("Q4", q + [400, 401], 1), Req("P12", p + [500, 501], 1),
+             Req("P8", p[:8] + [600], 1)]
+    batches = []
+    run(sched, queue, model=model, batches=batches)
+    assert all(len(b) == 1 for b in batches)
+    return [b[0] for b in batches]
+
+
+def test_lpm_admits_the_longest_cached_prefix_first():
+    assert admission_order("lpm") == [("P12", 12), ("P8", 8), ("Q4", 4), ("none", 0)]
+
+
+def test_lpm_ranks_only_its_window_of_the_oldest_waiting_requests():
+    # A window of 2 ranks only the two oldest waiting requests at each step.
+    assert admission_order("lpm", lpm_window=2) == [("Q4", 4), ("P12", 12), ("P8", 8), ("none", 0)]
+
+
+def test_fcfs_admits_in_arrival_order():
+    assert admission_order("fcfs") == [("none", 0), ("Q4", 4), ("P12", 12), ("P8", 8)]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_the_same_prompt_sent_twice_is_served_from_the_cache_and_computes_its_last_page(page_size):
+    # The second request's prompt is wholly cached; its last token must still be computed (its logits give
+    # the first output), so the match stops one token short, cut to whole pages.
+    sched = make_scheduler(1024, page_size)
+    prompt = list(range(100, 132))  # two whole pages of 16
+    first = Req("a", prompt, 3)
+    model = run(sched, [first])
+    second = Req("b", prompt, 3)
+    sched.add_request(second)
+    batch = sched.step()
+    assert batch.prefix_lens.tolist() == [31 // page_size * page_size]
+    assert batch.extend_lens.tolist() == [32 - 31 // page_size * page_size]
+    sched.process_batch_result(batch, model.forward(batch))
+    run(sched, [], model=model)
+    assert second.output_ids == first.output_ids == expected_output(first)
+
+
+def test_a_phase_timer_counts_each_phase_of_the_loop_and_its_seconds_fit_the_loop():
+    from time import perf_counter
+
+    from kvmem.timing import PhaseTimer
+
+    pool, alloc = ReqToTokenPool(4, 64), TokenAllocator(256)
+    timer = PhaseTimer()
+    sched = Scheduler(pool, alloc, RadixCache(pool, alloc), SchedulerConfig(), timer=timer)
+    t0 = perf_counter()
+    run(sched, [Req("a", [1, 2, 3], 3), Req("b", [4, 5], 2)])
+    elapsed = perf_counter() - t0
+    # One extend batch admitting both (the waiting queue ranked once, two matches), then two decode steps; every
+    # batch processed once; one slot allocation per batch; each request enters the tree after its extend and again
+    # when it finishes.
+    assert dict(timer.calls) == {"rank": 1, "match": 2, "prepare_extend": 1, "alloc": 3, "cache": 4,
+                                 "prepare_decode": 2, "process": 3}
+    assert all(0 <= s <= elapsed for s in timer.seconds.values()) and sum(timer.seconds.values()) <= elapsed
+    with pytest.raises(TypeError, match="^timer must be a PhaseTimer or None, got dict$"):
+        Scheduler(pool, alloc, RadixCache(pool, alloc), timer={})
+
+
+# ---- what mutation testing found unpinned (scripts/mutation.py scheduler) ----------------------------------
+def serve_one_step(sched, model, reqs):
+    for r in reqs:
+        sched.add_request(r)
+    batch = sched.step()
+    sched.process_batch_result(batch, model.forward(batch))
+    return batch
+
+
+def test_admission_keeps_exactly_the_room_its_charge_says_and_no_more():
+    # A running request with 7 output tokens to go reserves int(7 x 0.698) = 4 slots after two decode steps (the
+    # ratio decays 0.001 a step). A new 4-token prompt with one output to go is charged 4: with 8 slots free it is
+    # admitted, with 7 it waits.
+    for free, admitted in ((8, True), (7, False)):
+        sched = make_scheduler(64, max_running_requests=4)
+        model = FakeModel(sched)
+        serve_one_step(sched, model, [Req("a", [1, 2, 3, 4], 10)])
+        for _ in range(2):
+            serve_one_step(sched, model, [])
+        assert sched.new_token_ratio == pytest.approx(0.698)
+        sched.token_allocator.alloc(sched.token_allocator.available_size() - free)
+        b = Req("b", [5, 6, 7, 8], 1)
+        batch = serve_one_step(sched, model, [b])
+        assert (b in batch.reqs) is admitted
+
+
+@pytest.mark.parametrize("page_size, prompt, max_new, free, admitted", [
+    # Prefix 8 cached: 8 new tokens + int(10 x 0.7) = 15 charged at page size 1.
+    (1, 16, 10, 15, True), (1, 16, 10, 14, False),
+    # Page 16, prefix 16 cached, 33 tokens + 30 to go: capped at what it can ever take, 64 - 16 = 48 slots.
+    (16, 33, 30, 48, True), (16, 33, 30, 32, False)])
+def test_a_new_request_with_a_cached_prefix_is_charged_only_for_the_rest(page_size, prompt, max_new, free, admitted):
+    sched = make_scheduler(256, page_size)
+    model = FakeModel(sched)
+    cached = list(range(100, 100 + (8 if page_size == 1 else 16)))
+    run(sched, [Req("p", cached, 1)], model=model)  # exactly the prefix is cached: nothing else evictable
+    alloc = sched.token_allocator
+    alloc.alloc(alloc.available_size() - free)
+    req = Req("r", cached + list(range(500, 500 + prompt - len(cached))), max_new)
+    sched.add_request(req)
+    assert (sched.step() is not None) is admitted
+
+
+def test_a_request_coming_back_with_outputs_is_charged_for_the_outputs_it_still_owes():
+    # A retracted request resumes from prompt + outputs; only max_new_tokens - outputs are still to come.
+    for free, admitted in ((6 + 4, True), (6 + 3, False)):  # 6 tokens to prefill + int(6 x 0.7) = 4 reserved
+        sched = make_scheduler(64)
+        req = Req("r", [1, 2, 3, 4], 8)
+        req.output_ids = [5, 6]
+        sched.token_allocator.alloc(sched.token_allocator.available_size() - free)
+        sched.add_request(req)
+        assert (sched.step() is not None) is admitted
+
+
+def test_a_budget_that_fits_two_prompts_with_cached_prefixes_admits_both_in_one_step():
+    sched = make_scheduler(256, chunked_prefill_size=8)
+    model = FakeModel(sched)
+    run(sched, [Req("p", [1, 2, 3, 4, 9], 1)], model=model)
+    batch = serve_one_step(sched, model, [Req("a", [1, 2, 3, 4, 5, 6, 7, 8], 1), Req("b", [1, 2, 3, 4, 7, 7, 7, 7], 1)])
+    assert [r.rid for r in batch.reqs] == ["a", "b"] and batch.extend_lens.tolist() == [4, 4]
+
+
+def test_the_rest_of_a_chunk_s_budget_goes_to_the_best_ranked_request_and_none_when_spent():
+    # Chunks of 4. "r" needs 4 + 3 tokens: its second step leaves a budget of 1, which lpm gives to "t" (its
+    # prompt is cached) before the stranger "s"; with a 4 + 4 prompt nothing is left and nobody else is admitted.
+    for tail, second in ((3, ["r", "t"]), (4, ["r"])):
+        sched = make_scheduler(256, chunked_prefill_size=4)
+        model = FakeModel(sched)
+        run(sched, [Req("p", [1, 2, 3, 4, 5, 6], 1)], model=model)
+        serve_one_step(sched, model, [Req("r", list(range(100, 104 + tail)), 1)])
+        batch = serve_one_step(sched, model, [Req("s", [50, 51, 52], 1), Req("t", [1, 2, 3, 4, 5, 6, 7], 1)])
+        assert [r.rid for r in batch.reqs] == second
+        run(sched, [], model=model)
+
+
+def test_chunked_prefill_at_page_16_extends_exactly_the_budget_each_step():
+    sched = make_scheduler(1024, 16, chunked_prefill_size=20)
+    model = FakeModel(sched)
+    req = Req("a", list(range(100, 170)), 1)  # 70 tokens: 20, 20, 20, 10
+    sched.add_request(req)
+    lens = []
+    while not sched.is_idle():
+        batch = sched.step()
+        lens.append(batch.extend_lens.tolist())
+        sched.process_batch_result(batch, model.forward(batch))
+    assert lens == [[20], [20], [20], [10]] and req.output_ids == expected_output(req)
+
+
+def test_without_chunking_a_long_prompt_is_prefilled_in_one_step():
+    sched = make_scheduler(20_000, max_context_len=10_001, rows=2, chunked_prefill_size=None)
+    batch = serve_one_step(sched, FakeModel(sched), [Req("a", list(range(10, 10_010)), 1)])
+    assert batch.extend_lens.tolist() == [10_000] and sched.is_idle()
+
+
+def test_lpm_ranks_a_request_by_what_its_own_namespace_has_cached():
+    sched = make_scheduler(1024, schedule_policy="lpm", max_running_requests=1)
+    model = FakeModel(sched)
+    p = list(range(100, 112))
+    run(sched, [Req("p", p, 1)], model=model)  # cached in the default namespace only
+    batches = []
+    run(sched, [Req("other", p + [1], 1, namespace="tenant"), Req("short", p[:4] + [2], 1)], model=model,
+        batches=batches)
+    assert [b[0] for b in batches] == [("short", 4), ("other", 0)]
+
+
+def test_a_plain_cache_reports_no_host_or_storage_hit_for_an_admitted_request():
+    sched = make_scheduler(256)
+    req = Req("a", [1, 2, 3], 1)
+    run(sched, [req])
+    assert (req.host_hit_len, req.storage_hit_len, req.prefetch) == (0, 0, None)
+
+
+def test_a_batch_whose_rows_run_out_is_put_back_as_it_was():
+    # Someone else holds one of the two rows: admission (two requests) passes, the batch cannot take its rows.
+    sched = make_scheduler(256, rows=2)
+    model = FakeModel(sched)
+    run(sched, [Req("p", [1, 2, 3, 4], 1)], model=model)
+    held = sched.req_to_token_pool.alloc(1)
+    a, b = Req("a", [1, 2, 3, 4, 5], 1), Req("b", [9, 8, 7], 1)
+    for r in (a, b):
+        sched.add_request(r)
+    free, evictable = sched.token_allocator.available_size(), sched.tree_cache.evictable_size()
+    assert sched.step() is None
+    assert list(sched.waiting) == [a, b] and sched.chunked_req is None and not sched.running
+    assert (sched.tree_cache.protected_size(), sched.tree_cache.evictable_size()) == (0, evictable)
+    assert sched.token_allocator.available_size() == free and sched.stats.prefill_batches == 1
+    sched.check_invariants()
+    sched.req_to_token_pool.free(held[0])
+    run(sched, [], model=model)
+    assert a.output_ids == expected_output(a) and b.output_ids == expected_output(b)
+
+
+def test_a_chunked_prefill_short_of_slots_is_put_back_and_resumes():
+    sched = make_scheduler(64, chunked_prefill_size=6)
+    model = FakeModel(sched)
+    req = Req("a", list(range(100, 112)), 1)
+    serve_one_step(sched, model, [req])  # the first 6 tokens
+    hoard = sched.token_allocator.alloc(sched.token_allocator.available_size())
+    assert sched.step() is None and sched.chunked_req is req and req.kv_len == 6
+    sched.token_allocator.free(hoard)
+    run(sched, [], model=model)
+    assert req.output_ids == expected_output(req)
+
+
+def test_the_scheduler_counts_its_batches_evictions_and_retractions_across_steps():
+    sched = make_scheduler(72, max_running_requests=8, init_new_token_ratio=0.05, min_new_token_ratio=0.0,
+                           chunked_prefill_size=None)
+    model = FakeModel(sched)
+    fill_tree(sched, 2, 16)  # 32 evictable tokens: decode evicts them, then retracts
+    prefill_batches, decode_batches, evicted, retractions = sched.stats.prefill_batches, 0, 0, 0
+    for r in [Req(i, [i * 50 + t for t in range(1, 9)], 12) for i in range(4)]:
+        sched.add_request(r)
+    while not sched.is_idle():
+        batch = sched.step()
+        if batch.forward_mode is ForwardMode.EXTEND:
+            prefill_batches += 1
+        else:
+            decode_batches += 1
+            retractions += len(batch.retracted)
+        evicted += batch.evicted_tokens
+        sched.process_batch_result(batch, model.forward(batch))
+    assert retractions > 0 and evicted > 0
+    assert (sched.stats.prefill_batches, sched.stats.decode_batches, sched.stats.retractions) == (
+        prefill_batches, decode_batches, retractions)
+    assert sched.stats.evicted_tokens == evicted  # fill_tree evicted nothing
+
+
+def test_the_new_token_ratio_decays_each_decode_step_and_jumps_back_after_a_retraction():
+    sched = make_scheduler(256, init_new_token_ratio=0.5, min_new_token_ratio=0.497, new_token_ratio_decay=0.001)
+    model = FakeModel(sched)
+    serve_one_step(sched, model, [Req("a", [1, 2], 10)])
+    ratios = []
+    for _ in range(4):
+        serve_one_step(sched, model, [])
+        ratios.append(sched.new_token_ratio)
+    assert ratios == pytest.approx([0.499, 0.498, 0.497, 0.497])
+
+
+def test_misuse_of_the_step_protocol_is_refused_in_full_words():
+    sched = make_scheduler(256)
+    assert message_of_call(lambda: sched.process_batch_result(None, [])) == \
+        "process_batch_result: no batch is pending (call step() first)"
+    sched.add_request(Req("a", [1, 2], 2))
+    batch = sched.step()
+    sched.check_invariants()  # the pending batch's request holds its slots
+    assert message_of_call(sched.step) == "step() called before process_batch_result() for the previous batch"
+    other = ScheduleBatch(batch.reqs, sched.req_to_token_pool, sched.token_allocator, sched.tree_cache)
+    assert message_of_call(lambda: sched.process_batch_result(other, [7])) == \
+        "batch is not the one the last step() returned"
+    assert message_of_call(lambda: sched.process_batch_result(batch, torch.empty(1, device="meta"))) == \
+        "next_token_ids is on the 'meta' device, which holds no values"
+    assert message_of_call(lambda: sched.process_batch_result(batch, [2**63])) == \
+        "next_token_ids holds a token id outside int64"
+    assert sched.process_batch_result(batch, [-5]) == [] and batch.reqs[0].output_ids == [-5]
+
+
+def test_a_slot_lost_outside_the_scheduler_is_named_as_a_leak():
+    sched = make_scheduler(64)
+    run(sched, [Req("a", [1, 2, 3], 1)])
+    sched.token_allocator.alloc(1)
+    assert message_of_call(sched.check_invariants, AssertionError) == \
+        "memory leak or double count: free 60 + evictable 3 + protected 0 + held by requests 0 != total 64"
+
+
+def message_of_call(call, error=(ValueError, TypeError, RuntimeError)) -> str:
+    with pytest.raises(error) as raised:
+        call()
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"lpm_window": 0}, "lpm_window must be a positive int, got 0"),
+    ({"load_back_threshold": 0}, "load_back_threshold must be a positive int, got 0"),
+    ({"init_new_token_ratio": -0.5}, "init_new_token_ratio must be a finite number >= 0, got -0.5"),
+    ({"min_new_token_ratio": float("nan")}, "min_new_token_ratio must be a finite number >= 0, got nan"),
+    ({"new_token_ratio_decay": -0.1}, "new_token_ratio_decay must be a finite number >= 0, got -0.1"),
+    ({"min_new_token_ratio": 0.8}, "need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got 0.8 and 0.7"),
+    ({"init_new_token_ratio": 1.5}, "need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got 0.1 and 1.5"),
+])
+def test_scheduler_config_names_what_is_wrong_in_full(kwargs, message):
+    assert message_of_call(lambda: SchedulerConfig(**kwargs)) == message
+
+
+def test_scheduler_config_takes_its_bounds_themselves():
+    config = SchedulerConfig(lpm_window=1, load_back_threshold=1, init_new_token_ratio=1.0, min_new_token_ratio=1.0,
+                             new_token_ratio_decay=0.0)
+    assert (config.lpm_window, config.init_new_token_ratio, config.min_new_token_ratio) == (1, 1.0, 1.0)
+
+
+def test_add_request_refuses_what_can_never_run_and_counts_it():
+    sched = make_scheduler(64, max_context_len=16)
+    assert message_of_call(lambda: sched.add_request("a")) == "req must be a Req, got str"
+    assert message_of_call(lambda: sched.add_request(Req("a", list(range(12)), 5))) == \
+        "request 'a': 12 prompt + 5 new tokens exceed max_context_len 16"
+    assert sched.stats.rejected == 1
+    sched = make_scheduler(16, max_context_len=64)
+    assert message_of_call(lambda: sched.add_request(Req("b", list(range(12)), 5))) == \
+        "request 'b': 17 tokens exceed the KV capacity 16"
+    assert message_of_call(lambda: sched.add_request(Req("c", list(range(12)), 6))) == \
+        "request 'c': 18 tokens exceed the KV capacity 16"
+    assert sched.stats.rejected == 2
+    sched = make_scheduler(64, max_context_len=16)
+    sched.add_request(Req("d", list(range(12)), 4))  # exactly max_context_len: it fits
+    assert len(sched.waiting) == 1 and sched.stats.rejected == 0
+    assert message_of_call(lambda: Scheduler(sched.req_to_token_pool, sched.token_allocator, sched.tree_cache,
+                                             config={})) == "config must be a SchedulerConfig, got dict"

@@ -26,14 +26,105 @@ def run_script(name: str, *args: str) -> dict:
     return json.loads(proc.stdout)
 
 
+def load_script(name: str, monkeypatch) -> dict:
+    """A benchmark's functions (its report among them), loaded without running its main()."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))  # the scripts import _peer from their folder
+    return runpy.run_path(str(SCRIPTS / name), run_name="bench")
+
+
+@pytest.fixture(scope="module")
+def quick_reports(tmp_path_factory):
+    """Each peer benchmark's --quick report with the SGLang side skipped (one run per script)."""
+    out = {}
+    for name in ("bench_allocator.py", "bench_radix_cache.py", "bench_scheduler.py"):
+        path = tmp_path_factory.mktemp("bench") / "report.json"
+        out[name] = run_script(name, "--quick", "--out", str(path), *NO_PEER)
+        assert json.loads(path.read_text()) == out[name]
+    return out
+
+
 @pytest.mark.parametrize("name", ["bench_allocator.py", "bench_radix_cache.py", "bench_scheduler.py"])
-def test_peer_benchmark_without_sglang(name, tmp_path):
-    out = tmp_path / "report.json"
-    report = run_script(name, "--quick", "--out", str(out), *NO_PEER)
-    assert json.loads(out.read_text()) == report
+def test_peer_benchmark_without_sglang_reports_kvmem_alone(name, quick_reports):
+    report = quick_reports[name]
     assert report["rows"] and all(row["kvmem_us"] > 0 for row in report["rows"])
     assert "not found: SGLang side skipped" in report["raw"]["sglang"]["error"]
-    assert not any("sglang_us" in row for row in report["rows"])
+    assert not any("sglang_us" in row or "ratio" in row for row in report["rows"])
+
+
+def test_radix_benchmark_records_the_work_each_row_did(quick_reports):
+    rows = quick_reports["bench_radix_cache.py"]["raw"]["kvmem"]
+    for n in (1024, 32768):
+        assert rows[f"match_prefix/{n}"]["work"] == rows[f"match_prefix_with_indices/{n}"]["work"] == {
+            "matched_tokens": n}
+        assert rows[f"insert/{n}"]["work"] == rows[f"insert_and_free/{n}"]["work"] == {"cached_prefix_tokens": n // 2}
+    assert {r["work"]["evicted_tokens_per_call"] for name, r in rows.items() if name.startswith("evict/")} == {64}
+
+
+def test_radix_benchmark_compares_only_equal_work_and_names_lopsided_rows(quick_reports, monkeypatch):
+    bench = load_script("bench_radix_cache.py", monkeypatch)
+    kv = quick_reports["bench_radix_cache.py"]["raw"]["kvmem"]
+    # SGLang stand-ins that did kvmem's work in kvmem's time; the Rust core's bare 32k match twice as fast, its
+    # match with indices twice as slow; and a 1k match that found one token less.
+    radix, rust = json.loads(json.dumps(kv)), json.loads(json.dumps(kv))
+    rust["match_prefix/32768"]["median_us"] = kv["match_prefix/32768"]["median_us"] / 2
+    rust["match_prefix_with_indices/32768"]["median_us"] = kv["match_prefix/32768"]["median_us"] * 2
+    rust["match_prefix/1024"]["work"] = {"matched_tokens": 1023}
+    out = bench["report"](kv, {"radix": radix, "rust": rust})
+    rows = {(r["op"], r.get("key_tokens")): r for r in out["rows"]}
+    match_1k = rows["match_prefix", 1024]
+    assert "speedup_vs_sglang_rust" not in match_1k and "speedup_vs_sglang" in match_1k
+    assert rows["match_prefix", 1024]["unequal_work_vs_sglang_rust"]["sglang_rust"] == {"matched_tokens": 1023}
+    assert out["goals"]["rows_with_unequal_work"] == ["match_prefix/1024 vs sglang_rust"]
+    assert rows["match_prefix", 32768]["speedup_vs_sglang_rust"] == 2.0
+    assert "match_prefix 32768" in out["goals"]["rows_slower_than_sglang_rust_bare"]
+    assert "match_prefix 32768" not in out["goals"]["rows_slower_than_sglang_rust"]
+    insert = rows["insert", 32768]
+    assert "lopsided_vs_sglang_rust" in insert and "lopsided_vs_sglang" not in insert
+    assert insert["speedup_vs_sglang_rust"] == round(insert["sglang_rust_us"] / insert["kvmem_insert_and_free_us"], 2)
+
+
+def test_allocator_benchmark_compares_only_equal_work_and_only_alloc_plus_free_like_for_like(quick_reports,
+                                                                                           monkeypatch):
+    bench = load_script("bench_allocator.py", monkeypatch)
+    kv = quick_reports["bench_allocator.py"]["raw"]["kvmem"]
+    assert kv["checks"]["token/n=64"]["slots_per_alloc"] == 64
+    assert all(c["free_before_row"] == c["free_after_row"] for name, c in kv["checks"].items()
+               if name.startswith("token/"))
+    assert kv["checks"]["paged/decode"]["out_len"] == 256
+    same, other = json.loads(json.dumps(kv)), json.loads(json.dumps(kv))
+    other["checks"]["paged/decode"]["first_call_digest"] = "another slot order"
+    for row in same["rows"].values():  # SGLang twice as slow everywhere but on its bare alloc
+        for op in ("free", "alloc+free"):
+            row[op]["median_us"] *= 2
+        row["alloc"]["median_us"] /= 2
+    out = bench["report"](kv, {"sglang": same, "sglang_sorted": other})
+    rows = {r["row"]: r for r in out["rows"]}
+    assert rows["paged/decode/alloc+free"]["ratio"] == 2.0 and "ratio_sorted" not in rows["paged/decode/alloc+free"]
+    assert "unequal_work_vs_sglang_sorted" in rows["paged/decode/alloc+free"]
+    assert out["goal"]["rows_with_unequal_work"] == ["paged/decode vs sglang_sorted"]
+    assert "lopsided" in rows["token/n=1/alloc"] and "lopsided" not in rows["token/n=1/alloc+free"]
+    assert out["goal"]["kvmem_slower_rows"] == [] and "token/n=1/alloc" in out["goal"]["kvmem_slower_lopsided_rows"]
+
+
+def test_scheduler_benchmark_compares_only_shapes_that_took_the_same_slots(quick_reports, monkeypatch):
+    bench = load_script("bench_scheduler.py", monkeypatch)
+    kv = quick_reports["bench_scheduler.py"]["raw"]["kvmem"]
+    decode, extend = kv["page_size=16"]["decode"]["work"], kv["page_size=1"]["extend"]["work"]
+    assert decode["batch_sizes"] == [256] and all(n % 16 == 0 for n in decode["slots_taken_per_step"])
+    assert extend["batch_sizes"] == [32] and set(extend["slots_taken_per_step"]) == {32 * 1024}
+    sg = json.loads(json.dumps(kv))
+    sg["page_size=1"]["decode"]["work"]["slots_taken_per_step"][0] += 1
+    for shape in sg.values():  # keys the SGLang side reports under its own names
+        for side in shape.values():
+            for theirs, mine in (("decode_alloc_us", "step_us"), ("process_us", "process_batch_result_us"),
+                                 ("prefill_alloc_us", "prepare_extend_us"), ("finish_us", "process_batch_result_us")):
+                if mine in side:
+                    side[theirs], side["min"][theirs] = side[mine], side["min"][mine]
+    out = bench["report"](kv, sg)
+    assert out["shapes_with_unequal_work"] == ["decode (page 1)"]
+    rows = [r for r in out["rows"] if "sglang_us" in r]
+    assert all(("ratio" in r) != (r["page_size"] == 1 and r["row"].startswith("decode/")) for r in rows)
+    assert all("lopsided" in r for r in rows if r["row"].endswith("full (step + metadata + process)") and "ratio" in r)
 
 
 def test_kv_indices_benchmark_on_cpu():

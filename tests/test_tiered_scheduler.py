@@ -104,16 +104,17 @@ def test_requests_reuse_host_copies_and_read_back_their_own_kv(page_size, write_
     tree.check_invariants()
 
 
-def test_a_host_hit_shorter_than_the_threshold_is_recomputed():
+@pytest.mark.parametrize("threshold, loaded", [(16, 0), (11, 0), (10, 10)])
+def test_a_host_hit_is_loaded_back_from_the_threshold_on_and_recomputed_below_it(threshold, loaded):
     alloc = TokenAllocator(64)
     rows = ReqToTokenPool(4, 64)
     tree = HiRadixCache(rows, alloc, HostSlotPool(256))
-    sched = Scheduler(rows, alloc, tree, SchedulerConfig(load_back_threshold=16))
+    sched = Scheduler(rows, alloc, tree, SchedulerConfig(load_back_threshold=threshold))
     tree.insert(list(range(100, 110)), alloc.alloc(10))
-    tree.evict(10)
+    tree.evict(10)  # the 10 tokens are on the host only
     sched.add_request(Req("a", list(range(100, 110)) + [7], 1))
     batch = sched.step()
-    assert batch.prefix_lens.tolist() == [0] and tree.stats.loaded_tokens == 0  # 10 host tokens < 16
+    assert batch.prefix_lens.tolist() == [loaded] and tree.stats.loaded_tokens == loaded
 
 
 def test_a_host_hit_that_needs_eviction_to_load_is_admitted():
@@ -238,3 +239,44 @@ def test_tensor_parallel_ranks_take_identical_decisions(tmp_path):
     ranks = [np.load(tmp_path / f"rank{r}.npy", allow_pickle=True) for r in range(2)]
     assert ranks[0][3] > 0  # backups happened, completing at different polls on each rank
     assert [list(r) for r in ranks[0:1]] == [list(r) for r in ranks[1:2]]
+
+
+@pytest.mark.parametrize("b_len", [30, 22])
+def test_the_device_tokens_evicted_to_load_a_host_hit_back_are_counted(b_len):
+    # Device 40, host 80. A (20 tokens) is cached and backed up; B evicts A from the device (20); A again finds 19
+    # tokens on the host only, and B (the only device leaf) is evicted to load them back: with B of 30 tokens the
+    # device is 9 slots short, with 22 exactly 1.
+    alloc, rows = TokenAllocator(40), ReqToTokenPool(4, 64)
+    tree = HiRadixCache(rows, alloc, HostSlotPool(80))
+    sched = Scheduler(rows, alloc, tree, SchedulerConfig(schedule_policy="fcfs", chunked_prefill_size=None))
+    a, b = list(range(1, 21)), list(range(101, 101 + b_len))
+    for rid, prompt in (("a", a), ("b", b), ("a2", a)):
+        req = Req(rid, prompt, 1)
+        sched.add_request(req)
+        batch = sched.step()
+        sched.process_batch_result(batch, [7])
+        sched.check_invariants()
+    assert (req.host_hit_len, req.storage_hit_len, tree.stats.loaded_tokens) == (19, 0, 19)
+    assert sched.stats.evicted_tokens == 20 + b_len and tree.evictable_size() == 20 and alloc.available_size() == 20
+
+
+def test_a_prompt_another_server_stored_is_read_from_storage_and_loaded_back(tmp_path):
+    from kvmem.storage import open_store
+
+    def serve_on_a_fresh_server(prompt):
+        alloc, rows = TokenAllocator(64), ReqToTokenPool(2, 64)
+        tree = HiRadixCache(rows, alloc, HostSlotPool(128), storage=open_store(f"file:{tmp_path}"),
+                            prefetch_policy="wait_complete")
+        sched = Scheduler(rows, alloc, tree)
+        req = Req("a", prompt, 1, namespace="tenant")
+        sched.add_request(req)
+        while not sched.is_idle():
+            sched.process_batch_result(sched.step(), [7])
+        tree.close()
+        return req
+
+    prompt = list(range(1, 37))
+    first = serve_on_a_fresh_server(prompt)
+    assert (first.host_hit_len, first.storage_hit_len, first.prefetch) == (0, 0, None)
+    second = serve_on_a_fresh_server(prompt)  # its 35 matched tokens come from the store through the host
+    assert (second.host_hit_len, second.storage_hit_len, second.prefetch) == (35, 35, None)

@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Mutation testing of one core module at a time, with only that module's tests (mutmut 3).
+
+    python scripts/mutation.py MODULE [--max-children 1] [--workdir DIR] [--out FILE]
+    python scripts/mutation.py --list
+
+MODULE is a table of `[tool.kvmem.mutation]` in pyproject.toml: the files mutmut mutates (paths inside the
+installed package, so kernels/ is kvmem/kernels/), the tests that must kill the mutants and, optionally, `env`
+(variables the tests run with); `[tool.mutmut]` holds
+what every run shares. scripts/mutation_equivalents.toml lists, per module, the survivors judged equivalent (the
+mutant, the line mutmut wrote, and why no test can tell it from the original).
+
+Each run builds a fresh copy of the package laid out as it installs (kvmem/ with kernels/ inside it), the
+tests and scripts, with a pyproject.toml whose `[tool.mutmut]` names the module's files and tests, in
+`--workdir` (default /tmp/kvmem-mutation/MODULE), runs `mutmut run` there under `nice -n 10`, and prints a
+JSON summary: mutants by status, the survivors (name and mutated line), and the score
+
+    score = (killed + timeout + crashed) / (mutants - equivalent - needs_cuda),
+
+where survivors and mutants no test reaches both count as not killed; survivors that only a CUDA device could
+kill (listed as such) are left out like the equivalent ones and counted apart (`needs_cuda`), and
+`score_of_all_mutants` divides by every mutant. A listed survivor whose mutated line no longer matches is
+reported as `stale_equivalent` and counts as a survivor. mutmut keeps its
+results in the work directory: `cd WORKDIR && mutmut show NAME` prints a mutant's diff.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: mutmut depends on toml there
+    import toml as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+EQUIVALENTS = Path(__file__).with_name("mutation_equivalents.toml")
+# A mutant whose tests fail, loop past their time or crash the test process is caught.
+KILLED = {1: "killed", 3: "killed", 36: "timeout", -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout",
+          -11: "crashed", -9: "crashed"}
+OTHER = {0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 35: "suspicious", None: "not checked"}
+
+
+def load_config() -> tuple[dict, dict]:
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return data["tool"]["mutmut"], data["tool"]["kvmem"]["mutation"]
+
+
+def equivalents(module: str) -> list[dict]:
+    return tomllib.loads(EQUIVALENTS.read_text()).get(module, []) if EQUIVALENTS.exists() else []
+
+
+def build_workdir(workdir: Path, module: dict, shared: dict) -> None:
+    """A fresh copy of the package as it installs (kernels/ as kvmem/kernels/), its tests and scripts."""
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis")
+    shutil.copytree(ROOT / "kvmem", workdir / "kvmem", ignore=skip)
+    shutil.copytree(ROOT / "kernels", workdir / "kvmem" / "kernels", ignore=skip)
+    shutil.copytree(ROOT / "tests", workdir / "tests", ignore=skip)
+    shutil.copytree(ROOT / "scripts", workdir / "scripts", ignore=skip)
+    for path in module["mutate"] + module["tests"]:
+        if not (workdir / path.split("::")[0]).exists():
+            raise SystemExit(f"mutation.py: {path} (named in pyproject.toml) does not exist")
+    settings = {**shared, "only_mutate": module["mutate"], "pytest_add_cli_args_test_selection": module["tests"]}
+    pytest_ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    lines = ["[tool.pytest.ini_options]", f"markers = {json.dumps(pytest_ini['markers'])}", "", "[tool.mutmut]"]
+    lines += [f"{key} = {json.dumps(value)}" for key, value in settings.items()]
+    (workdir / "pyproject.toml").write_text("\n".join(lines) + "\n")
+
+
+def mutmut_command(max_children: int) -> list[str]:
+    mutmut = Path(sys.executable).with_name("mutmut")
+    if not mutmut.exists():
+        raise SystemExit("mutation.py: mutmut is not installed here (pip install -e '.[mutation]')")
+    return ["nice", "-n", "10", str(mutmut), "run", "--max-children", str(max_children)]
+
+
+def results(workdir: Path, module: dict) -> dict:
+    """Counts the mutants of the module's files by status, and the survivors' mutated lines."""
+    sys.path.insert(0, str(workdir))
+    os.chdir(workdir)
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+
+    counts: dict[str, int] = {}
+    survivors = []
+    for path in module["mutate"]:
+        meta = json.loads((workdir / "mutants" / (path + ".meta")).read_text())
+        for name, code in sorted(meta["exit_code_by_key"].items()):
+            status = KILLED.get(code) or OTHER.get(code, "suspicious")
+            counts[status] = counts.get(status, 0) + 1
+            if code not in KILLED:
+                diff = get_diff_for_mutant(name, path=path)
+                added = [line[1:].strip() for line in diff.splitlines() if line.startswith("+") and
+                         not line.startswith("+++")]
+                survivors.append({"name": name, "status": status, "line": " / ".join(added)})
+    return {"counts": counts, "survivors": survivors}
+
+
+def score(found: dict, listed: list[dict]) -> dict:
+    """Kills over the mutants a test could kill here: the listed survivors (equivalent, or needing CUDA) are left
+    out when their mutated line still matches; a stale entry counts as a survivor."""
+    judged = {e["mutant"]: e for e in listed}
+    left_out: dict[str, list[str]] = {"equivalent": [], "needs CUDA": []}
+    stale, alive = [], []
+    for s in found["survivors"]:
+        e = judged.get(s["name"])
+        if e is not None and e["line"] == s["line"]:
+            left_out[e.get("kind", "equivalent")].append(s["name"])
+        else:
+            (stale if e is not None else []).append(s["name"])
+            alive.append(s)
+    total = sum(found["counts"].values())
+    killed = sum(found["counts"].get(status, 0) for status in set(KILLED.values()))
+    counted = total - len(left_out["equivalent"]) - len(left_out["needs CUDA"])
+    return {"mutants": total, "killed": killed, "equivalent": len(left_out["equivalent"]),
+            "needs_cuda": len(left_out["needs CUDA"]), "not_killed": len(alive),
+            "score": round(killed / counted, 4) if counted else None,
+            "score_of_all_mutants": round(killed / total, 4) if total else None,
+            "stale_equivalent": stale, "survivors": alive}
+
+
+def main() -> int:
+    shared, modules = load_config()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("module", nargs="?", choices=sorted(modules))
+    ap.add_argument("--list", action="store_true", help="list the modules, their files and tests")
+    ap.add_argument("--max-children", type=int, default=1,
+                    help="mutants tested at once (default 1: the machine is shared)")
+    ap.add_argument("--workdir", type=Path, help="where the copy and mutmut's results go "
+                    "(default /tmp/kvmem-mutation/MODULE; replaced)")
+    ap.add_argument("--out", type=Path, help="also write the JSON summary here")
+    args = ap.parse_args()
+    if args.list or args.module is None:
+        print(json.dumps({name: {"mutate": m["mutate"], "tests": m["tests"]} for name, m in modules.items()},
+                         indent=1))
+        return 0
+    module = modules[args.module]
+    workdir = (args.workdir or Path("/tmp/kvmem-mutation") / args.module).resolve()
+    out = args.out.resolve() if args.out else None
+    build_workdir(workdir, module, shared)
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **module.get("env", {})}
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    log = workdir / "mutmut.log"
+    with open(log, "w") as f:
+        proc = subprocess.run(mutmut_command(args.max_children), cwd=workdir, env=env, stdout=f,
+                              stderr=subprocess.STDOUT)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        print(log.read_text()[-4000:], file=sys.stderr)
+        print(f"mutation.py: mutmut failed (exit {proc.returncode}); log in {log}", file=sys.stderr)
+        return 1
+    summary = {"module": args.module, "mutate": module["mutate"], "tests": module["tests"],
+               "statuses": None, **score(found := results(workdir, module), equivalents(args.module)),
+               "seconds": round(seconds), "max_children": args.max_children,
+               "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)], "workdir": str(workdir)}
+    summary["statuses"] = found["counts"]
+    text = json.dumps(summary, indent=1, ensure_ascii=False)
+    if out:
+        out.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
