@@ -210,6 +210,9 @@ def _rank_main(rank, world, port, out_dir):
         np.save(os.path.join(out_dir, f"rank{rank}.npy"), np.array(
             [repr(snapshot), repr(alloc.backup_state().free_pages.tolist()), steps, tree.stats.backed_up_tokens,
              tree.stats.loaded_tokens], dtype=object), allow_pickle=True)
+        # Neither rank tears its group down while the other may still use it: a gloo pair torn down from one
+        # side aborted the other process ("terminate called without an active exception") once in many runs.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
