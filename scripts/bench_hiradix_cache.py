@@ -78,9 +78,10 @@ def evict_host_row(leaves: int, leaf_tokens: int) -> dict:
 
     def evict(_):
         freed[0] = cache.evict_host(EVICT_AMOUNT)
+        return freed[0]
 
     reps = 200
-    out = summary(timed(evict, reps, lambda: add_host_leaves(freed[0] // leaf_tokens)))
+    out = summary(timed(evict, reps, lambda: add_host_leaves(freed[0] // leaf_tokens), work=int), "host_tokens_freed")
     out.update(build_s=round(build_s, 3))
     return out
 

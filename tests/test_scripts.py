@@ -134,6 +134,17 @@ def test_kv_indices_benchmark_on_cpu():
     assert all(r["torch_fallback_us"] > 0 for r in report["results"])
 
 
+def test_hiradix_benchmark_sets_every_row_of_the_tiered_caches_beside_the_plain_one():
+    report = run_script("bench_hiradix_cache.py", "--quick")
+    tiered = [r for r in report["rows"] if not r["row"].startswith("evict_host/")]
+    assert tiered and all(r["hi_write_back_ratio"] > 0 and r["hi_write_through_ratio"] > 0 for r in tiered)
+    host = report["raw"]["evict_host"]
+    assert set(host) == {f"evict_host/{n}/{t}" for t in (16, 1) for n in (1000, 10000, 40000)}
+    assert all(row["work"] == {"host_tokens_freed": 64} for row in host.values())
+    assert report["goals"]["device_only_worst_ratio_write_back"] == max(
+        r["hi_write_back_ratio"] for r in tiered if r["row"].startswith(("match_prefix/", "insert/")))
+
+
 def test_event_benchmark_reports_throughput_and_bytes_per_event():
     report = run_script("bench_events.py", "--quick")
     assert {(r["workload"], r["page_size"], r["wire_format"]) for r in report["rows"]} == {
