@@ -385,6 +385,18 @@ def test_alloc_decode_gives_the_same_slots_as_a_one_token_extend(data):
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
+def test_an_owned_free_of_one_page_or_of_nothing(page_size):
+    import numpy as np
+
+    alloc = TokenAllocator(64) if page_size == 1 else PagedTokenAllocator(64, page_size)
+    slots = alloc.alloc(page_size)
+    alloc._free_owned(np.empty(0, dtype=np.int64))
+    assert alloc.available_size() == 64 - page_size
+    alloc._free_owned(slots.numpy().astype(np.int64)[:1])  # a page is named by its first slot
+    assert alloc.available_size() == 64 and not alloc.is_allocated(slots).any()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
 def test_owned_free_gives_slots_back_like_free_even_before_their_flags_are_set(page_size):
     import numpy as np
 
