@@ -2,6 +2,7 @@
 """Mutation testing of one core module at a time, with only that module's tests (mutmut 3).
 
     python scripts/mutation.py MODULE [--max-children 1] [--workdir DIR] [--out FILE]
+    python scripts/mutation.py MODULE --rescore [--workdir DIR]    (the last run, against today's list)
     python scripts/mutation.py --list
 
 MODULE is a table of `[tool.kvmem.mutation]` in pyproject.toml: the files mutmut mutates (paths inside the
@@ -19,9 +20,10 @@ JSON summary: mutants by status, the survivors (name and mutated line), and the 
 
 where survivors and mutants no test reaches both count as not killed; survivors that only a CUDA device could
 kill (listed as such) are left out like the equivalent ones and counted apart (`needs_cuda`), and
-`score_of_all_mutants` divides by every mutant. A listed survivor whose mutated line no longer matches is
-reported as `stale_equivalent` and counts as a survivor. mutmut keeps its
-results in the work directory: `cd WORKDIR && mutmut show NAME` prints a mutant's diff.
+`score_of_all_mutants` divides by every mutant. Entries match survivors by function and mutated line, not by
+number (mutmut renumbers a function's mutants whenever it changes); an entry that matches no survivor is
+reported as `stale_equivalent`. mutmut keeps its results in the work directory: `cd WORKDIR && mutmut show NAME`
+prints a mutant's diff.
 """
 
 from __future__ import annotations
@@ -104,19 +106,29 @@ def results(workdir: Path, module: dict) -> dict:
     return {"counts": counts, "survivors": survivors}
 
 
+def function_of(mutant: str) -> str:
+    """The mutated function of a mutant's name (`module.x_function__mutmut_12` -> `module.x_function`): mutmut
+    numbers a function's mutants in order, so a change elsewhere in the function renumbers them."""
+    return mutant.rsplit("__mutmut_", 1)[0]
+
+
 def score(found: dict, listed: list[dict]) -> dict:
     """Kills over the mutants a test could kill here: the listed survivors (equivalent, or needing CUDA) are left
-    out when their mutated line still matches; a stale entry counts as a survivor."""
-    judged = {e["mutant"]: e for e in listed}
+    out. An entry names a survivor by its function and mutated line, not its number, which shifts whenever the
+    function changes; an entry that matches no survivor (its mutant is killed now, or its line is gone) is
+    reported as stale."""
+    judged = {(function_of(e["mutant"]), e["line"]): e for e in listed}
     left_out: dict[str, list[str]] = {"equivalent": [], "needs CUDA": []}
-    stale, alive = [], []
+    alive, matched = [], set()
     for s in found["survivors"]:
-        e = judged.get(s["name"])
-        if e is not None and e["line"] == s["line"]:
+        key = (function_of(s["name"]), s["line"])
+        e = judged.get(key)
+        if e is not None:
             left_out[e.get("kind", "equivalent")].append(s["name"])
+            matched.add(key)
         else:
-            (stale if e is not None else []).append(s["name"])
             alive.append(s)
+    stale = [e["mutant"] for key, e in judged.items() if key not in matched]
     total = sum(found["counts"].values())
     killed = sum(found["counts"].get(status, 0) for status in set(KILLED.values()))
     counted = total - len(left_out["equivalent"]) - len(left_out["needs CUDA"])
@@ -137,6 +149,9 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, help="where the copy and mutmut's results go "
                     "(default /tmp/kvmem-mutation/MODULE; replaced)")
     ap.add_argument("--out", type=Path, help="also write the JSON summary here")
+    ap.add_argument("--rescore", action="store_true",
+                    help="score the finished run in the work directory again against the current list of "
+                         "equivalent survivors, without running mutmut")
     args = ap.parse_args()
     if args.list or args.module is None:
         print(json.dumps({name: {"mutate": m["mutate"], "tests": m["tests"]} for name, m in modules.items()},
@@ -145,22 +160,24 @@ def main() -> int:
     module = modules[args.module]
     workdir = (args.workdir or Path("/tmp/kvmem-mutation") / args.module).resolve()
     out = args.out.resolve() if args.out else None
-    build_workdir(workdir, module, shared)
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **module.get("env", {})}
     load_before = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    log = workdir / "mutmut.log"
-    with open(log, "w") as f:
-        proc = subprocess.run(mutmut_command(args.max_children), cwd=workdir, env=env, stdout=f,
-                              stderr=subprocess.STDOUT)
-    seconds = time.perf_counter() - t0
-    if proc.returncode != 0:
-        print(log.read_text()[-4000:], file=sys.stderr)
-        print(f"mutation.py: mutmut failed (exit {proc.returncode}); log in {log}", file=sys.stderr)
-        return 1
+    seconds = None
+    if not args.rescore:
+        build_workdir(workdir, module, shared)
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **module.get("env", {})}
+        t0 = time.perf_counter()
+        log = workdir / "mutmut.log"
+        with open(log, "w") as f:
+            proc = subprocess.run(mutmut_command(args.max_children), cwd=workdir, env=env, stdout=f,
+                                  stderr=subprocess.STDOUT)
+        seconds = round(time.perf_counter() - t0)
+        if proc.returncode != 0:
+            print(log.read_text()[-4000:], file=sys.stderr)
+            print(f"mutation.py: mutmut failed (exit {proc.returncode}); log in {log}", file=sys.stderr)
+            return 1
     summary = {"module": args.module, "mutate": module["mutate"], "tests": module["tests"],
                "statuses": None, **score(found := results(workdir, module), equivalents(args.module)),
-               "seconds": round(seconds), "max_children": args.max_children,
+               "seconds": seconds, "max_children": args.max_children,
                "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)], "workdir": str(workdir)}
     summary["statuses"] = found["counts"]
     text = json.dumps(summary, indent=1, ensure_ascii=False)

@@ -216,3 +216,21 @@ def test_eviction_benchmark_times_every_online_policy_against_lru(tmp_path):
     assert json.loads(out.read_text()) == report
     assert [r["policy"] for r in report["rows"]] == list(ONLINE_POLICIES)
     assert all(r["cycle_us"] > 0 and r["cycle_vs_lru"] > 0 for r in report["rows"])
+
+
+def test_mutation_scores_name_listed_survivors_by_function_and_line_whatever_their_number(monkeypatch):
+    score = load_script("mutation.py", monkeypatch)["score"]
+    found = {"counts": {"killed": 6, "survived": 3, "no tests": 1},
+             "survivors": [{"name": "m.x_f__mutmut_9", "status": "survived", "line": "a = 2"},
+                           {"name": "m.x_f__mutmut_4", "status": "survived", "line": "b = None"},
+                           {"name": "m.x_g__mutmut_1", "status": "survived", "line": "c = 0"},
+                           {"name": "m.x_g__mutmut_2", "status": "no tests", "line": "d = 1"}]}
+    listed = [{"mutant": "m.x_f__mutmut_3", "line": "a = 2"},  # renumbered since it was judged: still matches
+              {"mutant": "m.x_g__mutmut_1", "line": "c = 0", "kind": "needs CUDA"},
+              {"mutant": "m.x_f__mutmut_4", "line": "b = 1"},  # its line changed: stale, and b = None survives
+              {"mutant": "m.x_h__mutmut_1", "line": "a = 2"}]  # same line, other function: no match
+    result = score(found, listed)
+    assert (result["equivalent"], result["needs_cuda"], result["killed"], result["mutants"]) == (1, 1, 6, 10)
+    assert [s["name"] for s in result["survivors"]] == ["m.x_f__mutmut_4", "m.x_g__mutmut_2"]
+    assert result["stale_equivalent"] == ["m.x_f__mutmut_4", "m.x_h__mutmut_1"]
+    assert result["score"] == round(6 / 8, 4) and result["score_of_all_mutants"] == 0.6
