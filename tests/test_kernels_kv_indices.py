@@ -255,3 +255,83 @@ def test_a_numpy_integer_page_size_works_on_every_backend(backend):
 def test_kv_indptr_refuses_negative_lengths():
     with pytest.raises(ValueError, match=r"kv_lens\[1\] = -2 is negative"):
         create_kv_indptr(torch.tensor([3, -2, 4]), 2)
+
+
+# ---- what mutation testing found unpinned (scripts/mutation.py kernels) ------------------------------------
+def host(values):
+    return torch.tensor(values, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_batch_written_into_the_middle_of_a_given_buffer_fills_exactly_its_range(backend):
+    table = make_table(num_rows=3, max_context_len=64).cpu()
+    rows, lens = host([2, 0]), host([9, 16])
+    indptr = create_kv_indptr(lens, 4) + 3  # the batch's pages start at entry 3 of a longer buffer
+    out = torch.full((int(indptr[-1]),), -7, dtype=torch.int32)  # exactly kv_indptr[-1] entries
+    got = create_kv_indices(table, rows, lens, indptr, None, 4, out, backend=backend)
+    assert got is out and out[:3].tolist() == [-7, -7, -7]
+    assert out[3:].tolist() == expected_indices(table, rows, lens, host([0, 0]), 4).tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_requests_with_no_tokens_take_no_pages_and_their_rows_are_not_read(backend):
+    table = make_table(num_rows=3, max_context_len=32).cpu()
+    table[1, 0] = 5  # a row a request with no tokens names: its first slot starts no page and must not matter
+    for lens in ([0, 0], [0, 8]):
+        rows, lens = host([1, 2]), host(lens)
+        got = create_kv_indices(table, rows, lens, create_kv_indptr(lens, 4), None, 4, backend=backend)
+        assert got.tolist() == expected_indices(table, rows, lens, host([0, 0]), 4).tolist()
+
+
+def test_a_request_may_reach_the_last_column_of_its_row():
+    table = make_table(num_rows=2, max_context_len=16).cpu()
+    lens, starts = host([16, 8]), host([0, 8])
+    got = create_kv_indices(table, host([0, 1]), lens, create_kv_indptr(lens, 2), starts, 2)
+    assert got.tolist() == expected_indices(table, host([0, 1]), lens, starts, 2).tolist()
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda table: create_kv_indptr(host([0, -1, 3])), ValueError, "kv_lens[1] = -1 is negative"),
+    (lambda table: create_kv_indices(table, host([0, 1]), host([0, -2]), host([0, 0, 0])), ValueError,
+     "kv_lens[1] = -2 is negative"),
+    (lambda table: create_kv_indices(table, host([0, 1]), host([16, 17]), host([0, 16, 33])), IndexError,
+     "request 1: tokens up to 17 exceed req_to_token's max_context_len 16"),
+])
+def test_a_refusal_names_the_first_request_that_is_wrong(call, error, message):
+    with pytest.raises(error) as raised:
+        call(make_table(num_rows=2, max_context_len=16).cpu())
+    assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("lens, starts, bad", [
+    ([4, 4], None, 1),      # page 2: row 1's first slot is odd
+    ([4, 1], None, 1),      # a request of a single token is checked too
+    ([2, 2], [0, 2], 1),    # the check reads each request's own start column, not column 0
+])
+def test_a_range_that_does_not_start_a_page_is_refused_at_page_size_2(lens, starts, bad):
+    table = make_table(num_rows=2, max_context_len=16).cpu()
+    table[1, 0 if starts is None else starts[1]] = 7
+    lens = host(lens)
+    with pytest.raises(ValueError) as raised:
+        create_kv_indices(table, host([0, 1]), lens, create_kv_indptr(lens, 2),
+                          None if starts is None else host(starts), 2)
+    assert str(raised.value) == f"request {bad}: its first slot 7 does not start a page of 2 slots, so its page " \
+                                "id would be wrong"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_page_ids_of_an_int64_table_are_divided_before_they_are_narrowed_to_int32(backend):
+    table = torch.zeros(1, 8, dtype=torch.int64)
+    table[0, 0], table[0, 4] = 2**32, 2**33 - 4  # page ids 2**30 and 2**31 - 1 fit int32; their slots do not
+    lens = host([8])
+    got = create_kv_indices(table, host([0]), lens, create_kv_indptr(lens, 4), None, 4, backend=backend)
+    assert got.tolist() == [2**30, 2**31 - 1]
+
+
+@pytest.mark.skipif(TRITON_RUNS, reason="Triton runs here")
+def test_asking_for_triton_where_it_cannot_run_says_how_to_get_it():
+    table, lens = make_table(num_rows=1, max_context_len=8).cpu(), host([4])
+    with pytest.raises(RuntimeError) as raised:
+        create_kv_indices(table, host([0]), lens, create_kv_indptr(lens), backend="triton")
+    assert str(raised.value) == ("backend='triton' cannot run on cpu tensors: Triton needs CUDA tensors, or CPU "
+                                 "tensors with TRITON_INTERPRET=1 set before the kernels module is imported")

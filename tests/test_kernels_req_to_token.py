@@ -219,3 +219,47 @@ def test_the_device_fallback_writes_what_the_host_one_does(data, with_prefix, ta
     args = (torch.zeros(6, 48, dtype=table_dtype), rows, prefix_lens, seq_lens, out_cache_loc, prefix_indices,
             prefix_indptr)
     assert torch.equal(table, expected_table(*args))
+
+
+# ---- what mutation testing found unpinned (scripts/mutation.py kernels) ------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_three_requests_each_with_prefix_slots_are_written_whole(backend):
+    table = torch.full((4, 12), -1, dtype=torch.int32, device=DEVICE)
+    args = (table, [3, 0, 2], [2, 3, 1], [4, 5, 3], [7, 8, 9, 10, 11, 12],
+            [21, 22, 31, 32, 33, 41], [0, 2, 5, 6])
+    assert torch.equal(write(*args, backend=backend), expected_table(*args))
+
+
+def test_the_last_column_and_the_largest_slot_of_the_table_are_in_range():
+    table = torch.zeros(2, 8, dtype=torch.int32)
+    write_req_to_token(table, t([1]), t([6]), t([8]), t([5, 2**31 - 1]))
+    assert table[1].tolist() == [0] * 6 + [5, 2**31 - 1]
+
+
+@pytest.mark.parametrize("overrides, error, message", [
+    (dict(seq_lens=torch.tensor([8, 9]), out_cache_loc=torch.arange(1, 16)), IndexError,
+     "seq_lens[1] = 9 exceeds req_to_token's max_context_len 8"),
+    (dict(out_cache_loc=torch.tensor([0, 1, 2, 3, 2**31])), ValueError,
+     "out_cache_loc holds slot 2147483648, outside [0, 2147483647] of req_to_token's torch.int32"),
+])
+def test_a_refusal_names_the_value_that_is_out_of_range(overrides, error, message):
+    args = bad_call(**overrides)
+    with pytest.raises(error) as raised:
+        write_req_to_token(**args)
+    assert str(raised.value) == message
+
+
+def test_the_device_fallback_reads_prefix_slots_from_where_prefix_indptr_starts():
+    args = (t([1, 0]), t([2, 1]), t([3, 2]), t([8, 9]), t([99, 21, 22, 31]), t([1, 3, 4]))
+    host_table, fallback_table = torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32)
+    write_req_to_token(host_table, *args)
+    _write_req_to_token_vectorized(fallback_table, *args)
+    assert torch.equal(fallback_table, host_table) and host_table.tolist() == [[31, 9, 0, 0], [21, 22, 8, 0]]
+
+
+@pytest.mark.skipif(TRITON_RUNS, reason="Triton runs here")
+def test_asking_for_triton_where_it_cannot_run_is_refused_before_writing():
+    args = bad_call()
+    with pytest.raises(RuntimeError, match="^backend='triton' cannot run on cpu tensors"):
+        write_req_to_token(**args, backend="triton")
+    assert args["req_to_token"].count_nonzero() == 0
