@@ -940,3 +940,28 @@ def test_add_request_refuses_what_can_never_run_and_counts_it():
     assert len(sched.waiting) == 1 and sched.stats.rejected == 0
     assert message_of_call(lambda: Scheduler(sched.req_to_token_pool, sched.token_allocator, sched.tree_cache,
                                              config={})) == "config must be a SchedulerConfig, got dict"
+
+
+# ---- the device path of the request table, run on the CPU -------------------------------------------------
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(2))
+def test_a_pool_without_a_host_view_serves_what_the_host_path_serves(page_size, seed):
+    # A CUDA request table has no numpy view: every write then goes through the kernels' entry points. The
+    # same path runs here on CPU tensors when the pool's host view is taken away.
+    rng = random.Random(seed)
+    systems = [[rng.randrange(10, 30000) for _ in range(40)] for _ in range(2)]
+    specs = [(rng.choice(systems) + [rng.randrange(10, 30000) for _ in range(rng.randint(1, 60))],
+              rng.randint(1, 30)) for _ in range(16)]
+    results = []
+    for host in (True, False):
+        sched = make_scheduler(400, page_size, schedule_policy="lpm", max_running_requests=6, chunked_prefill_size=32,
+                               init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+        if not host:
+            sched.req_to_token_pool.host_view = None
+        reqs = [Req(i, p, n) for i, (p, n) in enumerate(specs)]
+        run(sched, reqs)  # the FakeModel checks every row of every batch against the tokens it wrote
+        sched.check_invariants()
+        results.append(([r.output_ids for r in reqs], sched.stats, sched.tree_cache.evictable_size()))
+    assert results[0] == results[1]
+    assert all(r == expected_output(q) for r, q in zip(results[1][0], [Req(i, p, n) for i, (p, n) in enumerate(specs)]))
+    assert results[1][1].retractions > 0 or results[1][1].evicted_tokens > 0
