@@ -942,6 +942,23 @@ def test_add_request_refuses_what_can_never_run_and_counts_it():
                                              config={})) == "config must be a SchedulerConfig, got dict"
 
 
+def test_the_phase_timer_counts_evictions_and_their_seconds_fit_the_loop():
+    from time import perf_counter
+
+    from kvmem.timing import PhaseTimer
+
+    pool, alloc = ReqToTokenPool(8, 64), TokenAllocator(40)
+    timer = PhaseTimer()
+    sched = Scheduler(pool, alloc, RadixCache(pool, alloc), SchedulerConfig(schedule_policy="fcfs"), timer=timer)
+    t0 = perf_counter()
+    for i in range(4):  # each prompt evicts what the one before it cached
+        run(sched, [Req(i, [100 * i + t for t in range(1, 33)], 2)])
+    elapsed = perf_counter() - t0
+    assert sched.stats.evicted_tokens > 0 and timer.calls["evict"] >= 1
+    assert set(timer.calls) == set(timer.seconds) and None not in timer.calls
+    assert 0 < timer.seconds["evict"] <= elapsed and sum(timer.seconds.values()) <= elapsed
+
+
 # ---- the device path of the request table, run on the CPU -------------------------------------------------
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("seed", range(2))
