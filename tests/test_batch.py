@@ -115,7 +115,8 @@ def test_a_batch_refuses_parts_that_do_not_belong_together():
     assert message_of(lambda: ScheduleBatch([], pool, None, tree)) == \
         "token_allocator must be a TokenAllocator or PagedTokenAllocator, got NoneType"
     assert message_of(lambda: ScheduleBatch([], pool, alloc, None)) == "tree_cache must be a RadixCache, got NoneType"
-    assert message_of(lambda: ScheduleBatch([], 4, alloc, tree)) == "req_to_token_pool must be a ReqToTokenPool, got int"
+    assert message_of(lambda: ScheduleBatch([], 4, alloc, tree)) == \
+        "req_to_token_pool must be a ReqToTokenPool, got int"
     assert message_of(lambda: ScheduleBatch([], pool, "slots", tree)) == \
         "token_allocator must be a TokenAllocator or PagedTokenAllocator, got str"
     assert message_of(lambda: ScheduleBatch([], pool, alloc, [])) == "tree_cache must be a RadixCache, got list"
