@@ -1,6 +1,7 @@
 """End-to-end scheduler loops with a fake model that writes token ids into a fake KV store."""
 
 import random
+from time import perf_counter
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from kvmem.batch import ForwardMode, Req, ScheduleBatch
 from kvmem.radix_cache import RadixCache
 from kvmem.req_to_token import ReqToTokenPool
 from kvmem.scheduler import Scheduler, SchedulerConfig
+from kvmem.timing import PhaseTimer
 
 
 def make_scheduler(capacity, page_size=1, max_context_len=4096, rows=64, **cfg):
@@ -504,7 +506,7 @@ def drive(sched, reqs, outputs, use_runs):
     return samples, finished
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("page_size", [1, 2, 16])
 @pytest.mark.parametrize("seed", range(3))
 def test_run_decode_leaves_every_step_as_stepping_one_by_one_would(page_size, seed):
     rng = random.Random(seed)
@@ -517,10 +519,15 @@ def test_run_decode_leaves_every_step_as_stepping_one_by_one_would(page_size, se
         # Small enough to evict in decode and, with no room reserved for outputs, to retract.
         sched = make_scheduler(1200, page_size, schedule_policy="fcfs", max_running_requests=8,
                                init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+        sched.timer = timer = PhaseTimer()
         reqs = [Req(i, p, n) for i, (p, n) in enumerate(specs)]
+        t0 = perf_counter()
         samples, finished = drive(sched, reqs, outputs, use_runs)
+        elapsed = perf_counter() - t0
+        assert 0 < timer.seconds["evict"] <= elapsed and None not in timer.calls
         results.append((samples, finished, [r.output_ids for r in reqs], tree_shape(sched.tree_cache),
-                        sched.stats, sched.new_token_ratio, sched.token_allocator.available_size()))
+                        sched.stats, sched.new_token_ratio, sched.token_allocator.available_size(),
+                        timer.calls["evict"]))  # an eviction (and its timing) only where a step is short
     assert results[0] == results[1]
     assert results[1][4].evicted_tokens > 0 and results[1][4].retractions > 0
 
@@ -620,6 +627,29 @@ def test_in_batch_prefix_caching_makes_a_sharer_wait_a_step_and_hit(page_size):
     assert batches[True] == [["a"], ["b", "c"]] and hits[True, "b"] == 64
 
 
+SYSTEM = list(range(1000, 1064))
+
+
+@pytest.mark.parametrize("a, b, b_waits", [
+    (SYSTEM[:16], SYSTEM[:16] + [3, 4], True),   # a computes exactly the page b would hit
+    (SYSTEM + [1, 2], SYSTEM[:16] + [9], True),  # b's match key is exactly that page
+    (SYSTEM + [1, 2], SYSTEM[:16], False),       # b's last token is on that page: it computes the page anyway
+])
+def test_in_batch_prefix_caching_waits_only_for_a_whole_page_it_could_hit(a, b, b_waits):
+    sched = make_scheduler(8192, 16, schedule_policy="fcfs", in_batch_prefix_caching=True)
+    reqs = [Req("a", a, 2), Req("b", b, 2)]
+    for r in reqs:
+        sched.add_request(r)
+    model, admitted = FakeModel(sched), []
+    while not sched.is_idle():
+        batch = sched.step()
+        if batch.forward_mode is ForwardMode.EXTEND:
+            admitted.append([(r.rid, len(r.prefix_indices)) for r in batch.reqs])
+        sched.process_batch_result(batch, model.forward(batch))
+    assert admitted == ([[("a", 0)], [("b", 16)]] if b_waits else [[("a", 0), ("b", 0)]])
+    assert all(r.output_ids == expected_output(r) for r in reqs)
+
+
 def test_scheduler_config_refuses_non_bool_switches():
     with pytest.raises(ValueError, match="cache_decode_pages"):
         SchedulerConfig(cache_decode_pages=1)
@@ -674,10 +704,6 @@ def test_the_same_prompt_sent_twice_is_served_from_the_cache_and_computes_its_la
 
 
 def test_a_phase_timer_counts_each_phase_of_the_loop_and_its_seconds_fit_the_loop():
-    from time import perf_counter
-
-    from kvmem.timing import PhaseTimer
-
     pool, alloc = ReqToTokenPool(4, 64), TokenAllocator(256)
     timer = PhaseTimer()
     sched = Scheduler(pool, alloc, RadixCache(pool, alloc), SchedulerConfig(), timer=timer)
@@ -943,10 +969,6 @@ def test_add_request_refuses_what_can_never_run_and_counts_it():
 
 
 def test_the_phase_timer_counts_evictions_and_their_seconds_fit_the_loop():
-    from time import perf_counter
-
-    from kvmem.timing import PhaseTimer
-
     pool, alloc = ReqToTokenPool(8, 64), TokenAllocator(40)
     timer = PhaseTimer()
     sched = Scheduler(pool, alloc, RadixCache(pool, alloc), SchedulerConfig(schedule_policy="fcfs"), timer=timer)

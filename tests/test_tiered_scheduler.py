@@ -283,3 +283,21 @@ def test_a_prompt_another_server_stored_is_read_from_storage_and_loaded_back(tmp
     assert (first.host_hit_len, first.storage_hit_len, first.prefetch) == (0, 0, None)
     second = serve_on_a_fresh_server(prompt)  # its 35 matched tokens come from the store through the host
     assert (second.host_hit_len, second.storage_hit_len, second.prefetch) == (35, 35, None)
+
+
+def test_a_load_back_evicts_only_the_device_tokens_it_is_short_of():
+    # Device 60, host 120. A (20) is cached and backed up; B (30) and C (18) follow, and C's admission evicts A
+    # from the device (LRU). A again finds 19 tokens on the host with 12 slots free: 7 short, so the oldest
+    # device leaf, B, goes (30), and C stays.
+    alloc, rows = TokenAllocator(60), ReqToTokenPool(4, 64)
+    tree = HiRadixCache(rows, alloc, HostSlotPool(120))
+    sched = Scheduler(rows, alloc, tree, SchedulerConfig(schedule_policy="fcfs", chunked_prefill_size=None))
+    a, b, c = list(range(1, 21)), list(range(101, 131)), list(range(201, 219))
+    for rid, prompt in (("a", a), ("b", b), ("c", c), ("a2", a)):
+        req = Req(rid, prompt, 1)
+        sched.add_request(req)
+        sched.process_batch_result(sched.step(), [7])
+        sched.check_invariants()
+    assert (req.host_hit_len, tree.stats.loaded_tokens) == (19, 19)
+    assert sched.stats.evicted_tokens == 20 + 30
+    assert tree.match_prefix(c).indices.numel() == 18 and tree.match_prefix(b).indices.numel() == 0
