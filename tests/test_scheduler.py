@@ -1004,3 +1004,33 @@ def test_a_pool_without_a_host_view_serves_what_the_host_path_serves(page_size, 
     assert results[0] == results[1]
     assert all(r == expected_output(q) for r, q in zip(results[1][0], [Req(i, p, n) for i, (p, n) in enumerate(specs)]))
     assert results[1][1].retractions > 0 or results[1][1].evicted_tokens > 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_decode_runs_through_a_pool_without_a_host_view_write_what_the_host_path_writes(page_size):
+    rng = random.Random(7)
+    specs = [([rng.randrange(10, 30000) for _ in range(rng.randint(4, 40))], rng.randint(5, 60)) for _ in range(12)]
+    outputs = {i: [rng.randrange(10, 30000) for _ in range(n)] for i, (_, n) in enumerate(specs)}
+    results = []
+    for host in (True, False):
+        sched = make_scheduler(600, page_size, schedule_policy="fcfs", max_running_requests=6,
+                               init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+        if not host:
+            sched.req_to_token_pool.host_view = None
+        reqs = [Req(i, p, n) for i, (p, n) in enumerate(specs)]
+        rows = {}
+        for r in reqs:
+            sched.add_request(r)
+        while not sched.is_idle():
+            steps = sched.pure_decode_steps()
+            if steps:
+                sched.run_decode(steps, outputs)
+            else:
+                batch = sched.step()
+                sched.process_batch_result(batch, [outputs[r.rid][len(r.output_ids)] for r in batch.reqs])
+            table = sched.req_to_token_pool.req_to_token
+            for r in sched.running:  # every running request's row, as the next step would read it
+                rows[r.rid, len(r.output_ids)] = table[r.req_pool_idx, :r.kv_len].tolist()
+            sched.check_invariants()
+        results.append((rows, [r.output_ids for r in reqs], sched.stats, tree_shape(sched.tree_cache)))
+    assert results[0] == results[1] and results[0][2].decode_batches > 0
