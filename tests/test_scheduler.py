@@ -1034,3 +1034,39 @@ def test_decode_runs_through_a_pool_without_a_host_view_write_what_the_host_path
             sched.check_invariants()
         results.append((rows, [r.output_ids for r in reqs], sched.stats, tree_shape(sched.tree_cache)))
     assert results[0] == results[1] and results[0][2].decode_batches > 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(3))
+def test_lpm_ranks_with_kept_walks_as_it_would_with_fresh_ones(page_size, seed):
+    # Waiting requests keep their ranking walk between steps and take it again only where the tree changed; a
+    # follow-up quoting a running request's output finds its decoded pages. Clearing the kept walks before every
+    # step must change nothing: not the batches, not what they hit.
+    rng = random.Random(seed)
+    systems = [[rng.randrange(10, 30000) for _ in range(24)] for _ in range(3)]
+    firsts = [Req(f"r{i}", rng.choice(systems) + [rng.randrange(10, 30000) for _ in range(rng.randint(1, 12))],
+                  rng.randint(8, 24), namespace=rng.choice([None, None, "t"])) for i in range(10)]
+    follow_ups = []
+    for i, r in enumerate(firsts[:6]):
+        quoted = expected_output(r)[:rng.randint(4, 8)]
+        follow_ups.append((r, list(r.input_ids) + quoted + [rng.randrange(10, 30000) for _ in range(3)]))
+    runs = []
+    for fresh in (False, True):
+        sched = make_scheduler(2000, page_size, schedule_policy="lpm", max_running_requests=3,
+                               chunked_prefill_size=None)
+        reqs = [Req(r.rid, r.input_ids, r.max_new_tokens, namespace=r.namespace) for r in firsts]
+        reqs += [Req(f"{r.rid}+", prompt, 4, namespace=r.namespace) for r, prompt in follow_ups]
+        for r in reqs:
+            sched.add_request(r)
+        model, batches = FakeModel(sched), []
+        while not sched.is_idle():
+            if fresh:
+                sched._walks.clear()
+            batch = sched.step()
+            batches.append([(r.rid, len(r.prefix_indices)) for r in batch.reqs])
+            sched.process_batch_result(batch, model.forward(batch))
+            sched.check_invariants()
+        runs.append((batches, [r.output_ids for r in reqs]))
+    assert runs[0] == runs[1]
+    hits = [n for batch in runs[0][0] for rid, n in batch if rid.endswith("+")]
+    assert max(hits) > 24  # some follow-up found the decoded pages of the request it quotes
