@@ -1070,3 +1070,41 @@ def test_lpm_ranks_with_kept_walks_as_it_would_with_fresh_ones(page_size, seed):
     assert runs[0] == runs[1]
     hits = [n for batch in runs[0][0] for rid, n in batch if rid.endswith("+")]
     assert max(hits) > 24  # some follow-up found the decoded pages of the request it quotes
+
+
+def test_run_decode_refusals_say_what_was_wrong_in_full_and_it_times_itself():
+    sched = make_scheduler(4096, 1)
+    sched.timer = timer = PhaseTimer()
+    sched.add_request(Req("a", [1, 2, 3], 5))
+    batch = sched.step()
+    with pytest.raises(RuntimeError) as raised:
+        sched.run_decode(1, {"a": [9] * 5})
+    assert str(raised.value) == "run_decode() called before process_batch_result() for the previous batch"
+    sched.process_batch_result(batch, [9])
+    for bad, message in ((0, "num_steps must be a positive int, got 0"),
+                         ("2", "num_steps must be a positive int, got '2'")):
+        with pytest.raises(ValueError) as raised:
+            sched.run_decode(bad, {"a": [9] * 5})
+        assert str(raised.value) == message
+    t0 = perf_counter()
+    run = sched.run_decode(4, {"a": [9] * 5})
+    assert run.steps == 4 and [r.rid for r in run.finished] == ["a"]
+    assert timer.calls["decode_run"] == 1 and 0 < timer.seconds["decode_run"] <= perf_counter() - t0
+
+
+def test_every_rejection_and_every_retraction_is_counted():
+    sched = make_scheduler(96, 1, max_running_requests=4, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    for rid in ("long1", "long2"):
+        with pytest.raises(ValueError):
+            sched.add_request(Req(rid, list(range(1, 90)), 10))
+    assert sched.stats.rejected == 2
+    reqs = [Req(i, [i * 40 + t for t in range(1, 9)], 30) for i in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    model, retracted = FakeModel(sched), 0
+    while not sched.is_idle():
+        batch = sched.step()
+        retracted += len(batch.retracted)
+        sched.process_batch_result(batch, model.forward(batch))
+    assert retracted >= 2 and sched.stats.retractions == retracted
+    assert all(r.output_ids == expected_output(r) for r in reqs)
