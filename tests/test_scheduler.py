@@ -1089,6 +1089,7 @@ def test_run_decode_refusals_say_what_was_wrong_in_full_and_it_times_itself():
     t0 = perf_counter()
     run = sched.run_decode(4, {"a": [9] * 5})
     assert run.steps == 4 and [r.rid for r in run.finished] == ["a"]
+    assert run.tokens_used.dtype == run.evictable_tokens.dtype == np.int64
     assert timer.calls["decode_run"] == 1 and 0 < timer.seconds["decode_run"] <= perf_counter() - t0
 
 
@@ -1108,3 +1109,25 @@ def test_every_rejection_and_every_retraction_is_counted():
         sched.process_batch_result(batch, model.forward(batch))
     assert retracted >= 2 and sched.stats.retractions == retracted
     assert all(r.output_ids == expected_output(r) for r in reqs)
+
+
+@pytest.mark.parametrize("cache_decode_pages", [True, False])
+def test_the_scheduler_s_retraction_follows_its_cache_decode_pages_setting(cache_decode_pages):
+    sched = make_scheduler(256, 4, max_running_requests=4, cache_decode_pages=cache_decode_pages)
+    reqs = [Req(i, [i * 50 + t for t in range(1, 33)], 20) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    model = FakeModel(sched)
+    for _ in range(9):  # prefill and 8 decode steps: 40 tokens of each in KV
+        batch = sched.step()
+        sched.process_batch_result(batch, model.forward(batch))
+    hoard = sched.token_allocator.alloc(sched.token_allocator.available_size())
+    batch = sched.step()  # no free slot for the next decode: a retraction
+    # The victim's 8 decoded tokens are cached (cache_decode_pages) or freed; cached, they are the only evictable
+    # leaf, and the decode of the two left evicts them at once. Either way its prompt stays.
+    victim = batch.retracted[0]
+    assert batch.evicted_tokens == (8 if cache_decode_pages else 0)
+    assert len(sched.tree_cache.match_prefix(list(victim.fill_ids)).indices) == 32
+    sched.process_batch_result(batch, model.forward(batch))
+    sched.token_allocator.free(hoard)
+    sched.check_invariants()
