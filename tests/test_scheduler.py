@@ -506,13 +506,19 @@ def drive(sched, reqs, outputs, use_runs):
     return samples, finished
 
 
+def shared_prefix_specs(seed, count, system_len, max_suffix, max_output):
+    """`count` (prompt, max_new_tokens) pairs whose prompts start with one of two system prompts, and the
+    random generator that drew them (for the outputs)."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(10, 30000) for _ in range(system_len)] for _ in range(2)]
+    return rng, [(rng.choice(systems) + [rng.randrange(10, 30000) for _ in range(rng.randint(1, max_suffix))],
+                  rng.randint(1, max_output)) for _ in range(count)]
+
+
 @pytest.mark.parametrize("page_size", [1, 2, 16])
 @pytest.mark.parametrize("seed", range(3))
 def test_run_decode_leaves_every_step_as_stepping_one_by_one_would(page_size, seed):
-    rng = random.Random(seed)
-    systems = [[rng.randrange(10, 30000) for _ in range(200)] for _ in range(2)]
-    specs = [(rng.choice(systems) + [rng.randrange(10, 30000) for _ in range(rng.randint(1, 150))],
-              rng.randint(1, 150)) for _ in range(30)]
+    rng, specs = shared_prefix_specs(seed, 30, system_len=200, max_suffix=150, max_output=150)
     outputs = {i: [rng.randrange(10, 30000) for _ in range(n)] for i, (_, n) in enumerate(specs)}
     results = []
     for use_runs in (False, True):
@@ -583,17 +589,22 @@ def test_a_request_that_continues_a_running_requests_output_hits_its_written_pag
     assert a.output_ids == expected_output(a)
 
 
-@pytest.mark.parametrize("cache_decode_pages", [True, False])
-def test_a_retracted_request_leaves_its_written_output_pages_cached(cache_decode_pages):
+def three_decoding_with_no_free_slot(cache_decode_pages):
+    """Three requests 40 tokens into their decode (8 tokens past their prompts, at page size 4), and every free
+    slot held elsewhere (`hoard`), so that the next decode must retract."""
     sched = make_scheduler(256, 4, max_running_requests=4, cache_decode_pages=cache_decode_pages)
-    reqs = [Req(i, [i * 50 + t for t in range(1, 33)], 20) for i in range(3)]
-    for r in reqs:
-        sched.add_request(r)
+    for i in range(3):
+        sched.add_request(Req(i, [i * 50 + t for t in range(1, 33)], 20))
     model = FakeModel(sched)
-    for _ in range(9):  # prefill and 8 decode steps: 40 tokens of each in KV
+    for _ in range(9):  # prefill and 8 decode steps
         batch = sched.step()
         sched.process_batch_result(batch, model.forward(batch))
-    hoard = sched.token_allocator.alloc(sched.token_allocator.available_size())
+    return sched, model, sched.token_allocator.alloc(sched.token_allocator.available_size())
+
+
+@pytest.mark.parametrize("cache_decode_pages", [True, False])
+def test_a_retracted_request_leaves_its_written_output_pages_cached(cache_decode_pages):
+    sched, model, hoard = three_decoding_with_no_free_slot(cache_decode_pages)
     batch = ScheduleBatch._of(list(sched.running), sched.req_to_token_pool, sched.token_allocator,
                               sched.tree_cache, cache_decode_pages=cache_decode_pages)
     victim = batch.retract_decode()[0]
@@ -603,31 +614,35 @@ def test_a_retracted_request_leaves_its_written_output_pages_cached(cache_decode
     sched.token_allocator.free(hoard)
 
 
+SYSTEM = list(range(1000, 1064))
+
+
+def extend_batches(sched, reqs):
+    """Serves `reqs` to idle (checking the invariants and every output) and returns each extend batch's
+    (rid, cached prefix length) pairs."""
+    for r in reqs:
+        sched.add_request(r)
+    model, admitted = FakeModel(sched), []
+    while not sched.is_idle():
+        batch = sched.step()
+        if batch.forward_mode is ForwardMode.EXTEND:
+            admitted.append([(r.rid, len(r.prefix_indices)) for r in batch.reqs])
+        sched.process_batch_result(batch, model.forward(batch))
+        sched.check_invariants()
+    assert all(r.output_ids == expected_output(r) for r in reqs)
+    return admitted
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_in_batch_prefix_caching_makes_a_sharer_wait_a_step_and_hit(page_size):
-    system = list(range(1000, 1064))
-    batches, hits = {}, {}
+    batches = {}
     for in_batch in (False, True):
         sched = make_scheduler(8192, page_size, schedule_policy="fcfs", in_batch_prefix_caching=in_batch)
-        reqs = [Req("a", system + [1, 2], 3), Req("b", system + [3, 4], 3), Req("c", [5] * 40, 3)]
-        for r in reqs:
-            sched.add_request(r)
-        model, admitted = FakeModel(sched), []
-        while not sched.is_idle():
-            batch = sched.step()
-            if batch.forward_mode is ForwardMode.EXTEND:
-                admitted.append([r.rid for r in batch.reqs])
-                hits.update({(in_batch, r.rid): len(r.prefix_indices) for r in batch.reqs})
-            sched.process_batch_result(batch, model.forward(batch))
-            sched.check_invariants()
-        batches[in_batch] = admitted
-        assert all(r.output_ids == expected_output(r) for r in reqs)
-    assert batches[False] == [["a", "b", "c"]] and hits[False, "b"] == 0
+        batches[in_batch] = extend_batches(sched, [Req("a", SYSTEM + [1, 2], 3), Req("b", SYSTEM + [3, 4], 3),
+                                                   Req("c", [5] * 40, 3)])
+    assert batches[False] == [[("a", 0), ("b", 0), ("c", 0)]]
     # b's next page is one a computes in the same batch: b (and c behind it) wait a step, and b hits it.
-    assert batches[True] == [["a"], ["b", "c"]] and hits[True, "b"] == 64
-
-
-SYSTEM = list(range(1000, 1064))
+    assert batches[True] == [[("a", 0)], [("b", 64), ("c", 0)]]
 
 
 @pytest.mark.parametrize("a, b, b_waits", [
@@ -637,17 +652,8 @@ SYSTEM = list(range(1000, 1064))
 ])
 def test_in_batch_prefix_caching_waits_only_for_a_whole_page_it_could_hit(a, b, b_waits):
     sched = make_scheduler(8192, 16, schedule_policy="fcfs", in_batch_prefix_caching=True)
-    reqs = [Req("a", a, 2), Req("b", b, 2)]
-    for r in reqs:
-        sched.add_request(r)
-    model, admitted = FakeModel(sched), []
-    while not sched.is_idle():
-        batch = sched.step()
-        if batch.forward_mode is ForwardMode.EXTEND:
-            admitted.append([(r.rid, len(r.prefix_indices)) for r in batch.reqs])
-        sched.process_batch_result(batch, model.forward(batch))
+    admitted = extend_batches(sched, [Req("a", a, 2), Req("b", b, 2)])
     assert admitted == ([[("a", 0)], [("b", 16)]] if b_waits else [[("a", 0), ("b", 0)]])
-    assert all(r.output_ids == expected_output(r) for r in reqs)
 
 
 def test_scheduler_config_refuses_non_bool_switches():
@@ -987,10 +993,7 @@ def test_the_phase_timer_counts_evictions_and_their_seconds_fit_the_loop():
 def test_a_pool_without_a_host_view_serves_what_the_host_path_serves(page_size, seed):
     # A CUDA request table has no numpy view: every write then goes through the kernels' entry points. The
     # same path runs here on CPU tensors when the pool's host view is taken away.
-    rng = random.Random(seed)
-    systems = [[rng.randrange(10, 30000) for _ in range(40)] for _ in range(2)]
-    specs = [(rng.choice(systems) + [rng.randrange(10, 30000) for _ in range(rng.randint(1, 60))],
-              rng.randint(1, 30)) for _ in range(16)]
+    _, specs = shared_prefix_specs(seed, 16, system_len=40, max_suffix=60, max_output=30)
     results = []
     for host in (True, False):
         sched = make_scheduler(400, page_size, schedule_policy="lpm", max_running_requests=6, chunked_prefill_size=32,
@@ -1113,15 +1116,7 @@ def test_every_rejection_and_every_retraction_is_counted():
 
 @pytest.mark.parametrize("cache_decode_pages", [True, False])
 def test_the_scheduler_s_retraction_follows_its_cache_decode_pages_setting(cache_decode_pages):
-    sched = make_scheduler(256, 4, max_running_requests=4, cache_decode_pages=cache_decode_pages)
-    reqs = [Req(i, [i * 50 + t for t in range(1, 33)], 20) for i in range(3)]
-    for r in reqs:
-        sched.add_request(r)
-    model = FakeModel(sched)
-    for _ in range(9):  # prefill and 8 decode steps: 40 tokens of each in KV
-        batch = sched.step()
-        sched.process_batch_result(batch, model.forward(batch))
-    hoard = sched.token_allocator.alloc(sched.token_allocator.available_size())
+    sched, model, hoard = three_decoding_with_no_free_slot(cache_decode_pages)
     batch = sched.step()  # no free slot for the next decode: a retraction
     # The victim's 8 decoded tokens are cached (cache_decode_pages) or freed; cached, they are the only evictable
     # leaf, and the decode of the two left evicts them at once. Either way its prompt stays.
