@@ -189,3 +189,28 @@ def test_a_config_names_a_known_gpu_and_model():
                                 ("tp", 0, "tp"), ("cache_decode_pages", "no", "cache_decode_pages")):
         with pytest.raises(ValueError, match=match):
             dataclasses.replace(base, **{field: value})
+
+
+def test_the_summary_of_one_replay_reads_in_full():
+    tiered = a_report(4096, host=16384)
+    tiered.storage, tiered.num_gpus, tiered.prefill_seconds_saved = "file:/tmp/kv", 8, 12.5
+    tiered.loaded_tokens, tiered.backed_up_tokens, tiered.transfer_seconds = 2500, 70000, 1.25
+    tiered.evicted_tokens, tiered.retractions = 1234567, 3
+    # TTFT over 0.5, 1 and 4 s: p90 = 1 + 0.8 x 3, p99 = 1 + 0.98 x 3; 300 outputs over 2 s; 2048 tokens used
+    # at the one step, 10 of them evictable.
+    assert format_summary([tiered], "T").splitlines() == [
+        "T",
+        "clock: fixed",
+        "  hit rate                0.250 (device 0.150, host 0.100, storage 0.000)",
+        "  prompt tokens cached    250 of 1k (1 requests, 0 rejected)",
+        "  prefill time saved      12.5 s (100 GPU-s)",
+        "  TTFT p50 / p90 / p99    1 s / 3.4 s / 3.94 s",
+        "  throughput              150 output tokens/s over 2 s simulated",
+        "  KV memory               peak 2.05k of 4.1k tokens, mean 2.05k, pinned by requests at most 2.04k",
+        "  host tier               16.4k tokens; loaded 2.5k, backed up 70k, 1.2 s of copies",
+        "  evicted                 1.23M tokens, 3 retractions"]
+    plain = format_summary([a_report(4096)], "T").splitlines()
+    assert plain[2:5] == ["  hit rate                0.250",
+                          "  prompt tokens cached    250 of 1k (1 requests, 0 rejected)",
+                          "  prefill time saved      0.0 s"]
+    assert plain[-1] == "  evicted                 0 tokens, 0 retractions" and len(plain) == 9
