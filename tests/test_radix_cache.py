@@ -873,6 +873,22 @@ def test_node_and_cache_reprs_name_their_parts():
                           "evictable_leaves=1)"
 
 
+@pytest.mark.parametrize("length, shown", [(8, "[1, 2, 3, 4, 5, 6, 7, 8]"), (9, "[1, 2, 3, 4, 5, 6, 7, 8, '...']")])
+def test_a_node_repr_shows_up_to_eight_tokens(length, shown):
+    cache, _ = make_cache()
+    put(cache, list(range(1, length + 1)))
+    node = cache.match_prefix(list(range(1, length + 1))).last_node
+    assert repr(node) == f"TreeNode(id={node.id}, tokens={shown}, num_tokens={length}, lock_ref=0)"
+
+
+def test_a_cache_repr_counts_pinned_leaves_among_the_evictable_ones():
+    cache, _ = make_cache()
+    for first in (10, 20):
+        put(cache, list(range(first, first + 4)))
+    cache.pin(list(range(10, 14)))
+    assert repr(cache).endswith("evictable=8, protected=0, evictable_leaves=2)")
+
+
 def corrupt(case):
     """A tree with one invariant broken by hand, and the message check_invariants must give."""
     cache, alloc = make_cache(size=16, page_size=2)
@@ -947,3 +963,17 @@ def test_check_invariants_names_the_invariant_that_broke(case):
     with pytest.raises(AssertionError) as raised:
         cache.check_invariants()
     assert str(raised.value) == f"RadixCache invariant broken: {message}"
+
+
+def test_two_pins_on_one_node_keep_it_pinned_until_both_are_released():
+    cache, _ = make_cache()
+    put(cache, [1, 2, 3, 4])
+    put(cache, [7, 8, 9, 10])
+    assert cache.pin([1, 2, 3, 4]) == 4 and cache.pin([1, 2, 3, 4, 99]) == 4  # both end at the same node
+    assert cache.pinned_size() == 8
+    assert cache.unpin([1, 2, 3, 4]) == 4 and cache.pinned_size() == 4
+    cache.check_invariants()
+    assert cache.evict(1) == 4 and cache.match_prefix([1, 2, 3, 4]).indices.numel() == 4  # still pinned: kept
+    assert cache.unpin([1, 2, 3, 4, 99]) == 4 and cache.pinned_size() == 0
+    cache.check_invariants()
+    assert cache.evict(1) == 4 and cache.match_prefix([1, 2, 3, 4]).indices.numel() == 0
