@@ -977,3 +977,24 @@ def test_two_pins_on_one_node_keep_it_pinned_until_both_are_released():
     assert cache.unpin([1, 2, 3, 4, 99]) == 4 and cache.pinned_size() == 0
     cache.check_invariants()
     assert cache.evict(1) == 4 and cache.match_prefix([1, 2, 3, 4]).indices.numel() == 0
+
+
+def test_unpin_refuses_what_pin_refuses_naming_the_argument():
+    cache, _ = make_cache()
+    put(cache, [1, 2, 3, 4])
+    assert message_of(lambda: cache.unpin("ab")) == "key must be a sequence of int token ids, got str"
+    assert message_of(lambda: cache.unpin([1, 2], namespace=3)) == "namespace must be a str or None, got int"
+    assert cache.pin([1, 2, 3, 4], namespace="t") == 0 and cache.unpin([1, 2, 3, 4], namespace="t") == 0
+
+
+def test_a_request_of_the_engine_s_own_class_is_named_by_its_repr_when_it_has_no_rid():
+    # The cache takes any object with the CachedRequest fields; without an `rid` its errors show the object.
+    from types import SimpleNamespace
+
+    cache, _ = make_cache(size=32)
+    req = SimpleNamespace(req_pool_idx=None, input_ids=[1, 2], output_ids=[], kv_len=0, cache_protected_len=0)
+    assert message_of(lambda: cache.cache_finished_req(req)) == \
+        f"request {req!r} has no req_to_token row (req_pool_idx is None)"
+    req.req_pool_idx, req.cache_protected_len = 0, 1
+    assert message_of(lambda: cache.cache_finished_req(req)) == \
+        f"request {req!r}: need 0 <= cache_protected_len (1) <= kv_len (0)"
