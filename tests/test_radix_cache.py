@@ -998,3 +998,29 @@ def test_a_request_of_the_engine_s_own_class_is_named_by_its_repr_when_it_has_no
     req.req_pool_idx, req.cache_protected_len = 0, 1
     assert message_of(lambda: cache.cache_finished_req(req)) == \
         f"request {req!r}: need 0 <= cache_protected_len (1) <= kv_len (0)"
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("finished", [True, False])
+def test_the_scheduler_s_unchecked_caching_builds_what_the_checked_one_builds(page_size, finished):
+    # The Scheduler caches its own requests with checked=False: the insert starts below the locked prefix and the
+    # frees skip the allocator's checks. Tree, slots in use and the request's fields must come out the same.
+    outcomes = []
+    for checked in (True, False):
+        cache, alloc = make_cache(size=128, page_size=page_size)
+        put(cache, list(range(1, 9)))
+        put(cache, list(range(1, 5)) + [50, 51, 52, 53, 54, 55, 56, 57])
+        req = Req("a", list(range(1, 11)) + [60, 61, 62], max_new_tokens=4)
+        own = admit(cache, req, 12)  # 8 cached; 5 prompt tokens, 4 outputs, a page's slack
+        req.output_ids, req.kv_len = [70, 71, 72, 73], 17
+        cache._cache_req(req, finished=finished, checked=checked)
+        cache.check_invariants()
+        if not finished:  # its prefix is now its whole pages: the tree's slots, as many as cache_protected_len
+            aligned = 17 // page_size * page_size
+            assert req.cache_protected_len == aligned
+            assert req.prefix_indices.tolist() == \
+                cache.match_prefix(list(req.fill_ids)[:aligned] + [0]).indices.tolist()
+        outcomes.append((cached_sequences(cache), alloc.available_size(), cache.evictable_size(),
+                         cache.protected_size(), req.cache_protected_len, len(req.prefix_indices),
+                         alloc.is_allocated(own).tolist()))
+    assert outcomes[0] == outcomes[1]
