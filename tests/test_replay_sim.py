@@ -214,3 +214,23 @@ def test_the_summary_of_one_replay_reads_in_full():
                           "  prompt tokens cached    250 of 1k (1 requests, 0 rejected)",
                           "  prefill time saved      0.0 s"]
     assert plain[-1] == "  evicted                 0 tokens, 0 retractions" and len(plain) == 9
+
+
+def test_the_cache_time_breakdown_splits_the_timed_phases_and_leaves_the_rest_to_batch_work():
+    from kvmem.timing import PhaseTimer
+
+    timer = PhaseTimer()
+    for phase, seconds in (("rank", 0.5), ("match", 1.0), ("alloc", 0.25), ("evict", 0.125), ("cache", 2.0)):
+        timer.add(phase, seconds)
+    report = ReplayReport(100)
+    report.cache_op_seconds = 10.0
+    report.record_cache_phases(timer)
+    assert report.cache_phases == {"match": 1.5, "alloc": 0.25, "evict": 0.125, "insert_release": 2.0,
+                                   "batch": 10.0 - 3.875}
+    report.cache_op_seconds = 1.0  # less than the parts (another clock): the rest is none, not negative
+    report.record_cache_phases(timer)
+    assert report.cache_phases["batch"] == 0.0
+    idle = ReplayReport(100)
+    idle.cache_op_seconds = 1.0
+    idle.record_cache_phases(PhaseTimer())  # nothing ran through the scheduler's timed calls
+    assert idle.cache_phases == {"match": 0.0, "alloc": 0.0, "evict": 0.0, "insert_release": 0.0, "batch": 0.0}
