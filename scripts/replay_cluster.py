@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 
+import _peer  # scripts/_peer.py: the script's own folder is on sys.path
+
 FIELDS = ("hit_rate", "device_hit_rate", "host_hit_rate", "storage_hit_rate", "load_imbalance", "index_hit_rate",
           "requests", "prompt_tokens", "evicted_tokens", "retractions", "makespan_seconds", "routing_seconds")
 
@@ -88,11 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             rows[-1]["options"] = rows[-1]["options"].replace(store, "TMPDIR")
         rows[-1]["vs_first"] = round(rows[-1]["hit_rate"] / rows[0]["hit_rate"], 3) if rows[0]["hit_rate"] else None
         print(json.dumps(rows[-1]), file=sys.stderr)
-    text = json.dumps({"trace": args.trace, "rows": rows}, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    _peer.emit({"trace": args.trace, "rows": rows}, args.out)
     return 0
 
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import itertools
-import json
 import os
 import sys
 import time
+
+import _peer  # scripts/_peer.py: the script's own folder is on sys.path
 
 FIELDS = ("hit_rate", "device_hit_rate", "host_hit_rate", "storage_hit_rate", "loaded_tokens", "backed_up_tokens",
           "host_evicted_tokens", "prefetched_tokens", "stored_tokens", "storage_misses_corrupt", "storage_failed_ops",
@@ -75,11 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     points += [["--capacity-tokens", str(c), "--page-size", str(args.page_size)] for c in args.device_only]
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
         rows = list(pool.map(run_point, [args.trace] * len(points), points))
-    text = json.dumps({"trace": args.trace, "rows": rows}, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    _peer.emit({"trace": args.trace, "rows": rows}, args.out)
     return 0
 
 

@@ -77,6 +77,7 @@ def test_bad_cluster_options_are_one_line_errors(capsys, argv, fragment):
 def test_the_cluster_table_script_replays_each_policy_then_a_shared_store(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the script makes its fresh stores
     script = Path(__file__).resolve().parents[1] / "scripts" / "replay_cluster.py"
+    monkeypatch.syspath_prepend(str(script.parent))  # the script imports _peer from its folder
     main_ = runpy.run_path(str(script), run_name="script")["main"]
     out = tmp_path / "table.json"
     assert main_([str(default_trace_path()), "--limit", "12", "--replicas", "2", "--capacity-tokens", "200000",
