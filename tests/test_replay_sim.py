@@ -234,3 +234,222 @@ def test_the_cache_time_breakdown_splits_the_timed_phases_and_leaves_the_rest_to
     idle.cache_op_seconds = 1.0
     idle.record_cache_phases(PhaseTimer())  # nothing ran through the scheduler's timed calls
     assert idle.cache_phases == {"match": 0.0, "alloc": 0.0, "evict": 0.0, "insert_release": 0.0, "batch": 0.0}
+
+
+def test_the_summary_of_a_sweep_reads_in_full():
+    reports = []
+    for capacity, saved, ttft in ((4096, 12.5, 0.004), (999_999, 20.0, 5000.0)):
+        r = a_report(capacity, host=16384)
+        r.storage, r.num_gpus, r.prefill_seconds_saved = "file:/tmp/kv", 8, saved
+        r.ttft_s[:] = type(r.ttft_s)("d", [ttft])
+        r.evicted_tokens, r.retractions = capacity * 3, 1234
+        reports.append(r)
+    assert format_summary(reports, "T").splitlines() == [
+        "T",
+        "clock: fixed",
+        "  capacity   host  hit rate  device   host  storage  TTFT p50     p90     p99  GPU-s saved  peak memory"
+        "  evicted  retractions",
+        "      4.1k  16.4k     0.250   0.150  0.100    0.000      4 ms    4 ms    4 ms          100          50%"
+        "    12.3k        1,234",
+        "        1M  16.4k     0.250   0.150  0.100    0.000    1.39 h  1.39 h  1.39 h          160          50%"
+        "       3M        1,234"]
+    plain = [a_report(100), a_report(200)]
+    plain[1].ttft_s = type(plain[1].ttft_s)("d")
+    lines = format_summary(plain, "T").splitlines()
+    assert lines[2].split() == ["capacity", "host", "hit", "rate", "device", "host", "TTFT", "p50", "p90", "p99",
+                                "s", "saved", "peak", "memory", "evicted", "retractions"]
+    assert lines[4].split() == ["200", "-", "0.250", "0.250", "-", "-", "-", "-", "0", "50%", "0", "0"]
+
+
+@pytest.mark.parametrize("seconds, text", [(0.004, "4 ms"), (0.00999, "9.99 ms"), (0.01, "0.01 s"),
+                                           (99.94, "99.9 s"), (100, "100 s"), (3599, "3,599 s"),
+                                           (3600, "1.00 h"), (9000, "2.50 h")])
+def test_times_in_the_summary_read_in_ms_s_or_hours(seconds, text):
+    r = a_report(4096)
+    r.ttft_s = type(r.ttft_s)("d", [seconds])
+    assert f"TTFT p50 / p90 / p99    {text} / {text} / {text}" in format_summary([r], "T")
+
+
+@pytest.mark.parametrize("tokens, text", [(0, "0"), (999, "999"), (1000, "1k"), (999_499, "999k"),
+                                          (999_999, "1M"), (1_500_000, "1.5M"), (999_999_999, "1G"),
+                                          (2_500_000_000, "2.5G"), (10**12, "1T"), (3 * 10**15, "3e+03T")])
+def test_token_counts_in_the_summary_take_the_largest_unit_that_leaves_at_least_one(tokens, text):
+    r = a_report(4096)
+    r.evicted_tokens = tokens
+    assert format_summary([r], "T").splitlines()[-1] == f"  evicted                 {text} tokens, 0 retractions"
+
+
+def test_the_summary_of_a_replay_that_ran_nothing_has_no_rates():
+    report = ReplayReport(64, cost_model="fixed")
+    lines = format_summary([report], "T").splitlines()
+    assert lines[5:7] == ["  TTFT p50 / p90 / p99    - / - / -",
+                          "  throughput              0 output tokens/s over 0 ms simulated"]
+
+
+def test_the_json_report_rounds_times_to_the_microsecond():
+    r = a_report(4096)
+    r.ttft_s = type(r.ttft_s)("d", [0.1234567891])
+    r.prefill_seconds_saved, r.num_gpus = 1.23456789, 8
+    out = r.to_json()
+    assert out["ttft_p50_s"] == out["ttft_p99_s"] == out["ttft_mean_s"] == 0.123457
+    assert out["prefill_seconds_saved"] == 1.234568 and out["prefill_gpu_seconds_saved"] == 9.876543
+    assert out["simulated_seconds"] == 2.0 and out["output_tokens_per_s"] == 150.0
+    assert out["requests_per_s"] == 0.5
+
+
+def test_record_steps_takes_samples_of_any_integer_dtype():
+    one, many = ReplayReport(100), ReplayReport(100)
+    for t, u, e, n in [(0.1, 50, 10, 2), (0.2, 52, 8, 1)]:
+        one.record_step(t, u, e, n)
+    many.record_steps([0.1, 0.2], np.array([50, 52], np.int32), np.array([10, 8], np.int16),
+                      np.array([2, 1], np.uint8))
+    assert samples(one) == samples(many)
+
+
+def test_copies_between_tiers_are_priced_in_bytes_over_gigabytes_per_second():
+    from types import SimpleNamespace as NS
+
+    stats = NS(loaded_tokens=10**9, backed_up_tokens=4 * 10**9, host_evicted_tokens=7)
+    link = NS(stats=NS(prefetched_tokens=3 * 10**9, stored_tokens=5 * 10**9),
+              storage=NS(stats=NS(corrupt=1, failed_ops=2)))
+    config = NS(h2d_gbps=1.0, d2h_gbps=2.0, storage_gbps=4.0, kv_bytes_per_token=2, storage="file:/x")
+    report = ReplayReport(100, host_capacity_tokens=10)
+    report.record_tiers(NS(stats=stats, storage_link=None), config)
+    assert report.transfer_seconds == 2 * (1.0 + 2.0) and report.storage is None
+    report.record_tiers(NS(stats=stats, storage_link=link), config)
+    assert report.transfer_seconds == 2 * (1.0 + 2.0 + 2.0)
+    assert (report.storage, report.prefetched_tokens, report.stored_tokens, report.storage_misses_corrupt,
+            report.storage_failed_ops, report.host_evicted_tokens) == ("file:/x", 3 * 10**9, 5 * 10**9, 1, 2, 7)
+
+
+# ---- ReplicaSim: what a step returns, what the cost model is told ------------------------------------------------
+
+class RecordingCost(StepCost):
+    """The fixed clock at exact binary step times, recording what each extend step loaded from the lower tiers."""
+
+    def __init__(self) -> None:
+        super().__init__(decode_step_s=0.25, prefill_tokens_per_s=256.0)
+        self.loads: list[tuple[int, int]] = []
+
+    def extend_seconds(self, prefix_lens, seq_lens, loaded_tokens=0, storage_tokens=0):
+        self.loads.append((loaded_tokens, storage_tokens))
+        return super().extend_seconds(prefix_lens, seq_lens)
+
+
+def test_a_step_returns_the_requests_it_finished_and_those_it_finished_prefilling():
+    sim = ReplicaSim(ReplayConfig(capacity_tokens=4096, max_context_len=512, chunked_prefill_size=96))
+    assert sim.add_request("one", TraceRequest(list(range(1, 33)), output_len=1))
+    assert sim.add_request("two", TraceRequest(list(range(100, 140)), output_len=3))
+    assert sim.add_request("long", TraceRequest(list(range(200, 300)), output_len=2))
+    first = sim.step()  # 32 + 40 tokens, then 24 of the long prompt's 100: a chunk
+    assert [r.rid for r in first.finished] == ["one"] and [r.rid for r in first.prefilled] == ["one", "two"]
+    second = sim.step()  # the rest of the long prompt
+    assert second.finished == [] and [r.rid for r in second.prefilled] == ["long"]
+    third = sim.step()  # a run of pure decode steps: "long" finishes after one, "two" goes on
+    assert [r.rid for r in third.finished] == ["long"] and third.prefilled == []
+    sim.run_until(math.inf)
+    assert sim.is_idle() and sim.step() == ([], [])
+
+
+def test_one_step_takes_a_whole_run_of_decode_steps_and_run_until_none_starting_at_the_time():
+    sim = ReplicaSim(ReplayConfig(capacity_tokens=4096, max_context_len=512), RecordingCost())
+    sim.add_request(0, TraceRequest(list(range(1, 65)), output_len=20))
+    sim.step()  # 0.25 s + 64 tokens at 256/s
+    assert sim.clock == 0.5
+    sim.run_until(1.5)  # decode steps start at 0.5, 0.75, 1.0 and 1.25: not at 1.5
+    assert sim.clock == 1.5
+    outcome = sim.step()  # the 15 steps left at once
+    assert sim.clock == 1.5 + 15 * 0.25 and [r.rid for r in outcome.finished] == [0]
+    report = sim.close()
+    assert list(report.ttft_s) == [0.5] and report.output_tokens == 20
+
+
+def test_times_to_first_token_count_from_each_arrival():
+    sim = ReplicaSim(ReplayConfig(capacity_tokens=4096, max_context_len=512), RecordingCost())
+    sim.add_request("a", TraceRequest(list(range(1, 65)), output_len=2))
+    sim.run_until(1.0)
+    sim.add_request("b", TraceRequest(list(range(100, 164)), output_len=3))
+    sim.run_until(math.inf)
+    report = sim.close()
+    assert list(report.ttft_s) == [0.5, 0.5] and report.output_tokens == 5 and report.requests == 2
+
+
+def test_the_cost_model_is_told_what_each_prefill_loads_from_the_host_and_from_storage(tmp_path):
+    trace = multi_turn_chat(60, system_len=64, turns=(2, 3), user_len=(16, 32), output_len=(4, 8), seed=1)
+    config = ReplayConfig(capacity_tokens=512, max_context_len=trace.max_context_len, page_size=4,
+                          host_capacity_tokens=1024, storage=f"file:{tmp_path}", honour_arrivals=False,
+                          max_running=8)
+    replay(trace, config)  # fills the store
+    cost = RecordingCost()
+    report = replay(trace, config, cost=cost)
+    loads = np.array(cost.loads)
+    assert report.retractions == 0 and (loads[:, 0] > 0).sum() >= 2
+    assert int(loads[:, 0].sum()) == report.host_cached_tokens + report.storage_cached_tokens
+    assert int(loads[:, 1].sum()) == report.storage_cached_tokens > 0
+
+
+def test_requests_arriving_together_are_served_in_trace_order():
+    requests = [TraceRequest(list(range(10 * i + 1, 10 * i + 9)), output_len=1, arrival_s=float(i % 2 == 0))
+                for i in range(40)]
+    cost = RecordingCost()
+    sim_order = []
+    original = ReplicaSim.add_request
+
+    def spy(self, rid, request):
+        sim_order.append(rid)
+        return original(self, rid, request)
+
+    ReplicaSim.add_request = spy
+    try:
+        report = replay(requests, ReplayConfig(capacity_tokens=4096, max_context_len=64), cost=cost)
+    finally:
+        ReplicaSim.add_request = original
+    assert sim_order == list(range(1, 40, 2)) + list(range(0, 40, 2)) and report.requests == 40
+    assert report.time_s[0] >= 0 and max(report.ttft_s) < 1.0  # the odd ones arrive at 0 and the even at 1 s
+
+
+def test_a_named_replica_names_itself_in_its_notes(capsys):
+    for name, start in (("r1", "kvmem-replay: r1: skipped"), ("", "kvmem-replay: skipped")):
+        sim = ReplicaSim(ReplayConfig(capacity_tokens=64, max_context_len=512), name=name)
+        for i in range(11):
+            sim.add_request(i, TraceRequest(list(range(1, 101)), output_len=2))
+        sim.close()
+        err = capsys.readouterr().err.splitlines()
+        assert err[0].startswith(start) and len(err) == 11 and err[-1].endswith("skipped 1 more requests that "
+                                                                                 "can never run here")
+    sim = ReplicaSim(ReplayConfig(capacity_tokens=64, max_context_len=512))
+    for i in range(10):
+        sim.add_request(i, TraceRequest(list(range(1, 101)), output_len=2))
+    sim.close()
+    assert len(capsys.readouterr().err.splitlines()) == 10  # ten named, none left to count
+
+
+def test_a_replica_builds_its_scheduler_from_its_config_and_reports_events_and_wall_time():
+    import time
+
+    events = []
+    config = ReplayConfig(capacity_tokens=4096, max_context_len=512, max_running=3, schedule_policy="fcfs",
+                          chunked_prefill_size=64, cache_decode_pages=False, in_batch_prefix_caching=True)
+    t0 = time.perf_counter()
+    sim = ReplicaSim(config, event_sink=events.append)
+    sched = sim.sched
+    assert (sched.max_running, sched.config.schedule_policy, sched.config.chunked_prefill_size,
+            sched.config.cache_decode_pages, sched.config.in_batch_prefix_caching) == (3, "fcfs", 64, False, True)
+    sim.add_request(0, TraceRequest(list(range(1, 101)), output_len=2))
+    sim.run_until(math.inf)
+    report = sim.close()
+    assert events and 0 < report.replay_seconds <= time.perf_counter() - t0
+    assert report.cache_phases["match"] > 0  # the scheduler ran with the replica's timer
+    tiered = ReplicaSim(dataclasses.replace(config, host_capacity_tokens=8192), event_sink=events.append)
+    events.clear()
+    tiered.add_request(0, TraceRequest(list(range(1, 101)), output_len=2))
+    tiered.run_until(math.inf)
+    assert events and tiered.sched.tree_cache.host_pool.size == 8192
+
+
+def test_a_stalled_scheduler_is_an_error_not_a_silent_end(monkeypatch):
+    sim = ReplicaSim(ReplayConfig(capacity_tokens=4096, max_context_len=512))
+    sim.add_request(0, TraceRequest(list(range(1, 33)), output_len=2))
+    monkeypatch.setattr(sim.sched, "step", lambda: None)
+    with pytest.raises(RuntimeError, match="scheduler stalled: requests wait but none can be admitted"):
+        sim.step()

@@ -327,10 +327,13 @@ def _tier_split(r: ReplayReport) -> str:
 
 
 def _tokens(n: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return f"{n:.0f}"
+    """Three significant digits in the largest unit that leaves at least 1 (999,999 is "1M", not "1e+03k")."""
+    if n < 999.5:
+        return f"{n:.0f}"
+    for unit, scale in (("k", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12)):
+        text = f"{n / scale:.3g}"
+        if float(text) < 1000 or unit == "T":
+            return text + unit
 
 
 def _seconds(s: float | None) -> str:

@@ -187,6 +187,8 @@ class ReplicaSim:
             self.clock += cost.decode_seconds(batch.batch_size(), int(batch.seq_lens.sum()))
         outputs = self._outputs
         tokens = [outputs[r.rid][len(r.output_ids)] for r in batch.reqs]
+        # Read before the results: a request's sampled token makes it look partly prefilled again.
+        prefilled = [r for r in batch.reqs if not r.is_chunked()] if extend else []
         t0 = time.perf_counter()
         finished = sched.process_batch_result(batch, tokens)
         self._cache_s += time.perf_counter() - t0
@@ -196,7 +198,7 @@ class ReplicaSim:
         alloc = sched.token_allocator
         report.record_step(self.clock, alloc.size - alloc.available_size(), sched.tree_cache.evictable_size(),
                            len(sched.running))
-        return StepOutcome(finished, [r for r in batch.reqs if not r.is_chunked()] if extend else [])
+        return StepOutcome(finished, prefilled)
 
     def _admit(self, reqs: list[Req]) -> tuple[int, int]:
         """Counts the first admission of each request new in this extend batch; returns the tokens that the
