@@ -1024,3 +1024,72 @@ def test_the_scheduler_s_unchecked_caching_builds_what_the_checked_one_builds(pa
                          cache.protected_size(), req.cache_protected_len, len(req.prefix_indices),
                          alloc.is_allocated(own).tolist()))
     assert outcomes[0] == outcomes[1]
+
+
+def namespace_nodes(cache, namespace):
+    """Every node of `namespace`'s tree as (its path's tokens, its priority, its hit count)."""
+    out, stack = set(), [(cache._root(namespace), ())]
+    while stack:
+        node, prefix = stack.pop()
+        for child in node.children.values():
+            path = prefix + tuple(child.token_ids())
+            out.add((path, child.priority, child.hit_count))
+            stack.append((child, path))
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("finished", [True, False])
+def test_the_scheduler_s_unchecked_caching_keeps_priority_and_namespace_and_frees_what_a_twin_cached(page_size,
+                                                                                                     finished):
+    # As above, in a namespace, at a priority, and with a twin request that cached the same tokens while this
+    # one ran: its own slots for them are duplicates, freed (or, unfinished, swapped for the tree's).
+    outcomes = []
+    for checked in (True, False):
+        cache, alloc = make_cache(size=128, page_size=page_size)
+        prompt = list(range(1, 13))
+        cache.insert(prompt[:4], alloc.alloc(4), namespace="t")
+        req = Req("a", prompt, max_new_tokens=4, priority=7, namespace="t")
+        m = cache.match_prefix(prompt, "t")
+        cache.inc_lock_ref(m.last_node)
+        req.prefix_indices, req.last_node, req.cache_protected_len = m.indices, m.last_node, 4
+        req.req_pool_idx = cache.req_to_token_pool.alloc(1)[0]
+        own = alloc.alloc(12)  # prompt tokens 4..11 and 4 outputs
+        row = cache.req_to_token_pool.req_to_token[req.req_pool_idx]
+        row[:4], row[4:16] = m.indices.to(torch.int32), own.to(torch.int32)
+        twin = alloc.alloc(12)
+        assert cache.insert(prompt, twin, priority=2, namespace="t") == 4
+        alloc.free(twin[:4])
+        req.output_ids, req.kv_len = [70, 71, 72, 73], 16
+        cache._cache_req(req, finished=finished, checked=checked)
+        cache.check_invariants()
+        if not finished:  # the row holds the tree's slots for its whole pages now
+            assert row[:16].tolist() == cache.match_prefix(prompt + [70, 71, 72, 73, 0], "t").indices.tolist()
+        outcomes.append((namespace_nodes(cache, "t"), cached_sequences(cache), alloc.available_size(),
+                         cache.evictable_size(), cache.protected_size(), req.cache_protected_len,
+                         alloc.is_allocated(own).tolist()))
+    assert outcomes[0] == outcomes[1]
+    nodes = outcomes[0][0]
+    assert {priority for _, priority, _ in nodes} == {7} and outcomes[0][1] == set()  # nothing in the default
+    assert not any(outcomes[0][-1][:8])  # the duplicates of the twin's tokens went back to the allocator
+
+
+def test_an_insert_is_not_a_hit():
+    cache, _ = make_cache()
+    put(cache, [1, 2, 3, 4])
+    put(cache, [1, 2, 3, 4])  # inserted again: still never matched
+    assert {hits for _, _, hits in namespace_nodes(cache, None)} == {0}
+    cache.match_prefix([1, 2, 3, 4, 5])
+    assert {hits for _, _, hits in namespace_nodes(cache, None)} == {1}
+
+
+def test_pins_are_named_by_their_whole_pages_and_evicted_oldest_pin_first():
+    cache, _ = make_cache(size=64, page_size=4)
+    put(cache, [9, 9, 9, 9])      # an older node (a smaller id) ...
+    put(cache, [1, 2, 3, 4])
+    assert message_of(lambda: cache.pin("ab")) == "key must be a sequence of int token ids, got str"
+    assert cache.pin([1, 2, 3, 4, 5, 6]) == 4   # the partial page is not part of the pin
+    assert cache.unpin([1, 2, 3, 4, 7]) == 4 and cache.pin([1, 2, 3, 4, 5, 6]) == 4  # the same pin
+    assert cache.pin([9, 9, 9, 9]) == 4         # ... pinned later
+    assert cache.evict(1) == 4 and cached_sequences(cache) == {(9, 9, 9, 9)}  # the older pin went first
+    assert cache.unpin([9, 9, 9, 9]) == 4 and cache.pinned_size() == 0
