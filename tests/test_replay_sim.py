@@ -440,11 +440,20 @@ def test_a_replica_builds_its_scheduler_from_its_config_and_reports_events_and_w
     report = sim.close()
     assert events and 0 < report.replay_seconds <= time.perf_counter() - t0
     assert report.cache_phases["match"] > 0  # the scheduler ran with the replica's timer
-    tiered = ReplicaSim(dataclasses.replace(config, host_capacity_tokens=8192), event_sink=events.append)
-    events.clear()
-    tiered.add_request(0, TraceRequest(list(range(1, 101)), output_len=2))
-    tiered.run_until(math.inf)
-    assert events and tiered.sched.tree_cache.host_pool.size == 8192
+
+def test_a_tiered_replica_builds_its_tiers_from_its_config(tmp_path):
+    events = []
+    config = ReplayConfig(capacity_tokens=4096, max_context_len=512, page_size=4, host_capacity_tokens=8192,
+                          write_policy="write_back", eviction_policy="lfu", pin_budget=0.5,
+                          storage=f"file:{tmp_path}")
+    sim = ReplicaSim(config, event_sink=events.append)
+    tree = sim.sched.tree_cache
+    assert (tree.host_pool.size, tree.page_size, tree.write_policy, tree.eviction_policy, tree._pin_budget) == \
+        (8192, 4, "write_back", "lfu", 2048)
+    assert tree.storage_link.prefetch_policy == "wait_complete"
+    sim.add_request(0, TraceRequest(list(range(1, 101)), output_len=2))
+    sim.run_until(math.inf)
+    assert events and sim.close().storage == f"file:{tmp_path}"
 
 
 def test_a_stalled_scheduler_is_an_error_not_a_silent_end(monkeypatch):
@@ -453,3 +462,14 @@ def test_a_stalled_scheduler_is_an_error_not_a_silent_end(monkeypatch):
     monkeypatch.setattr(sim.sched, "step", lambda: None)
     with pytest.raises(RuntimeError, match="scheduler stalled: requests wait but none can be admitted"):
         sim.step()
+
+
+def test_the_cost_model_is_told_every_token_loaded_back_readmissions_after_a_retraction_included():
+    # Some prompts that load from the host are also prefilled in chunks: their load is told once, with the first.
+    trace = multi_turn_chat(40, system_len=64, turns=(3, 5), user_len=(16, 32), output_len=(16, 64), seed=1)
+    config = ReplayConfig(capacity_tokens=480, max_context_len=trace.max_context_len, page_size=4,
+                          host_capacity_tokens=2048, honour_arrivals=False, max_running=8, chunked_prefill_size=16)
+    cost = RecordingCost()
+    report = replay(trace, config, cost=cost)
+    told = int(np.array(cost.loads)[:, 0].sum())
+    assert report.retractions > 0 and told == report.loaded_tokens > report.host_cached_tokens
