@@ -254,11 +254,11 @@ def test_the_summary_of_a_sweep_reads_in_full():
         "        1M  16.4k     0.250   0.150  0.100    0.000    1.39 h  1.39 h  1.39 h          160          50%"
         "       3M        1,234"]
     plain = [a_report(100), a_report(200)]
-    plain[1].ttft_s = type(plain[1].ttft_s)("d")
+    plain[1].ttft_s, plain[1].prefill_seconds_saved = type(plain[1].ttft_s)("d"), 10.0
     lines = format_summary(plain, "T").splitlines()
     assert lines[2].split() == ["capacity", "host", "hit", "rate", "device", "host", "TTFT", "p50", "p90", "p99",
                                 "s", "saved", "peak", "memory", "evicted", "retractions"]
-    assert lines[4].split() == ["200", "-", "0.250", "0.250", "-", "-", "-", "-", "0", "50%", "0", "0"]
+    assert lines[4].split() == ["200", "-", "0.250", "0.250", "-", "-", "-", "-", "10", "50%", "0", "0"]
 
 
 @pytest.mark.parametrize("seconds, text", [(0.004, "4 ms"), (0.00999, "9.99 ms"), (0.01, "0.01 s"),
@@ -290,11 +290,13 @@ def test_the_json_report_rounds_times_to_the_microsecond():
     r = a_report(4096)
     r.ttft_s = type(r.ttft_s)("d", [0.1234567891])
     r.prefill_seconds_saved, r.num_gpus = 1.23456789, 8
+    r.record_step(3.0, 100, 10, 1)
+    r.output_tokens = 301
     out = r.to_json()
     assert out["ttft_p50_s"] == out["ttft_p99_s"] == out["ttft_mean_s"] == 0.123457
     assert out["prefill_seconds_saved"] == 1.234568 and out["prefill_gpu_seconds_saved"] == 9.876543
-    assert out["simulated_seconds"] == 2.0 and out["output_tokens_per_s"] == 150.0
-    assert out["requests_per_s"] == 0.5
+    assert out["simulated_seconds"] == 3.0 and out["output_tokens_per_s"] == 100.333
+    assert out["requests_per_s"] == 0.333333
 
 
 def test_record_steps_takes_samples_of_any_integer_dtype():
