@@ -475,3 +475,23 @@ def test_the_cost_model_is_told_every_token_loaded_back_readmissions_after_a_ret
     report = replay(trace, config, cost=cost)
     told = int(np.array(cost.loads)[:, 0].sum())
     assert report.retractions > 0 and told == report.loaded_tokens > report.host_cached_tokens
+
+
+def test_a_replica_opens_its_store_with_the_configured_metadata_server_and_size(monkeypatch, tmp_path):
+    import kvmem.replay.simulator as simulator
+    from kvmem.storage.page_format import CHECKSUM_BYTES, HEADER_BYTES
+
+    opened, real = [], simulator.open_store
+
+    def spy(spec, **kwargs):
+        opened.append((spec, kwargs))
+        return real(spec, **kwargs)
+
+    monkeypatch.setattr(simulator, "open_store", spy)
+    page = HEADER_BYTES + CHECKSUM_BYTES  # a replay's stored page is its header: slots, not KV bytes
+    for capacity, size in ((None, None), (4000, 1000 * page), (3, page)):  # at least one page
+        ReplicaSim(ReplayConfig(capacity_tokens=4096, max_context_len=512, page_size=4, host_capacity_tokens=8192,
+                                storage=f"file:{tmp_path}", storage_metadata="http://127.0.0.1:1/metadata",
+                                storage_capacity_tokens=capacity))
+        assert opened.pop() == (f"file:{tmp_path}", {"metadata_server": "http://127.0.0.1:1/metadata",
+                                                      "capacity_bytes": size})
