@@ -1091,5 +1091,8 @@ def test_pins_are_named_by_their_whole_pages_and_evicted_oldest_pin_first():
     assert cache.pin([1, 2, 3, 4, 5, 6]) == 4   # the partial page is not part of the pin
     assert cache.unpin([1, 2, 3, 4, 7]) == 4 and cache.pin([1, 2, 3, 4, 5, 6]) == 4  # the same pin
     assert cache.pin([9, 9, 9, 9]) == 4         # ... pinned later
+    first, later = (cache.match_prefix(k).last_node for k in ([1, 2, 3, 4], [9, 9, 9, 9]))
+    assert first.pin < later.pin
     assert cache.evict(1) == 4 and cached_sequences(cache) == {(9, 9, 9, 9)}  # the older pin went first
     assert cache.unpin([9, 9, 9, 9]) == 4 and cache.pinned_size() == 0
+    assert first.pin == later.pin == 0  # evicted with its pin, or unpinned: a node's pin is 0 again
