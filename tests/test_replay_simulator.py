@@ -48,6 +48,7 @@ def test_a_replay_counts_each_cached_prefix_once_and_samples_every_step():
     assert list(report.cumulative_hit_rate) == pytest.approx([0, 0, 4 / 14, 0.5])
     assert (report.peak_tokens_used, report.mean_tokens_used, report.peak_pinned_tokens) == (11, 9.75, 8)
     assert summary["mean_tokens_used"] == 9.8  # rounded to a tenth
+    assert (summary["mean_evictable_tokens"], summary["mean_running"]) == (7.8, 0.25)  # 31 / 4 rounded; 1 / 4
 
 
 def test_a_prompt_sent_twice_is_served_from_the_cache_the_second_time():

@@ -16,7 +16,8 @@ _SUMMED = ("capacity_tokens", "requests", "prompt_tokens", "cached_tokens", "evi
            "stored_tokens", "storage_misses_corrupt", "storage_failed_ops", "loaded_tokens", "backed_up_tokens",
            "host_evicted_tokens", "transfer_seconds")
 # Per-step samples of one replica: in the per-replica entries, not summed.
-_PER_REPLICA_ONLY = ("peak_tokens_used", "mean_tokens_used", "peak_pinned_tokens")
+_PER_REPLICA_ONLY = ("peak_tokens_used", "mean_tokens_used", "peak_pinned_tokens", "mean_evictable_tokens",
+                     "mean_running")
 
 
 @dataclass

@@ -170,7 +170,17 @@ class ReplayReport:
     @property
     def mean_tokens_used(self) -> float:
         """Mean over steps (not over simulated time)."""
-        return sum(self.tokens_used) / len(self.tokens_used) if self.tokens_used else 0.0
+        return _mean(self.tokens_used)
+
+    @property
+    def mean_evictable_tokens(self) -> float:
+        """Mean over steps of the cached slots no running request holds: what the eviction policy ranks."""
+        return _mean(self.evictable_tokens)
+
+    @property
+    def mean_running(self) -> float:
+        """Mean over steps of the requests running after each step."""
+        return _mean(self.running)
 
     @property
     def peak_pinned_tokens(self) -> int:
@@ -188,6 +198,8 @@ class ReplayReport:
             "rejected": self.rejected,
             "peak_tokens_used": self.peak_tokens_used,
             "mean_tokens_used": round(self.mean_tokens_used, 1),
+            "mean_evictable_tokens": round(self.mean_evictable_tokens, 1),
+            "mean_running": round(self.mean_running, 2),
             "peak_pinned_tokens": self.peak_pinned_tokens,
             "capacity_tokens": self.capacity_tokens,
             "steps": len(self.time_s),
@@ -317,6 +329,10 @@ def _summary_columns(r: ReplayReport) -> list[tuple[str, str]]:
                 ("peak memory", f"{r.peak_tokens_used / r.capacity_tokens:.0%}" if r.capacity_tokens else "-"),
                 ("evicted", _tokens(r.evicted_tokens)), ("retractions", f"{r.retractions:,}")]
     return columns
+
+
+def _mean(samples: array) -> float:
+    return sum(samples) / len(samples) if samples else 0.0
 
 
 def _tier_split(r: ReplayReport) -> str:
