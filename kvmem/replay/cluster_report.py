@@ -119,7 +119,9 @@ class ClusterReport:
                  "prefill_seconds": round(self.prefill_seconds[rank], 6),
                  "steps": len(report.time_s), "evicted_tokens": report.evicted_tokens,
                  "retractions": report.retractions, "rejected": report.rejected,
-                 "peak_tokens_used": report.peak_tokens_used}
+                 "peak_tokens_used": report.peak_tokens_used,
+                 "mean_evictable_tokens": round(report.mean_evictable_tokens, 1),
+                 "mean_running": round(report.mean_running, 2)}
         if report.host_capacity_tokens is not None:
             entry.update(device_hit_rate=round(report.device_hit_rate, 6), host_hit_rate=round(report.host_hit_rate, 6))
             if report.storage is not None:
