@@ -518,6 +518,9 @@ class RadixTree:
                 if n == 0 or n % ps or len(child.key) % TOKEN_BYTES:
                     _fail(f"node {child.id}: {len(child.key)} key bytes (must be {n} > 0 tokens in whole pages "
                           f"of {ps})")
+                if child.depth != node.depth + node.num_tokens:
+                    _fail(f"node {child.id}: depth {child.depth}, but its parent's path ends at "
+                          f"{node.depth + node.num_tokens} tokens")
                 if child.lock_ref < 0 or (node.parent is not None and child.lock_ref > node.lock_ref):
                     _fail(f"node {child.id}: lock_ref {child.lock_ref} (parent {node.lock_ref}) must be "
                           f">= 0 and at most its parent's")

@@ -155,6 +155,44 @@ def test_lookahead_follows_the_tree_as_it_grows_along_a_waiting_request():
     cache.check_invariants()
 
 
+def test_lookahead_keeps_a_prefix_a_waiting_request_matches_partway_and_only_in_its_namespace():
+    cache, _ = make_cache(policy="lookahead")
+    put(cache, seq(0, 8))
+    put(cache, seq(20))
+    message = pytest.raises(TypeError, cache.request_waiting, "r", "ab").value
+    assert str(message) == "key must be a sequence of int token ids, got str"
+    cache.request_waiting("r", seq(0) + [99])  # ends inside seq(0, 8)'s edge: that node is what it needs
+    cache.evict(1)
+    assert cached_sequences(cache) == {tuple(seq(0, 8))}
+    cache.request_admitted("r")
+    cache.insert(seq(30), cache.token_allocator.alloc(4), namespace="t")
+    cache.insert(seq(40), cache.token_allocator.alloc(4), namespace="t")
+    cache.request_waiting("s", seq(30) + [99], "t")  # the older prefix of namespace t
+    cache.request_waiting("u", seq(40) + [99])        # the default namespace holds no seq(40)
+    assert cache.evict(12) == 12  # seq(0, 8) first, then t's seq(40): nobody there waits for it
+    assert cached_sequences(cache) == set() and cache.match_prefix(seq(30) + [1], "t").indices.numel() == 4
+    assert cache.match_prefix(seq(40) + [1], "t").indices.numel() == 0
+
+
+def test_a_split_head_keeps_its_place_in_a_queued_policy():
+    cache, _ = make_cache(policy="s3fifo")
+    put(cache, seq(0, 8))                 # first in the probation queue
+    put(cache, seq(0) + seq(50))          # splits it: the head seq(0) is seq(0, 8)'s front, as old
+    put(cache, seq(20))
+    cache.evict(4)                        # seq(0, 8)'s back half
+    cache.evict(4)                        # seq(50): the head is a leaf now, in its old place ...
+    cache.evict(4)                        # ... before seq(20)
+    assert cached_sequences(cache) == {tuple(seq(20))}
+    cache.check_invariants()
+
+
+def test_a_pin_alone_past_the_budget_pins_nothing():
+    cache = RadixCache(ReqToTokenPool(4, 64), TokenAllocator(40), eviction_policy="lru", pin_budget=0.2)  # 8
+    put(cache, seq(0, 12))
+    assert cache.pin(seq(0, 12)) == 0 and cache.pinned_size() == 0
+    assert cache.pin(seq(0, 8)) == 8 and cache.pinned_size() == 8
+
+
 def test_lookahead_composes_with_a_base_policy():
     policy = Lookahead(S3FIFO())
     cache, _ = make_cache(policy=policy)

@@ -952,12 +952,35 @@ def corrupt(case):
     if case == "bitmap":
         cache._in_tree[15] = True
         return cache, "the ownership bitmap does not match the slots in the tree"
+    if case == "depth":
+        leaf.depth += 2
+        return cache, f"node {leaf.id}: depth 4, but its parent's path ends at 2 tokens"
+    cache._pin_budget = 16
+    assert cache.pin([1, 2, 3, 4]) == 4
+    if case == "pin mark":  # an internal node: no evictable entry to go stale first
+        assert cache.pin([1, 2]) == 2
+        head.pin = 0
+        return cache, f"pinned node {head.id} is not marked, out of the tree, or not 2 tokens deep"
+    if case == "pin depth":
+        cache._pins[None, array("q", [1, 2, 3, 4]).tobytes()] = (leaf, 3)
+        return cache, f"pinned node {leaf.id} is not marked, out of the tree, or not 3 tokens deep"
+    if case == "pin counters":
+        cache._pinned_tokens += 1
+        return cache, "pins: 4 tokens on 1 nodes against counters 5 on 1 (budget 16)"
+    if case == "pin budget":
+        cache._pin_budget = 3
+        return cache, "pins: 4 tokens on 1 nodes against counters 4 on 1 (budget 3)"
+    if case == "pinned entry":
+        cache._pinned.remove(leaf.entry)
+        cache._pinned.add((leaf.pin, leaf.id + 100, leaf))
+        return cache, f"node {leaf.id}: its evictable entry is stale or missing from its lru set"
     raise AssertionError(case)
 
 
 @pytest.mark.parametrize("case", ["root", "root key", "root child", "parent", "child key", "whole pages", "lock",
                                   "slots", "entry", "extra entry", "stale entry", "counters", "set size", "slot 0",
-                                  "twice", "freed", "bitmap"])
+                                  "twice", "freed", "bitmap", "depth", "pin mark", "pin depth", "pin counters",
+                                  "pin budget", "pinned entry"])
 def test_check_invariants_names_the_invariant_that_broke(case):
     cache, message = corrupt(case)
     with pytest.raises(AssertionError) as raised:
