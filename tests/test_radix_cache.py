@@ -730,8 +730,14 @@ def test_every_refusal_says_what_was_wrong_in_full():
     assert message_of(lambda: cache.inc_lock_ref(foreign)) == \
         f"node {foreign.id} is not in this tree: it belongs to another tree"
     assert message_of(lambda: RadixCache(None, alloc)) == "req_to_token_pool must be a ReqToTokenPool, got NoneType"
+    assert message_of(lambda: RadixCache([], alloc)) == "req_to_token_pool must be a ReqToTokenPool, got list"
     assert message_of(lambda: RadixCache(row, None)) == \
         "token_allocator must be a TokenAllocator or PagedTokenAllocator, got NoneType"
+    assert message_of(lambda: RadixCache(row, [])) == \
+        "token_allocator must be a TokenAllocator or PagedTokenAllocator, got list"
+    assert message_of(lambda: RadixCache(row, TokenAllocator(8), pin_budget=-0.5)) == \
+        "pin_budget must be a finite number >= 0, got -0.5"
+    assert RadixCache(row, TokenAllocator(8), pin_budget=1.0)._pin_budget == 8  # the whole capacity may be pinned
     assert message_of(lambda: RadixCache(row, TokenAllocator(8), event_sink=3)) == \
         "event_sink must be callable (or None), got int"
     assert message_of(lambda: RadixCache(row, TokenAllocator(8), page_size=0)) == \
@@ -1110,12 +1116,13 @@ def test_pins_are_named_by_their_whole_pages_and_evicted_oldest_pin_first():
     cache, _ = make_cache(size=64, page_size=4)
     put(cache, [9, 9, 9, 9])      # an older node (a smaller id) ...
     put(cache, [1, 2, 3, 4])
+    assert cache.match_prefix([1, 2, 3, 4]).last_node.pin == 0  # not pinned
     assert message_of(lambda: cache.pin("ab")) == "key must be a sequence of int token ids, got str"
     assert cache.pin([1, 2, 3, 4, 5, 6]) == 4   # the partial page is not part of the pin
     assert cache.unpin([1, 2, 3, 4, 7]) == 4 and cache.pin([1, 2, 3, 4, 5, 6]) == 4  # the same pin
     assert cache.pin([9, 9, 9, 9]) == 4         # ... pinned later
     first, later = (cache.match_prefix(k).last_node for k in ([1, 2, 3, 4], [9, 9, 9, 9]))
-    assert first.pin < later.pin
+    assert 0 < first.pin < later.pin
     assert cache.evict(1) == 4 and cached_sequences(cache) == {(9, 9, 9, 9)}  # the older pin went first
     assert cache.unpin([9, 9, 9, 9]) == 4 and cache.pinned_size() == 0
     assert first.pin == later.pin == 0  # evicted with its pin, or unpinned: a node's pin is 0 again
