@@ -3,6 +3,7 @@
 
     python scripts/mutation.py MODULE [--max-children 1] [--workdir DIR] [--out FILE]
     python scripts/mutation.py MODULE --rescore [--workdir DIR]    (the last run, against today's list)
+    python scripts/mutation.py MODULE --retest-survivors [--max-children N]   (its survivors, on today's tests)
     python scripts/mutation.py --list
 
 MODULE is a table of `[tool.kvmem.mutation]` in pyproject.toml: the files mutmut mutates (paths inside the
@@ -24,6 +25,11 @@ kill (listed as such) are left out like the equivalent ones and counted apart (`
 number (mutmut renumbers a function's mutants whenever it changes); an entry that matches no survivor is
 reported as `stale_equivalent`. mutmut keeps its results in the work directory: `cd WORKDIR && mutmut show NAME`
 prints a mutant's diff.
+
+`--retest-survivors` takes the finished run in the work directory, tests its survivors again on today's code
+and tests (a fresh copy in WORKDIR-retest), and scores the run with their new results: a mutant whose mutated
+line differs today (its function changed) keeps its old result. The tests written after a long run count
+without running it all again.
 """
 
 from __future__ import annotations
@@ -78,32 +84,65 @@ def build_workdir(workdir: Path, module: dict, shared: dict) -> None:
     (workdir / "pyproject.toml").write_text("\n".join(lines) + "\n")
 
 
-def mutmut_command(max_children: int) -> list[str]:
+def mutmut_command(max_children: int, names: list[str] = ()) -> list[str]:
     mutmut = Path(sys.executable).with_name("mutmut")
     if not mutmut.exists():
         raise SystemExit("mutation.py: mutmut is not installed here (pip install -e '.[mutation]')")
-    return ["nice", "-n", "10", str(mutmut), "run", "--max-children", str(max_children)]
+    return ["nice", "-n", "10", str(mutmut), "run", "--max-children", str(max_children), *names]
 
 
-def results(workdir: Path, module: dict) -> dict:
-    """Counts the mutants of the module's files by status, and the survivors' mutated lines."""
-    sys.path.insert(0, str(workdir))
-    os.chdir(workdir)
-    from mutmut.mutation.diff_apply import get_diff_for_mutant
+def exit_codes(workdir: Path, module: dict) -> dict:
+    """mutmut's exit code of each mutant of a run (None: not tested)."""
+    codes = {}
+    for path in module["mutate"]:
+        codes.update(json.loads((workdir / "mutants" / (path + ".meta")).read_text())["exit_code_by_key"])
+    return codes
 
+
+def results(workdir: Path, module: dict, codes: dict | None = None) -> dict:
+    """Counts the mutants of the module's files by status, and the survivors' mutated lines (`codes`: exit codes
+    that replace the run's, for mutants tested again elsewhere)."""
     counts: dict[str, int] = {}
     survivors = []
     for path in module["mutate"]:
         meta = json.loads((workdir / "mutants" / (path + ".meta")).read_text())
         for name, code in sorted(meta["exit_code_by_key"].items()):
+            code = (codes or {}).get(name, code)
             status = KILLED.get(code) or OTHER.get(code, "suspicious")
             counts[status] = counts.get(status, 0) + 1
             if code not in KILLED:
-                diff = get_diff_for_mutant(name, path=path)
-                added = [line[1:].strip() for line in diff.splitlines() if line.startswith("+") and
-                         not line.startswith("+++")]
-                survivors.append({"name": name, "status": status, "line": " / ".join(added)})
+                survivors.append({"name": name, "status": status, "line": mutated_line(workdir, name, path)})
     return {"counts": counts, "survivors": survivors}
+
+
+def mutated_line(workdir: Path, name: str, path: str) -> str:
+    if str(workdir) not in sys.path:
+        sys.path.insert(0, str(workdir))
+    os.chdir(workdir)
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+
+    diff = get_diff_for_mutant(name, path=path)
+    return " / ".join(line[1:].strip() for line in diff.splitlines() if line.startswith("+") and
+                      not line.startswith("+++"))
+
+
+def retest_survivors(finished: Path, workdir: Path, module: dict, max_children: int, env: dict) -> dict:
+    """Tests again, on today's code and tests in the fresh `workdir`, the mutants that survived the finished run
+    in `finished`; returns the exit codes that replace the finished run's: those of the mutants that are still
+    the same mutation (same name and mutated line: mutmut renumbers a function's mutants when it changes)."""
+    old = exit_codes(finished, module)
+    alive = {name: path for path in module["mutate"] for name, code in old.items()
+             if code not in KILLED and name.startswith(_module_prefix(path))}
+    with open(workdir / "mutmut.log", "w") as f:
+        subprocess.run(mutmut_command(max_children, sorted(alive)), cwd=workdir, env=env, stdout=f,
+                       stderr=subprocess.STDOUT)
+    new = exit_codes(workdir, module)
+    return {name: new[name] for name, path in alive.items()
+            if name in new and mutated_line(workdir, name, path) == mutated_line(finished, name, path)}
+
+
+def _module_prefix(path: str) -> str:
+    return path.removesuffix(".py").replace("/", ".") + "."
 
 
 def function_of(mutant: str) -> str:
@@ -152,6 +191,9 @@ def main() -> int:
     ap.add_argument("--rescore", action="store_true",
                     help="score the finished run in the work directory again against the current list of "
                          "equivalent survivors, without running mutmut")
+    ap.add_argument("--retest-survivors", action="store_true",
+                    help="test the finished run's survivors again on today's code and tests (in WORKDIR-retest) "
+                         "and score the run with their new results")
     args = ap.parse_args()
     if args.list or args.module is None:
         print(json.dumps({name: {"mutate": m["mutate"], "tests": m["tests"]} for name, m in modules.items()},
@@ -161,10 +203,16 @@ def main() -> int:
     workdir = (args.workdir or Path("/tmp/kvmem-mutation") / args.module).resolve()
     out = args.out.resolve() if args.out else None
     load_before = os.getloadavg()[0]
-    seconds = None
-    if not args.rescore:
+    seconds, codes = None, None
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **module.get("env", {})}
+    if args.retest_survivors:
+        retest = workdir.with_name(workdir.name + "-retest")
+        build_workdir(retest, module, shared)
+        t0 = time.perf_counter()
+        codes = retest_survivors(workdir, retest, module, args.max_children, env)
+        seconds = round(time.perf_counter() - t0)
+    elif not args.rescore:
         build_workdir(workdir, module, shared)
-        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **module.get("env", {})}
         t0 = time.perf_counter()
         log = workdir / "mutmut.log"
         with open(log, "w") as f:
@@ -176,7 +224,8 @@ def main() -> int:
             print(f"mutation.py: mutmut failed (exit {proc.returncode}); log in {log}", file=sys.stderr)
             return 1
     summary = {"module": args.module, "mutate": module["mutate"], "tests": module["tests"],
-               "statuses": None, **score(found := results(workdir, module), equivalents(args.module)),
+               "statuses": None, **score(found := results(workdir, module, codes), equivalents(args.module)),
+               "retested": None if codes is None else len(codes),
                "seconds": seconds, "max_children": args.max_children,
                "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)], "workdir": str(workdir)}
     summary["statuses"] = found["counts"]

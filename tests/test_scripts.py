@@ -8,6 +8,7 @@ import os
 import runpy
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -234,3 +235,25 @@ def test_mutation_scores_name_listed_survivors_by_function_and_line_whatever_the
     assert [s["name"] for s in result["survivors"]] == ["m.x_f__mutmut_4", "m.x_g__mutmut_2"]
     assert result["stale_equivalent"] == ["m.x_f__mutmut_4", "m.x_h__mutmut_1"]
     assert result["score"] == round(6 / 8, 4) and result["score_of_all_mutants"] == 0.6
+
+
+def test_mutation_results_take_the_retested_survivors_new_exit_codes(monkeypatch, tmp_path):
+    script = load_script("mutation.py", monkeypatch)
+    meta = tmp_path / "mutants" / "kvmem" / "a.py.meta"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(json.dumps({"exit_code_by_key": {"kvmem.a.x_f__mutmut_1": 1, "kvmem.a.x_f__mutmut_2": 0,
+                                                     "kvmem.a.x_f__mutmut_3": 0, "kvmem.a.x_f__mutmut_4": None}}))
+    diffs = types.ModuleType("diff_apply")  # mutmut's diff of a mutant (mutmut is not installed in CI)
+    diffs.get_diff_for_mutant = lambda name, path: f"--- a\n+++ b\n-line\n+line of {name[-1]}\n"
+    for name, fake in (("mutmut", types.ModuleType("mutmut")), ("mutmut.mutation", types.ModuleType("mutation")),
+                       ("mutmut.mutation.diff_apply", diffs)):
+        monkeypatch.setitem(sys.modules, name, fake)
+    monkeypatch.chdir(tmp_path)  # mutated_line works from the run's directory, as mutmut does
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = {"mutate": ["kvmem/a.py"]}
+    assert script["exit_codes"](tmp_path, module)["kvmem.a.x_f__mutmut_2"] == 0
+    found = script["results"](tmp_path, module, {"kvmem.a.x_f__mutmut_2": 1})  # killed by a later test
+    assert found["counts"] == {"killed": 2, "survived": 1, "not checked": 1}
+    assert found["survivors"] == [{"name": "kvmem.a.x_f__mutmut_3", "status": "survived", "line": "line of 3"},
+                                  {"name": "kvmem.a.x_f__mutmut_4", "status": "not checked", "line": "line of 4"}]
+    assert script["_module_prefix"]("kvmem/kernels/kv_indices.py") == "kvmem.kernels.kv_indices."
