@@ -1075,7 +1075,9 @@ def test_the_scheduler_s_unchecked_caching_keeps_priority_and_namespace_and_free
     # one ran: its own slots for them are duplicates, freed (or, unfinished, swapped for the tree's).
     outcomes = []
     for checked in (True, False):
-        cache, alloc = make_cache(size=128, page_size=page_size)
+        events = []  # with an event sink, pages are named after their namespace too
+        alloc = TokenAllocator(128) if page_size == 1 else PagedTokenAllocator(128, page_size)
+        cache = RadixCache(ReqToTokenPool(4, 64), alloc, page_size=page_size, event_sink=events.append)
         prompt = list(range(1, 13))
         cache.insert(prompt[:4], alloc.alloc(4), namespace="t")
         req = Req("a", prompt, max_new_tokens=4, priority=7, namespace="t")
@@ -1096,7 +1098,7 @@ def test_the_scheduler_s_unchecked_caching_keeps_priority_and_namespace_and_free
             assert row[:16].tolist() == cache.match_prefix(prompt + [70, 71, 72, 73, 0], "t").indices.tolist()
         outcomes.append((namespace_nodes(cache, "t"), cached_sequences(cache), alloc.available_size(),
                          cache.evictable_size(), cache.protected_size(), req.cache_protected_len,
-                         alloc.is_allocated(own).tolist()))
+                         list(events), alloc.is_allocated(own).tolist()))
     assert outcomes[0] == outcomes[1]
     nodes = outcomes[0][0]
     assert {priority for _, priority, _ in nodes} == {7} and outcomes[0][1] == set()  # nothing in the default
