@@ -216,6 +216,19 @@ def test_the_summary_of_one_replay_reads_in_full():
     assert plain[-1] == "  evicted                 0 tokens, 0 retractions" and len(plain) == 9
 
 
+@pytest.mark.parametrize("phase, parts", [("rank", 0.5), ("match", 0.5), ("prepare_extend", 0.0),
+                                          ("prepare_decode", 0.0), ("process", 0.0), ("decode_run", 0.0)])
+def test_any_timed_scheduler_call_leaves_the_rest_of_the_cache_time_to_batch_work(phase, parts):
+    from kvmem.timing import PhaseTimer
+
+    timer = PhaseTimer()
+    timer.add(phase, 0.5)
+    report = ReplayReport(100)
+    report.cache_op_seconds = 2.0
+    report.record_cache_phases(timer)
+    assert report.cache_phases["batch"] == 2.0 - parts and report.cache_phases["match"] == parts
+
+
 def test_the_cache_time_breakdown_splits_the_timed_phases_and_leaves_the_rest_to_batch_work():
     from kvmem.timing import PhaseTimer
 
@@ -353,6 +366,16 @@ def test_a_step_returns_the_requests_it_finished_and_those_it_finished_prefillin
     assert sim.is_idle() and sim.step() == ([], [])
 
 
+def test_a_single_decode_step_prefilled_nothing(monkeypatch):
+    monkeypatch.setattr(Scheduler, "pure_decode_steps", lambda self: 0)  # every decode step on its own
+    sim = ReplicaSim(ReplayConfig(capacity_tokens=4096, max_context_len=512))
+    sim.add_request("a", TraceRequest(list(range(1, 33)), output_len=3))
+    assert [r.rid for r in sim.step().prefilled] == ["a"]
+    assert sim.step() == ([], [])
+    last = sim.step()
+    assert [r.rid for r in last.finished] == ["a"] and last.prefilled == []
+
+
 def test_one_step_takes_a_whole_run_of_decode_steps_and_run_until_none_starting_at_the_time():
     sim = ReplicaSim(ReplayConfig(capacity_tokens=4096, max_context_len=512), RecordingCost())
     sim.add_request(0, TraceRequest(list(range(1, 65)), output_len=20))
@@ -462,8 +485,9 @@ def test_a_stalled_scheduler_is_an_error_not_a_silent_end(monkeypatch):
     sim = ReplicaSim(ReplayConfig(capacity_tokens=4096, max_context_len=512))
     sim.add_request(0, TraceRequest(list(range(1, 33)), output_len=2))
     monkeypatch.setattr(sim.sched, "step", lambda: None)
-    with pytest.raises(RuntimeError, match="scheduler stalled: requests wait but none can be admitted"):
+    with pytest.raises(RuntimeError) as stalled:
         sim.step()
+    assert str(stalled.value) == "scheduler stalled: requests wait but none can be admitted"
 
 
 def test_the_cost_model_is_told_every_token_loaded_back_readmissions_after_a_retraction_included():
