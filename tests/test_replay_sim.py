@@ -276,16 +276,17 @@ def test_the_summary_of_a_sweep_reads_in_full():
 
 @pytest.mark.parametrize("seconds, text", [(0.004, "4 ms"), (0.00999, "9.99 ms"), (0.01, "0.01 s"),
                                            (99.94, "99.9 s"), (100, "100 s"), (3599, "3,599 s"),
-                                           (3600, "1.00 h"), (9000, "2.50 h")])
+                                           (3600, "1.00 h"), (3618.36, "1.01 h"), (9000, "2.50 h")])
 def test_times_in_the_summary_read_in_ms_s_or_hours(seconds, text):
     r = a_report(4096)
     r.ttft_s = type(r.ttft_s)("d", [seconds])
     assert f"TTFT p50 / p90 / p99    {text} / {text} / {text}" in format_summary([r], "T")
 
 
-@pytest.mark.parametrize("tokens, text", [(0, "0"), (999, "999"), (1000, "1k"), (999_499, "999k"),
-                                          (999_999, "1M"), (1_500_000, "1.5M"), (999_999_999, "1G"),
-                                          (2_500_000_000, "2.5G"), (10**12, "1T"), (3 * 10**15, "3e+03T")])
+@pytest.mark.parametrize("tokens, text", [(0, "0"), (999, "999"), (999.5, "1k"), (1000, "1k"), (999_499, "999k"),
+                                          (999_500, "1M"), (999_999, "1M"), (1_500_000, "1.5M"),
+                                          (999_500_000, "1G"), (999_999_999, "1G"), (2_500_000_000, "2.5G"),
+                                          (999_500_000_000, "1T"), (10**12, "1T"), (3 * 10**15, "3e+03T")])
 def test_token_counts_in_the_summary_take_the_largest_unit_that_leaves_at_least_one(tokens, text):
     r = a_report(4096)
     r.evicted_tokens = tokens
@@ -297,6 +298,11 @@ def test_the_summary_of_a_replay_that_ran_nothing_has_no_rates():
     lines = format_summary([report], "T").splitlines()
     assert lines[5:7] == ["  TTFT p50 / p90 / p99    - / - / -",
                           "  throughput              0 output tokens/s over 0 ms simulated"]
+    out = report.to_json()
+    assert (out["output_tokens_per_s"], out["requests_per_s"], out["mean_tokens_used"], out["mean_running"],
+            out["mean_evictable_tokens"]) == (0.0, 0.0, 0.0, 0.0, 0.0)
+    empty = ReplayReport(0, cost_model="fixed")  # no KV capacity at all: no share of it to show
+    assert format_summary([empty, empty], "T").splitlines()[3].split()[-4:] == ["0", "-", "0", "0"]
 
 
 def test_the_json_report_rounds_times_to_the_microsecond():
@@ -305,11 +311,15 @@ def test_the_json_report_rounds_times_to_the_microsecond():
     r.prefill_seconds_saved, r.num_gpus = 1.23456789, 8
     r.record_step(3.0, 100, 10, 1)
     r.output_tokens = 301
+    r.cache_phases = {"match": 0.1234567891}
     out = r.to_json()
     assert out["ttft_p50_s"] == out["ttft_p99_s"] == out["ttft_mean_s"] == 0.123457
     assert out["prefill_seconds_saved"] == 1.234568 and out["prefill_gpu_seconds_saved"] == 9.876543
     assert out["simulated_seconds"] == 3.0 and out["output_tokens_per_s"] == 100.333
-    assert out["requests_per_s"] == 0.333333
+    assert out["requests_per_s"] == 0.333333 and out["cache_op_breakdown_s"] == {"match": 0.123457}
+    r.record_step(3.1234567, 100, 10, 0)
+    out = r.to_json()
+    assert out["simulated_seconds"] == 3.123457 and out["mean_running"] == 0.67  # 2 / 3, to two places
 
 
 def test_record_steps_takes_samples_of_any_integer_dtype():
@@ -434,8 +444,10 @@ def test_requests_arriving_together_are_served_in_trace_order():
 
 
 def test_a_named_replica_names_itself_in_its_notes(capsys):
-    for name, start in (("r1", "kvmem-replay: r1: skipped"), ("", "kvmem-replay: skipped")):
-        sim = ReplicaSim(ReplayConfig(capacity_tokens=64, max_context_len=512), name=name)
+    for name, start in (("r1", "kvmem-replay: r1: skipped"), ("", "kvmem-replay: skipped"),
+                        (None, "kvmem-replay: skipped")):
+        named = {} if name is None else {"name": name}
+        sim = ReplicaSim(ReplayConfig(capacity_tokens=64, max_context_len=512), **named)
         for i in range(11):
             sim.add_request(i, TraceRequest(list(range(1, 101)), output_len=2))
         sim.close()
