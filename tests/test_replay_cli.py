@@ -253,8 +253,11 @@ def test_help_exits_0(capsys):
     assert "--capacity-tokens" in capsys.readouterr().out
 
 
-def test_the_script_shim_reports_errors_without_a_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "replay.py"), str(tmp_path / "none.jsonl")],
+@pytest.mark.parametrize("entry", [["scripts/replay.py"], ["-m", "kvmem.replay.cli"]])
+def test_the_script_shim_and_the_module_report_errors_without_a_traceback(tmp_path, entry):
+    if entry[0] == "scripts/replay.py":
+        entry = [str(REPO / entry[0])]
+    proc = subprocess.run([sys.executable, *entry, str(tmp_path / "none.jsonl")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "none.jsonl" in proc.stderr

@@ -467,3 +467,7 @@ def _warn_skipped(trace: Trace) -> None:
     if len(trace.skipped) > MAX_WARNINGS:
         print(f"{PROG}: warning: {len(trace.skipped) - MAX_WARNINGS} more malformed lines skipped",
               file=sys.stderr)
+
+
+if __name__ == "__main__":  # python -m kvmem.replay.cli, as kvmem-replay
+    sys.exit(main())
