@@ -35,6 +35,7 @@ without running it all again.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -84,18 +85,27 @@ def build_workdir(workdir: Path, module: dict, shared: dict) -> None:
     (workdir / "pyproject.toml").write_text("\n".join(lines) + "\n")
 
 
-def mutmut_command(max_children: int, names: list[str] = ()) -> list[str]:
+def run_mutmut(workdir: Path, env: dict, max_children: int, names: list[str] = ()) -> None:
+    """`mutmut run` in `workdir` (only the mutants `names`, if given), logged to workdir/mutmut.log; exits with
+    the log's tail when mutmut fails."""
     mutmut = Path(sys.executable).with_name("mutmut")
     if not mutmut.exists():
         raise SystemExit("mutation.py: mutmut is not installed here (pip install -e '.[mutation]')")
-    return ["nice", "-n", "10", str(mutmut), "run", "--max-children", str(max_children), *names]
+    log = workdir / "mutmut.log"
+    with open(log, "w") as f:
+        proc = subprocess.run(["nice", "-n", "10", str(mutmut), "run", "--max-children", str(max_children), *names],
+                              cwd=workdir, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        print(log.read_text()[-4000:], file=sys.stderr)
+        raise SystemExit(f"mutation.py: mutmut failed (exit {proc.returncode}); log in {log}")
 
 
-def exit_codes(workdir: Path, module: dict) -> dict:
-    """mutmut's exit code of each mutant of a run (None: not tested)."""
+def exit_codes(workdir: Path, module: dict) -> dict[str, tuple[str, int | None]]:
+    """Each mutant of a run: (the file it mutates, mutmut's exit code; None: not tested)."""
     codes = {}
     for path in module["mutate"]:
-        codes.update(json.loads((workdir / "mutants" / (path + ".meta")).read_text())["exit_code_by_key"])
+        meta = json.loads((workdir / "mutants" / (path + ".meta")).read_text())
+        codes.update((name, (path, code)) for name, code in meta["exit_code_by_key"].items())
     return codes
 
 
@@ -104,18 +114,18 @@ def results(workdir: Path, module: dict, codes: dict | None = None) -> dict:
     that replace the run's, for mutants tested again elsewhere)."""
     counts: dict[str, int] = {}
     survivors = []
-    for path in module["mutate"]:
-        meta = json.loads((workdir / "mutants" / (path + ".meta")).read_text())
-        for name, code in sorted(meta["exit_code_by_key"].items()):
-            code = (codes or {}).get(name, code)
-            status = KILLED.get(code) or OTHER.get(code, "suspicious")
-            counts[status] = counts.get(status, 0) + 1
-            if code not in KILLED:
-                survivors.append({"name": name, "status": status, "line": mutated_line(workdir, name, path)})
+    for name, (path, code) in sorted(exit_codes(workdir, module).items()):
+        code = (codes or {}).get(name, code)
+        status = KILLED.get(code) or OTHER.get(code, "suspicious")
+        counts[status] = counts.get(status, 0) + 1
+        if code not in KILLED:
+            survivors.append({"name": name, "status": status, "line": mutated_line(workdir, name, path)})
     return {"counts": counts, "survivors": survivors}
 
 
+@functools.lru_cache(maxsize=None)
 def mutated_line(workdir: Path, name: str, path: str) -> str:
+    """The line(s) mutant `name` writes, from mutmut's diff in `workdir` (cached: retesting asks twice)."""
     if str(workdir) not in sys.path:
         sys.path.insert(0, str(workdir))
     os.chdir(workdir)
@@ -130,19 +140,11 @@ def retest_survivors(finished: Path, workdir: Path, module: dict, max_children: 
     """Tests again, on today's code and tests in the fresh `workdir`, the mutants that survived the finished run
     in `finished`; returns the exit codes that replace the finished run's: those of the mutants that are still
     the same mutation (same name and mutated line: mutmut renumbers a function's mutants when it changes)."""
-    old = exit_codes(finished, module)
-    alive = {name: path for path in module["mutate"] for name, code in old.items()
-             if code not in KILLED and name.startswith(_module_prefix(path))}
-    with open(workdir / "mutmut.log", "w") as f:
-        subprocess.run(mutmut_command(max_children, sorted(alive)), cwd=workdir, env=env, stdout=f,
-                       stderr=subprocess.STDOUT)
+    alive = {name: path for name, (path, code) in exit_codes(finished, module).items() if code not in KILLED}
+    run_mutmut(workdir, env, max_children, sorted(alive))
     new = exit_codes(workdir, module)
-    return {name: new[name] for name, path in alive.items()
+    return {name: new[name][1] for name, path in alive.items()
             if name in new and mutated_line(workdir, name, path) == mutated_line(finished, name, path)}
-
-
-def _module_prefix(path: str) -> str:
-    return path.removesuffix(".py").replace("/", ".") + "."
 
 
 def function_of(mutant: str) -> str:
@@ -214,15 +216,8 @@ def main() -> int:
     elif not args.rescore:
         build_workdir(workdir, module, shared)
         t0 = time.perf_counter()
-        log = workdir / "mutmut.log"
-        with open(log, "w") as f:
-            proc = subprocess.run(mutmut_command(args.max_children), cwd=workdir, env=env, stdout=f,
-                                  stderr=subprocess.STDOUT)
+        run_mutmut(workdir, env, args.max_children)
         seconds = round(time.perf_counter() - t0)
-        if proc.returncode != 0:
-            print(log.read_text()[-4000:], file=sys.stderr)
-            print(f"mutation.py: mutmut failed (exit {proc.returncode}); log in {log}", file=sys.stderr)
-            return 1
     summary = {"module": args.module, "mutate": module["mutate"], "tests": module["tests"],
                "statuses": None, **score(found := results(workdir, module, codes), equivalents(args.module)),
                "retested": None if codes is None else len(codes),

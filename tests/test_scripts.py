@@ -251,9 +251,8 @@ def test_mutation_results_take_the_retested_survivors_new_exit_codes(monkeypatch
     monkeypatch.chdir(tmp_path)  # mutated_line works from the run's directory, as mutmut does
     monkeypatch.syspath_prepend(str(tmp_path))
     module = {"mutate": ["kvmem/a.py"]}
-    assert script["exit_codes"](tmp_path, module)["kvmem.a.x_f__mutmut_2"] == 0
+    assert script["exit_codes"](tmp_path, module)["kvmem.a.x_f__mutmut_2"] == ("kvmem/a.py", 0)  # file, code
     found = script["results"](tmp_path, module, {"kvmem.a.x_f__mutmut_2": 1})  # killed by a later test
     assert found["counts"] == {"killed": 2, "survived": 1, "not checked": 1}
     assert found["survivors"] == [{"name": "kvmem.a.x_f__mutmut_3", "status": "survived", "line": "line of 3"},
                                   {"name": "kvmem.a.x_f__mutmut_4", "status": "not checked", "line": "line of 4"}]
-    assert script["_module_prefix"]("kvmem/kernels/kv_indices.py") == "kvmem.kernels.kv_indices."
