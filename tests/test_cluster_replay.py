@@ -47,7 +47,7 @@ def test_one_replica_replays_exactly_as_a_single_replay(policy, tiers):
     cluster = replay_cluster(CHAT, config, 1, policy).to_json()
     (replica,) = cluster["per_replica"]
     for key in ("requests", "prompt_tokens", "cached_tokens", "evicted_tokens", "retractions", "steps",
-                "peak_tokens_used", "mean_evictable_tokens", "mean_running"):
+                "peak_tokens_used", "mean_tokens_used", "peak_pinned_tokens", "mean_evictable_tokens", "mean_running"):
         assert replica[key] == single[key], key
     assert "mean_running" not in cluster  # per-step samples of one replica: not summed over the cluster
     for key in ("hit_rate", "device_hit_rate", "host_hit_rate", "loaded_tokens", "backed_up_tokens"):

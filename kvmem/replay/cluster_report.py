@@ -18,6 +18,10 @@ _SUMMED = ("capacity_tokens", "requests", "prompt_tokens", "cached_tokens", "evi
 # Per-step samples of one replica: in the per-replica entries, not summed.
 _PER_REPLICA_ONLY = ("peak_tokens_used", "mean_tokens_used", "peak_pinned_tokens", "mean_evictable_tokens",
                      "mean_running")
+# What each per-replica entry takes from the replica's own report.
+_REPLICA_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "hit_rate", "steps", "evicted_tokens",
+                   "retractions", "rejected")
+_TIER_HIT_RATES = ("device_hit_rate", "host_hit_rate", "storage_hit_rate")
 
 
 @dataclass
@@ -112,20 +116,12 @@ class ClusterReport:
         return out
 
     def _replica_json(self, rank: int) -> dict:
-        report = self.reports[rank]
-        entry = {"replica": rank, "routed": self.routed[rank], "requests": report.requests,
-                 "prompt_tokens": report.prompt_tokens, "cached_tokens": report.cached_tokens,
-                 "hit_rate": round(report.hit_rate, 6), "busy_seconds": round(self.busy_seconds[rank], 6),
-                 "prefill_seconds": round(self.prefill_seconds[rank], 6),
-                 "steps": len(report.time_s), "evicted_tokens": report.evicted_tokens,
-                 "retractions": report.retractions, "rejected": report.rejected,
-                 "peak_tokens_used": report.peak_tokens_used,
-                 "mean_evictable_tokens": round(report.mean_evictable_tokens, 1),
-                 "mean_running": round(report.mean_running, 2)}
-        if report.host_capacity_tokens is not None:
-            entry.update(device_hit_rate=round(report.device_hit_rate, 6), host_hit_rate=round(report.host_hit_rate, 6))
-            if report.storage is not None:
-                entry["storage_hit_rate"] = round(report.storage_hit_rate, 6)
+        """The replica's own report (its counters, hit rates per tier and per-step samples, rounded as a single
+        replay's JSON) beside what only the cluster knows of it."""
+        report = self.reports[rank].to_json()
+        entry = {"replica": rank, "routed": self.routed[rank], "busy_seconds": round(self.busy_seconds[rank], 6),
+                 "prefill_seconds": round(self.prefill_seconds[rank], 6)}
+        entry.update((k, report[k]) for k in _REPLICA_FIELDS + _PER_REPLICA_ONLY + _TIER_HIT_RATES if k in report)
         return entry
 
     def write_plots(self, directory: str | os.PathLike) -> list[Path]:
