@@ -419,6 +419,30 @@ def test_compare_policies_reports_the_share_of_the_gap_each_policy_closes(capsys
         assert gap[policy][0] == (expected if expected is None else pytest.approx(expected, abs=1e-3))
 
 
+def test_compare_table_shows_each_policy_then_how_much_lru_could_choose_among_and_its_ttft():
+    from kvmem.replay.compare import format_table
+
+    def run_of(policy, capacity, evictable, ttft):
+        return {"eviction_policy": policy, "capacity_tokens": capacity, "mean_evictable_tokens": evictable,
+                **({} if ttft is None else {"ttft_p50_s": ttft})}
+
+    result = {"policies": ["lru", "lookahead", "belady"], "capacities": [1000, 3000],
+              "hit_rate": {"lru": [0.1, 0.2], "lookahead": [0.15, 0.2], "belady": [0.2, 0.2]},
+              "gap_closed": {"lru": [0.0, None], "lookahead": [0.5, None], "belady": [1.0, None]},
+              "runs": [run_of("belady", 1000, 0, 9.0), run_of("lru", 3000, 2990, None),
+                       run_of("lru", 1000, 130, 5.83)]}
+    assert format_table(result).splitlines() == [
+        "policy                             1,000                   3,000",
+        "----------------------------------------------------------------",
+        "lru                               0.1000                  0.2000",
+        "lookahead           0.1500 (+50% of gap)                  0.2000",
+        "belady                            0.2000                  0.2000",
+        "----------------------------------------------------------------",
+        "lru: evictable                       13%                    100%",
+        "lru: TTFT p50                     5.83 s                       -",
+    ]
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--compare-policies", "lru,random"], "eviction policies"),
     (["--eviction-policy", "random"], "invalid choice"),

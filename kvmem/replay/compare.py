@@ -19,7 +19,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from kvmem.replay.config import ReplayConfig
-from kvmem.replay.report import require_matplotlib
+from kvmem.replay.report import format_seconds, require_matplotlib
 
 BASELINE, CEILING = "lru", "belady"
 DEFAULT_POLICIES = ("lru", "lfu", "fifo", "s3fifo", "arc", "2q", "gdsf", "lookahead", "belady")
@@ -75,17 +75,31 @@ def _gap_closed(hit: float, lru: float, belady: float) -> float | None:
 
 
 def format_table(result: dict) -> str:
-    """The comparison as a text table: a row per policy, a column per capacity, hit rate (gap closed)."""
+    """The comparison as a text table: a row per policy, a column per capacity, hit rate (gap closed); then, from
+    lru's runs, how much of the memory was evictable on average and the median time to first token. A policy
+    only chooses among evictable pages, and a saturated server (TTFT of seconds and more) holds most of its
+    memory in running requests: there belady's lead comes partly from the queueing its hits save."""
     caps = result["capacities"]
-    width = max(len("policy"), *map(len, result["policies"])) + 2
-    head = f"{'policy':<{width}}" + "".join(f"{c:>22,}" for c in caps)
+    labels = [*result["policies"], *_CONTEXT_ROWS]
+    width = max(len("policy"), *map(len, labels)) + 2
+    head = f"{'policy':<{width}}" + "".join(f"{c:>24,}" for c in caps)
     lines = [head, "-" * len(head)]
     for p in result["policies"]:
         cells = []
         for h, g in zip(result["hit_rate"][p], result["gap_closed"][p]):
             cells.append(f"{h:.4f}" + ("" if g is None or p in (BASELINE, CEILING) else f" ({g:+.0%} of gap)"))
-        lines.append(f"{p:<{width}}" + "".join(f"{cell:>22}" for cell in cells))
+        lines.append(f"{p:<{width}}" + "".join(f"{cell:>24}" for cell in cells))
+    lines.append("-" * len(head))
+    baseline = {r["capacity_tokens"]: r for r in result["runs"] if r["eviction_policy"] == BASELINE}
+    for label, cell in _CONTEXT_ROWS.items():
+        lines.append(f"{label:<{width}}" + "".join(f"{cell(baseline[c]):>24}" for c in caps))
     return "\n".join(lines)
+
+
+_CONTEXT_ROWS: dict[str, Callable[[dict], str]] = {
+    f"{BASELINE}: evictable": lambda r: f"{r['mean_evictable_tokens'] / r['capacity_tokens']:.0%}",
+    f"{BASELINE}: TTFT p50": lambda r: format_seconds(r.get("ttft_p50_s")),
+}
 
 
 def write_policy_plot(result: dict, directory: str | os.PathLike) -> Path:

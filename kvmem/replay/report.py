@@ -303,9 +303,9 @@ def _summary_rows(r: ReplayReport) -> list[tuple[str, str]]:
             ("prompt tokens cached", f"{_tokens(r.cached_tokens)} of {_tokens(r.prompt_tokens)} "
                                      f"({r.requests:,} requests, {r.rejected:,} rejected)"),
             ("prefill time saved", f"{r.prefill_seconds_saved:,.1f} s{gpu}"),
-            ("TTFT p50 / p90 / p99", " / ".join(_seconds(ttft.get(p)) for p in ("p50", "p90", "p99"))),
+            ("TTFT p50 / p90 / p99", " / ".join(format_seconds(ttft.get(p)) for p in ("p50", "p90", "p99"))),
             ("throughput", f"{r.output_tokens / r.simulated_seconds if r.simulated_seconds else 0:,.0f} output "
-                           f"tokens/s over {_seconds(r.simulated_seconds)} simulated"),
+                           f"tokens/s over {format_seconds(r.simulated_seconds)} simulated"),
             ("KV memory", memory)]
     if r.host_capacity_tokens is not None:
         rows.append(("host tier", f"{_tokens(r.host_capacity_tokens)} tokens; loaded {_tokens(r.loaded_tokens)}, "
@@ -323,8 +323,8 @@ def _summary_columns(r: ReplayReport) -> list[tuple[str, str]]:
                ("host", "-" if r.host_capacity_tokens is None else f"{r.host_hit_rate:.3f}")]
     if r.storage is not None:
         columns.append(("storage", f"{r.storage_hit_rate:.3f}"))
-    columns += [("TTFT p50", _seconds(ttft.get("p50"))), ("p90", _seconds(ttft.get("p90"))),
-                ("p99", _seconds(ttft.get("p99"))),
+    columns += [("TTFT p50", format_seconds(ttft.get("p50"))), ("p90", format_seconds(ttft.get("p90"))),
+                ("p99", format_seconds(ttft.get("p99"))),
                 ("GPU-s saved" if r.num_gpus else "s saved", f"{r.prefill_seconds_saved * (r.num_gpus or 1):,.0f}"),
                 ("peak memory", f"{r.peak_tokens_used / r.capacity_tokens:.0%}" if r.capacity_tokens else "-"),
                 ("evicted", _tokens(r.evicted_tokens)), ("retractions", f"{r.retractions:,}")]
@@ -352,7 +352,9 @@ def _tokens(n: float) -> str:
             return text + unit
 
 
-def _seconds(s: float | None) -> str:
+def format_seconds(s: float | None) -> str:
+    """A time as a person reads it: ms below 10 ms, s below an hour (no decimals from 100 s), h above; "-" for
+    None (no request got a first token)."""
     if s is None:
         return "-"
     if s >= 3600:
