@@ -256,3 +256,20 @@ def test_mutation_results_take_the_retested_survivors_new_exit_codes(monkeypatch
     assert found["counts"] == {"killed": 2, "survived": 1, "not checked": 1}
     assert found["survivors"] == [{"name": "kvmem.a.x_f__mutmut_3", "status": "survived", "line": "line of 3"},
                                   {"name": "kvmem.a.x_f__mutmut_4", "status": "not checked", "line": "line of 4"}]
+
+
+def test_trace_reuse_reports_reusable_tokens_their_gaps_and_conversation_turns(tmp_path):
+    # A, then B continues A (A's full blocks 1, 2 begin it) 10 s later, C shares nothing, D continues B 30 s
+    # after B. Reused: B 2 blocks (gap 10 s), D 3 blocks (gap 30 s); A and B get a next turn, C and D do not.
+    lines = [(0, 1200, [1, 2, 3]), (10_000, 1800, [1, 2, 5, 6]), (30_000, 700, [7, 8]), (40_000, 1900, [1, 2, 5, 9])]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": n, "output_length": 5, "hash_ids": ids})
+                             + "\n" for t, n, ids in lines))
+    facts = run_script("trace_reuse.py", str(trace))
+    assert facts["requests"] == 4 and facts["prompt_tokens"] == 5600
+    assert facts["reusable_share"] == round((2 * 512 + 3 * 512) / 5600, 4)
+    # Token-weighted: 1,024 tokens waited 10 s and 1,536 waited 30 s, so the median is 30 s.
+    assert facts["reuse_gap_s"] == {"p10": 10.0, "p25": 10.0, "p50": 30.0, "p75": 30.0, "p90": 30.0}
+    assert facts["next_turn"] == {"share": 0.5, "by_turn": [{"turn": 0, "prompts": 2, "share": 0.5},
+                                                           {"turn": 1, "prompts": 1, "share": 1.0},
+                                                           {"turn": 2, "prompts": 1, "share": 0.0}]}

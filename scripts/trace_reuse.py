@@ -1,0 +1,84 @@
+"""How a Mooncake trace reuses its prefixes, the facts that bound what an eviction policy can do: prints JSON.
+
+    python scripts/trace_reuse.py ../shared/traces/mooncake/conversation_trace.jsonl
+
+- `reusable_share`: the prompt tokens an unbounded cache would serve (each prompt's leading blocks seen
+  before, all but its last token), the ceiling of every policy at every capacity.
+- `reuse_gap_s`: for those tokens, the seconds since their prefix was last used (arrival to arrival),
+  percentiles weighted by tokens. A page that LRU keeps for less than the gap is gone when it is needed.
+- `next_turn`: conversations. Request j continues request i (its previous turn) when i is the latest earlier
+  request whose prompt, less its last (partial) block and at least two blocks long, begins j's. `share` is the
+  share of prompts that get a next turn, `by_turn[k]` that share among k-th turns (0: first turns; the
+  last entry counts every turn from there on), with how many prompts each has.
+
+A Mooncake block id names its block and everything before it (two prompts share id x only if they agree up to
+and including block x), so a prefix is looked up by its last block id alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from kvmem.replay.traces import BLOCK_SIZE, MooncakeTrace, read_trace
+
+PERCENTILES = (10, 25, 50, 75, 90)
+TURNS = 8  # by_turn's entries: 0 .. TURNS-2, then TURNS-1 and later
+
+
+def reuse_facts(trace: MooncakeTrace) -> dict:
+    """The JSON-ready facts above, for a Mooncake trace (requests in arrival order)."""
+    n = len(trace)
+    order = np.argsort(trace.arrival_s, kind="stable")
+    last_use: dict[int, float] = {}  # block id -> last arrival that used it
+    ends_full_prefix: dict[int, int] = {}  # block id -> latest request whose full blocks end with it
+    reused, gaps = np.zeros(n, dtype=np.int64), np.full(n, np.nan)
+    turn, has_next = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
+    for i in order.tolist():
+        ids = trace.hash_ids[trace.block_offsets[i]:trace.block_offsets[i + 1]].tolist()
+        t, length = float(trace.arrival_s[i]), int(trace.input_lens[i])
+        seen = 0
+        while seen < len(ids) and ids[seen] in last_use:
+            seen += 1
+        if seen:
+            reused[i] = min(seen * BLOCK_SIZE, length - 1)
+            gaps[i] = t - last_use[ids[seen - 1]]
+        for k in range(len(ids) - 1, 1, -1):  # the longest earlier full-block prompt that begins this one
+            prev = ends_full_prefix.get(ids[k - 1])
+            if prev is not None and trace.block_offsets[prev + 1] - trace.block_offsets[prev] - 1 == k:
+                turn[i], has_next[prev] = turn[prev] + 1, True
+                break
+        for b in ids:
+            last_use[b] = t
+        if len(ids) >= 3:
+            ends_full_prefix[ids[-2]] = i
+    weights = reused[reused > 0]
+    gap = gaps[reused > 0]
+    by_gap = np.argsort(gap, kind="stable")
+    cumulative = np.cumsum(weights[by_gap]) / weights.sum() if weights.size else np.empty(0)
+    percentiles = {f"p{q}": round(float(gap[by_gap][np.searchsorted(cumulative, q / 100)]), 3)
+                   for q in PERCENTILES} if weights.size else {}
+    turns = np.minimum(turn, TURNS - 1)
+    return {"trace": trace.name, "requests": n, "prompt_tokens": int(trace.input_lens.sum()),
+            "reusable_share": round(float(reused.sum() / max(trace.input_lens.sum(), 1)), 4),
+            "reuse_gap_s": percentiles,
+            "next_turn": {"share": round(float(has_next.mean()), 4) if n else 0.0,
+                          "by_turn": [{"turn": k, "prompts": int((turns == k).sum()),
+                                       "share": round(float(has_next[turns == k].mean()), 4)}
+                                      for k in range(TURNS) if (turns == k).any()]}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", help="a Mooncake trace (JSONL with hash_ids)")
+    args = p.parse_args(argv)
+    trace = read_trace(args.trace, "mooncake")
+    print(json.dumps(reuse_facts(trace), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
