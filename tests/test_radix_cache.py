@@ -37,16 +37,20 @@ def path_tokens(cache, node):
     return [t for part in reversed(parts) for t in part]
 
 
-def cached_sequences(cache):
-    """Every root-to-leaf token sequence in the tree, as tuples."""
-    out, stack = set(), [(cache.root_node, ())]
+def tree_nodes(cache, namespace=None):
+    """Every node of `namespace`'s tree (the default one: None), each with its path's tokens as a tuple."""
+    stack = [(cache._root(namespace), ())]
     while stack:
         node, prefix = stack.pop()
-        prefix += tuple(node.token_ids())
-        if not node.children and node is not cache.root_node:
-            out.add(prefix)
-        stack.extend((c, prefix) for c in node.children.values())
-    return out
+        for child in node.children.values():
+            path = prefix + tuple(child.token_ids())
+            yield child, path
+            stack.append((child, path))
+
+
+def cached_sequences(cache):
+    """Every root-to-leaf token sequence in the tree, as tuples."""
+    return {path for node, path in tree_nodes(cache) if not node.children}
 
 
 def snapshot(cache):
@@ -1057,14 +1061,7 @@ def test_the_scheduler_s_unchecked_caching_builds_what_the_checked_one_builds(pa
 
 def namespace_nodes(cache, namespace):
     """Every node of `namespace`'s tree as (its path's tokens, its priority, its hit count)."""
-    out, stack = set(), [(cache._root(namespace), ())]
-    while stack:
-        node, prefix = stack.pop()
-        for child in node.children.values():
-            path = prefix + tuple(child.token_ids())
-            out.add((path, child.priority, child.hit_count))
-            stack.append((child, path))
-    return out
+    return {(path, node.priority, node.hit_count) for node, path in tree_nodes(cache, namespace)}
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
