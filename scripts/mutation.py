@@ -42,6 +42,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 try:
@@ -85,7 +86,7 @@ def build_workdir(workdir: Path, module: dict, shared: dict) -> None:
     (workdir / "pyproject.toml").write_text("\n".join(lines) + "\n")
 
 
-def run_mutmut(workdir: Path, env: dict, max_children: int, names: list[str] = ()) -> None:
+def run_mutmut(workdir: Path, env: dict, max_children: int, names: Sequence[str] = ()) -> None:
     """`mutmut run` in `workdir` (only the mutants `names`, if given), logged to workdir/mutmut.log; exits with
     the log's tail when mutmut fails."""
     mutmut = Path(sys.executable).with_name("mutmut")
