@@ -91,7 +91,9 @@ class Lookahead(EvictionPolicy):
         """If rid's key covers `node`'s whole path and goes on by a page, waits for the tree to grow there."""
         key, page = self._keys[rid], self._tree._page_bytes
         start, end = node.depth * TOKEN_BYTES, (node.depth + node.num_tokens) * TOKEN_BYTES
-        if len(key) < end + page or (node.parent is not None and key[start:end] != node.key):
+        # startswith, not !=: bytes against a memoryview slice compares by memcmp, while a memoryview's own
+        # comparison unpacks item by item (about 15x slower on a 2 KB edge). The slice has the edge's length.
+        if len(key) < end + page or (node.parent is not None and not node.key.startswith(key[start:end])):
             return
         nxt = key[end:end + page].tobytes()
         self._follow.setdefault(node, {}).setdefault(nxt, set()).add(rid)
