@@ -85,6 +85,7 @@ class Req:
         # Tokens this extend step brings the row up to; below len(fill_ids) while chunked prefill goes on.
         self.extend_end = 0
         self.num_retractions = 0
+        self.turn: int | None = None  # its conversation turn, once a policy that tracks turns has inferred it
 
     @property
     def fill_ids(self) -> array:

@@ -70,6 +70,7 @@ class CachedRequest(Protocol):
     input_ids: array
     output_ids: list[int]
     namespace: str | None
+    turn: int | None  # its conversation turn: None until a policy that tracks turns infers it (see multiturn)
 
 
 class RadixCache(RadixTree):
@@ -81,7 +82,7 @@ class RadixCache(RadixTree):
         token_allocator: where evicted slots go back; its page_size must equal `page_size`.
         page_size: tokens per page; keys are matched and inserted in whole pages.
         eviction_policy: a name of `kvmem.eviction.EVICTION_POLICIES` ("lru", "lfu", "fifo", "priority",
-            "s3fifo", "arc", "2q", "gdsf", "lookahead"), a key function of a node, or an `EvictionPolicy`.
+            "s3fifo", "arc", "2q", "gdsf", "lookahead", "multiturn"), a key function of a node, or an `EvictionPolicy`.
         pin_budget: the share of the capacity that `pin` may hold (0 to 1); older pins past it degrade.
         event_sink: called with each KV event (`kvmem.events`): a `BlockStored` (medium "GPU") for the pages
             of every node that enters the tree, a `BlockRemoved` for the pages each `evict` call takes out,
@@ -175,7 +176,7 @@ class RadixCache(RadixTree):
         return self._insert(key, value, priority, namespace)[0]
 
     def _insert(self, key, value, priority: int, namespace: str | None = None, *, checked: bool = True,
-                below: TreeNode | None = None) -> tuple[int, TreeNode]:
+                below: TreeNode | None = None, turn: int = 0) -> tuple[int, TreeNode]:
         """insert's body: returns (tokens already cached, the node whose path is `key`). `checked=False` is for
         the Scheduler's own requests, whose keys are whole pages and whose slots it took from the allocator:
         it skips the argument and slot checks (key: an int64 array; value: host int64 slots). `below`: a node
@@ -194,9 +195,9 @@ class RadixCache(RadixTree):
                 self._check_new_slots(new_slots)
         # Nothing below raises: the tree changes only once the whole call is known to be valid.
         last = self._walk_to_node(walk)
-        self._touch(last, hit=False, priority=priority)
+        self._touch(last, hit=False, priority=priority, turn=turn)
         if grows:
-            last = self._add_leaf(last, view[matched * TOKEN_BYTES:].tobytes(), new_slots.copy(), priority)
+            last = self._add_leaf(last, view[matched * TOKEN_BYTES:].tobytes(), new_slots.copy(), priority, turn)
             self._in_tree[new_slots] = True
             if self._names:
                 self._name_pages(last, namespace)
@@ -350,14 +351,15 @@ class RadixCache(RadixTree):
             "req_to_token", table[row, start:end])
         cached, node = protected, req.last_node
         if aligned > protected:
+            turn = self._request_turn(req) if self._policy.tracks_turns else 0
             if below:
                 new, node = self._insert(request_token_ids(req, aligned, protected),
                                          slots[protected - start:aligned - start], req.priority, req.namespace,
-                                         checked=False, below=node)
+                                         checked=False, below=node, turn=turn)
                 cached = protected + new
             else:
                 cached, node = self._insert(request_token_ids(req, aligned), slots[:aligned], req.priority,
-                                            req.namespace, checked=checked)
+                                            req.namespace, checked=checked, turn=turn)
         free = self.token_allocator.free if checked else self.token_allocator._free_owned
         if finished:
             spare = np.concatenate((slots[protected - start:cached - start], slots[aligned - start:]))
@@ -392,6 +394,17 @@ class RadixCache(RadixTree):
         req.last_node = node
         req.prefix_indices = indices
         req.cache_protected_len = aligned
+
+    def _request_turn(self, req: CachedRequest) -> int:
+        """The conversation turn of `req`, as the policy infers it from the prefix the request matched: taken at
+        its first insert, while last_node and cache_protected_len still describe its admission's match (and
+        there is a page after that prefix), then kept in `req.turn` for its later inserts."""
+        if req.turn is None:
+            node = req.last_node if req.last_node is not None else self._root(req.namespace)
+            matched = req.cache_protected_len
+            next_page = bytes(request_token_ids(req, matched + self.page_size, matched))
+            req.turn = self._policy.request_turn(node, next_page, matched, len(req.input_ids))
+        return req.turn
 
     # ---- whole tree ---------------------------------------------------------------------------------
     def reset(self) -> None:

@@ -48,15 +48,17 @@ class TreeNode:
     `children` maps the bytes of a child's first page to the child. `lock_ref` counts the requests using
     the node's prefix; `last_access` and `created` are logical-clock ticks, `hit_count` counts the matches
     that reached it, `priority` is the highest request priority inserted through it, `depth` is the tokens on
-    the path above it, and `id` (unique, increasing) breaks ties. `entry` is its record in the evictable set,
-    or None when it is not there; `pin` is 0, or the order of its newest pin (`RadixTree.pin`).
+    the path above it, `turn` is the highest conversation turn of a request inserted through it (0 unless the
+    policy `tracks_turns`: kvmem.eviction.multiturn), and `id` (unique, increasing) breaks ties. `entry` is
+    its record in the evictable set, or None when it is not there; `pin` is 0, or the order of its newest pin
+    (`RadixTree.pin`).
     `page_digests` (its pages' 32-byte `kvmem.page_hash` digests, concatenated) is kept only by a cache that
     needs page names (events, storage), else None. A root (one per namespace) has parent None and an empty
     key; so has a node removed by eviction or `reset`.
     """
 
     __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "hit_count", "created",
-                 "priority", "id", "entry", "page_digests", "depth", "pin")
+                 "priority", "turn", "id", "entry", "page_digests", "depth", "pin")
 
     def __init__(self, key: bytes, value: np.ndarray, parent: TreeNode | None, created: int, id: int) -> None:
         self.key = key
@@ -68,6 +70,7 @@ class TreeNode:
         self.hit_count = 0
         self.created = created
         self.priority = 0
+        self.turn = 0
         self.id = id
         self.entry = None
         self.page_digests: bytes | None = None
@@ -224,6 +227,7 @@ class RadixTree:
         head.last_access = child.last_access
         head.hit_count = child.hit_count
         head.priority = child.priority
+        head.turn = child.turn
         parent.children[child.key[:self._page_bytes]] = head
         child.key = child.key[into_child:]
         child.value = child.value[k:].copy()
@@ -238,9 +242,10 @@ class RadixTree:
             self._rekey(child)  # it is shorter now
         return head
 
-    def _add_leaf(self, parent: TreeNode, key: bytes, value: np.ndarray, priority: int) -> TreeNode:
+    def _add_leaf(self, parent: TreeNode, key: bytes, value: np.ndarray, priority: int, turn: int = 0) -> TreeNode:
         leaf = self.node_class(key, value, parent, self._clock, next(self._ids))
         leaf.priority = priority
+        leaf.turn = turn
         if parent.entry is not None:
             self._remove_evictable(parent)
         parent.children[key[:self._page_bytes]] = leaf
@@ -248,17 +253,21 @@ class RadixTree:
         self._add_evictable(leaf)
         return leaf
 
-    def _touch(self, last: TreeNode, *, hit: bool, priority: int | None = None) -> None:
-        """Advances the clock and stamps the path root..last as accessed now (and matched, and inserted at
-        `priority`). Its caller re-keys `last` if it is an evictable leaf (no other node on the path is)."""
+    def _touch(self, last: TreeNode, *, hit: bool, priority: int | None = None, turn: int = 0) -> None:
+        """Advances the clock and stamps the path root..last as accessed now (and matched, or inserted at
+        `priority` and `turn`). Its caller re-keys `last` if it is an evictable leaf (no other node on the path
+        is)."""
         self._clock += 1
         now, node = self._clock, last
         while node.parent is not None:
             node.last_access = now
             if hit:
                 node.hit_count += 1
-            if priority is not None and node.priority < priority:
-                node.priority = priority
+            if priority is not None:
+                if node.priority < priority:
+                    node.priority = priority
+                if node.turn < turn:
+                    node.turn = turn
             node = node.parent
 
     def _path_values(self, node: TreeNode) -> list[np.ndarray]:

@@ -7,11 +7,11 @@ tests pin down the order each one is for.
 import pytest
 
 from kvmem import HiRadixCache, Req, ReqToTokenPool, Scheduler, TokenAllocator
-from kvmem.eviction import ARC, EVICTION_POLICIES, GDSF, S3FIFO, KeyedPolicy, Lookahead, TwoQ, make_policy
+from kvmem.eviction import ARC, EVICTION_POLICIES, GDSF, S3FIFO, KeyedPolicy, Lookahead, MultiTurn, TwoQ, make_policy
 from kvmem.eviction.base import lru
 from kvmem.radix_cache import RadixCache
 from kvmem.tiers import HostSlotPool
-from tests.test_radix_cache import cached_sequences, make_cache, put
+from tests.test_radix_cache import cached_sequences, make_cache, put, tree_nodes
 
 
 def seq(start, n=4):
@@ -218,6 +218,85 @@ def test_the_scheduler_tells_the_cache_what_its_queue_will_match():
     assert cache._policy._target == {}  # admitted: its lock protects the prefix now
 
 
+# ---- multiturn ------------------------------------------------------------------------------------------------
+def serve(sched, req):
+    """Runs `req` alone to its end, every token sampled as 7."""
+    sched.add_request(req)
+    while not sched.is_idle():
+        batch = sched.step()
+        sched.process_batch_result(batch, [7] * batch.batch_size())
+    return req
+
+
+def multiturn_scheduler(policy=None, size=64):
+    pool, alloc = ReqToTokenPool(4, 64), TokenAllocator(size)
+    cache = RadixCache(pool, alloc, eviction_policy=MultiTurn() if policy is None else policy)
+    return Scheduler(pool, alloc, cache), cache
+
+
+def test_multiturn_counts_a_conversations_turns_and_keeps_a_later_turn_over_a_newer_first_prompt():
+    sched, cache = multiturn_scheduler()
+    first = serve(sched, Req("a", seq(10, 12), max_new_tokens=2))
+    second = serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=2))  # matches 12 of 16 tokens
+    other = serve(sched, Req("c", seq(50, 12), max_new_tokens=2))                 # newer, a first prompt
+    assert (first.turn, second.turn, other.turn) == (0, 1, 0)
+    # a's output (b went another way after a's prompt), then c's output and prompt, though c came last
+    assert cache.evict(14) == 14
+    assert cache.match_prefix(seq(50, 12)).indices.numel() == 0
+    assert cache.match_prefix(seq(10, 12) + seq(30, 4)).indices.numel() == 16
+    cache.check_invariants()
+
+
+def test_multiturn_a_short_match_is_a_shared_system_prompt_not_a_previous_turn():
+    sched, _ = multiturn_scheduler()
+    serve(sched, Req("a", seq(0, 4) + seq(10, 12), max_new_tokens=1))
+    assert serve(sched, Req("b", seq(0, 4) + seq(50, 12), max_new_tokens=1)).turn == 0  # 4 of 16 matched
+
+
+def test_multiturn_recognises_a_conversation_whose_history_was_evicted_by_its_ghost():
+    sched, cache = multiturn_scheduler()
+    serve(sched, Req("a", seq(10, 12), max_new_tokens=2))
+    serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=2))
+    cache.evict(1000)  # the conversation's whole history goes
+    assert cache.total_size() == 0
+    back = serve(sched, Req("c", seq(10, 12) + seq(30, 4) + seq(40, 4), max_new_tokens=1))
+    assert back.turn == 2  # its evicted history was at turn 1
+    sched, cache = multiturn_scheduler(MultiTurn(ghosts=0))
+    serve(sched, Req("a", seq(10, 12), max_new_tokens=2))
+    serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=2))
+    cache.evict(1000)
+    assert serve(sched, Req("c", seq(10, 12) + seq(30, 4) + seq(40, 4), max_new_tokens=1)).turn == 0
+
+
+def test_multiturn_forgets_its_ghosts_on_reset_and_other_policies_never_infer_turns():
+    sched, cache = multiturn_scheduler()
+    serve(sched, Req("a", seq(10, 12), max_new_tokens=2))
+    cache.evict(1000)
+    cache.reset()
+    assert serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=1)).turn == 0
+    sched, cache = multiturn_scheduler("lru")
+    serve(sched, Req("a", seq(10, 12), max_new_tokens=2))
+    req = serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=2))
+    assert req.turn is None and all(node.turn == 0 for node, _ in tree_nodes(cache))
+
+
+def test_lookahead_over_multiturn_infers_turns_through_its_base():
+    sched, cache = multiturn_scheduler("lookahead+multiturn")
+    serve(sched, Req("a", seq(10, 12), max_new_tokens=2))
+    assert serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=2)).turn == 1
+    assert cache._policy.tracks_turns and not Lookahead().tracks_turns
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"turn_bonus": -1}, "turn_bonus"), ({"max_turns": 1.5}, "max_turns"),
+    ({"continuation": 1.5}, "continuation must lie in"), ({"continuation": -0.1}, "continuation"),
+    ({"ghosts": -1}, "ghosts")])
+def test_multiturn_rejects_bad_arguments_by_name(kwargs, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        MultiTurn(**kwargs)
+
+
 # ---- pins -----------------------------------------------------------------------------------------------------
 def test_a_pinned_prefix_goes_only_when_nothing_unpinned_is_left():
     cache, _ = make_cache(policy="lru")
@@ -285,7 +364,7 @@ def test_pins_hold_the_device_part_of_a_tiered_prefix():
     cache.check_invariants()
 
 
-@pytest.mark.parametrize("policy", [KeyedPolicy(lru), S3FIFO(), ARC(), TwoQ(), GDSF(), Lookahead()],
+@pytest.mark.parametrize("policy", [KeyedPolicy(lru), S3FIFO(), ARC(), TwoQ(), GDSF(), Lookahead(), MultiTurn()],
                          ids=lambda p: p.name)
 def test_every_policy_empties_the_cache_when_asked_to_evict_everything(policy):
     cache, alloc = make_cache(policy=policy)

@@ -11,7 +11,10 @@ key goes first: a `KeyedPolicy`), or a policy object (one per tier of one cache)
     2q                         2Q, VLDB'94 (kvmem.eviction.two_queue)
     gdsf                       Greedy-Dual-Size-Frequency, recompute cost by position (kvmem.eviction.gdsf)
     lookahead                  CachedAttention's (ATC'24): what queued requests will match goes last (over
-    lookahead+s3fifo           LRU, or over S3-FIFO) (kvmem.eviction.lookahead)
+    lookahead+s3fifo           LRU, or over S3-FIFO, or over multiturn) (kvmem.eviction.lookahead)
+    lookahead+multiturn
+    multiturn                  LRU with a head start per conversation turn, inferred from the tree and ghosts
+                               of evicted prefixes (kvmem.eviction.multiturn)
     belady                     the offline optimum: replay only (kvmem.replay.belady), refused here
 """
 
@@ -24,6 +27,7 @@ from kvmem.eviction.arc import ARC
 from kvmem.eviction.base import EvictionKey, EvictionPolicy, KeyedPolicy, fifo, lfu, lru, priority
 from kvmem.eviction.gdsf import GDSF
 from kvmem.eviction.lookahead import Lookahead
+from kvmem.eviction.multiturn import MultiTurn
 from kvmem.eviction.s3fifo import S3FIFO
 from kvmem.eviction.two_queue import TwoQ
 
@@ -45,6 +49,8 @@ EVICTION_POLICIES: MappingProxyType[str, Callable[[], EvictionPolicy]] = Mapping
     "gdsf": GDSF,
     "lookahead": Lookahead,
     "lookahead+s3fifo": lambda: Lookahead(S3FIFO()),
+    "multiturn": MultiTurn,
+    "lookahead+multiturn": lambda: Lookahead(MultiTurn()),
     "belady": _offline_only,
 })
 ONLINE_POLICIES = tuple(name for name in EVICTION_POLICIES if name != "belady")
@@ -66,4 +72,4 @@ def make_policy(policy: EvictionPolicySpec) -> EvictionPolicy:
 
 
 __all__ = ["ARC", "EVICTION_POLICIES", "GDSF", "ONLINE_POLICIES", "S3FIFO", "EvictionKey", "EvictionPolicy",
-           "EvictionPolicySpec", "KeyedPolicy", "Lookahead", "TwoQ", "make_policy"]
+           "EvictionPolicySpec", "KeyedPolicy", "Lookahead", "MultiTurn", "TwoQ", "make_policy"]

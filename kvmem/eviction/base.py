@@ -14,10 +14,15 @@ leaves, and the tree never scans: every call below is O(log n) or better in the 
     waiting(rid, node, key)   the scheduler queued request `rid`, whose match key is `key` and whose prefix
                               ends at `node` in this tier (a root: nothing cached); only if `looks_ahead`
     admitted(rid)             it was admitted (its lock protects its prefix now)
+    request_turn(node, page, matched, prompt_len) -> turn
+                              a request that matched `matched` tokens down to `node`, followed by `page`,
+                              inserts its first new tokens: its conversation turn, which the cache stamps on
+                              the nodes it inserts (`turn`); only if `tracks_turns`
 
 Node fields a policy may read: `last_access` and `created` (ticks of the tree's logical clock, which advances
 once per match_prefix / insert: deterministic, unlike wall time), `hit_count` (how many match_prefix calls
-reached the node), `priority` (the highest priority of the requests that inserted through it), `depth`
+reached the node), `priority` (the highest priority of the requests that inserted through it), `turn` (the same for
+their conversation turns; 0 unless the policy `tracks_turns`), `depth`
 (tokens on the path above it) and `num_tokens`. The tree updates them along the whole path of an access, but
 re-ranks only the path's last node when it is an evictable leaf (no other node on the path is one), so a
 policy must not rank a leaf by what changes on its ancestors.
@@ -44,6 +49,7 @@ class EvictionPolicy(ABC):
 
     name = "policy"
     looks_ahead = False  # True: the tree walks each queued request's key to tell `waiting` where it ends
+    tracks_turns = False  # True: the cache asks `request_turn` for each request and stamps it on its nodes
 
     def __init__(self) -> None:
         self._tree: RadixTree | None = None
@@ -83,6 +89,12 @@ class EvictionPolicy(ABC):
 
     def admitted(self, rid: Any) -> None:
         """Request `rid` was admitted: its prefix is locked now."""
+
+    def request_turn(self, node: TreeNode, page: bytes, matched: int, prompt_len: int) -> int:
+        """The conversation turn of a request (0: a first prompt) whose admission matched `matched` of its
+        `prompt_len` prompt tokens down to `node` (a root when nothing), and whose next page is `page` (int64
+        token ids as bytes). Called only when `tracks_turns`."""
+        return 0
 
     @abstractmethod
     def clear(self) -> None:

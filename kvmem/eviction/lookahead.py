@@ -54,6 +54,13 @@ class Lookahead(EvictionPolicy):
         super().bind(tree)
         self.base.bind(tree)
 
+    @property
+    def tracks_turns(self) -> bool:  # type: ignore[override]  # the base policy's (lookahead+multiturn)
+        return self.base.tracks_turns
+
+    def request_turn(self, node: TreeNode, page: bytes, matched: int, prompt_len: int) -> int:
+        return self.base.request_turn(node, page, matched, prompt_len)
+
     def _place(self, node: TreeNode, entry: list) -> list:
         if node in self._expected:
             entry[0], entry[1] = True, (node.last_access, node.id, node)

@@ -22,7 +22,7 @@ from kvmem.replay.config import ReplayConfig
 from kvmem.replay.report import format_seconds, require_matplotlib
 
 BASELINE, CEILING = "lru", "belady"
-DEFAULT_POLICIES = ("lru", "lfu", "fifo", "s3fifo", "arc", "2q", "gdsf", "lookahead", "belady")
+DEFAULT_POLICIES = ("lru", "lfu", "fifo", "s3fifo", "arc", "2q", "gdsf", "lookahead", "multiturn", "belady")
 
 _trace = None  # the trace a worker replays, loaded once by its initializer
 

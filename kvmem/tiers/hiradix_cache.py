@@ -226,7 +226,7 @@ class HiRadixCache(RadixCache):
 
     # ---- insert (reviving host-only nodes) ----------------------------------------------------------
     def _insert(self, key, value, priority: int, namespace: str | None = None, *, checked: bool = True,
-                below: HiTreeNode | None = None) -> tuple[int, HiTreeNode]:
+                below: HiTreeNode | None = None, turn: int = 0) -> tuple[int, HiTreeNode]:
         """As RadixCache's, but the walk may pass host-only nodes: the tree takes value's slots for them (the
         tokens' KV is the same), so the count returned is only the leading tokens already on device."""
         view = key_bytes("key", key)
@@ -243,10 +243,10 @@ class HiRadixCache(RadixCache):
         last = self._walk_to_node(walk)
         if revived:
             self._revive_path(last, value[on_device:matched])
-        self._touch(last, hit=False, priority=priority)
+        self._touch(last, hit=False, priority=priority, turn=turn)
         if grows:
             new_slots = value[matched:]
-            last = self._add_leaf(last, view[matched * TOKEN_BYTES:].tobytes(), new_slots.copy(), priority)
+            last = self._add_leaf(last, view[matched * TOKEN_BYTES:].tobytes(), new_slots.copy(), priority, turn)
             self._in_tree[new_slots] = True
             if self._names:
                 self._name_pages(last, namespace)
@@ -299,8 +299,9 @@ class HiRadixCache(RadixCache):
         self._report_stored(node)
 
     # ---- locks and leaves, per tier -----------------------------------------------------------------
-    def _add_leaf(self, parent: HiTreeNode, key: bytes, value: np.ndarray, priority: int) -> HiTreeNode:
-        leaf = super()._add_leaf(parent, key, value, priority)
+    def _add_leaf(self, parent: HiTreeNode, key: bytes, value: np.ndarray, priority: int,
+                  turn: int = 0) -> HiTreeNode:
+        leaf = super()._add_leaf(parent, key, value, priority, turn)
         parent.device_children += 1
         return leaf
 

@@ -1,0 +1,86 @@
+"""Multi-turn: the more turns a conversation has had, the longer its prefix stays.
+
+Why: a chat's next turn sends the whole conversation again, so a finished turn's KV is worth keeping exactly
+when its conversation goes on, and how likely that is grows with the turns it has had. On the Mooncake FAST'25
+conversation trace (`scripts/trace_reuse.py`), 25% of first prompts get a next turn, 39% of second ones, 49%
+of third ones and 79% from the eighth on, a median 120 s later: by then LRU has let most of them go at the
+capacities a GPU has, and it spends as much room on a one-off prompt as on a long conversation.
+
+The order: LRU with a head start per turn. A leaf's key is `last_access + turn_bonus * min(turn, max_turns)`
+(clock ticks: the tree's clock advances once per match or insert), where `turn` is the highest conversation
+turn of the requests that inserted through the node. No session id is needed: a request's turn is inferred
+once, at its first insert, from what its admission matched (`request_turn`):
+- its match stops at a node, and the page after it names a ghost, a leaf this policy evicted from that very
+  place (named by its parent and first page, as ARC's ghosts are): the conversation came back after its
+  history was evicted; its turn is the ghost's + 1. The ghosts are the last `ghosts` evictions.
+- else, its match covers at least `continuation` of its prompt: it continues that node's conversation, and
+  its turn is the node's + 1. A shorter match is a shared system prompt or document, not a previous turn.
+- else 0: a first prompt.
+Only requests cached through `cache_unfinished_req` / `cache_finished_req` (the Scheduler's) have a turn; keys
+inserted by `insert` alone have turn 0, and the order is then LRU's. O(log n) per operation; the turn costs
+one dict lookup per request.
+
+The defaults (1,500 ticks a turn, at most 4, continuation 0.7) were chosen on the Mooncake conversation trace;
+the README shows what they buy there and on the other workloads. The idea of a conversation's turns as its
+reuse signal comes from that trace's statistics; the ghosts from ARC (Megiddo and Modha, FAST 2003).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from kvmem._checks import check_int, check_number
+from kvmem.eviction.base import KeyedPolicy
+
+if TYPE_CHECKING:
+    from kvmem.radix_tree import TreeNode
+
+TURN_BONUS = 1500  # clock ticks per turn: about 100 s at 15 ticks a second (a replayed H100 serving the trace)
+MAX_TURNS = 4
+CONTINUATION = 0.7
+GHOSTS = 65536
+
+
+class MultiTurn(KeyedPolicy):
+    """LRU with a head start of `turn_bonus` ticks per conversation turn, up to `max_turns` (see the module
+    docstring). `continuation`: the share of its prompt a request must match to continue a conversation;
+    `ghosts`: how many evicted leaves it remembers, to recognise a conversation whose history was evicted."""
+
+    tracks_turns = True
+
+    def __init__(self, turn_bonus: int = TURN_BONUS, max_turns: int = MAX_TURNS,
+                 continuation: float = CONTINUATION, ghosts: int = GHOSTS) -> None:
+        self.turn_bonus = check_int("turn_bonus", turn_bonus, minimum=0)
+        self.max_turns = check_int("max_turns", max_turns, minimum=0)
+        self.continuation = check_number("continuation", continuation, 0)
+        if self.continuation > 1:
+            raise ValueError(f"continuation must lie in [0, 1] (a share of the prompt), got {continuation!r}")
+        self.max_ghosts = check_int("ghosts", ghosts, minimum=0)
+        super().__init__(self._key, "multiturn")
+        self._ghosts: OrderedDict[int, int] = OrderedDict()  # page key of an evicted leaf -> its turn
+
+    def _key(self, node: TreeNode) -> int:
+        return node.last_access + self.turn_bonus * min(node.turn, self.max_turns)
+
+    def pop(self) -> TreeNode | None:
+        node = super().pop()
+        if node is not None and self.max_ghosts:
+            ghosts, name = self._ghosts, self._page_key(node)
+            ghosts.pop(name, None)
+            ghosts[name] = node.turn
+            if len(ghosts) > self.max_ghosts:
+                ghosts.popitem(last=False)
+        return node
+
+    def request_turn(self, node: TreeNode, page: bytes, matched: int, prompt_len: int) -> int:
+        ghost = self._ghosts.get(hash((node.id, page)))
+        if ghost is not None:
+            return ghost + 1
+        if node.parent is not None and matched >= self.continuation * prompt_len:
+            return node.turn + 1
+        return 0
+
+    def clear(self) -> None:
+        super().clear()
+        self._ghosts.clear()
