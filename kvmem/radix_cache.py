@@ -131,6 +131,7 @@ class RadixCache(RadixTree):
         self.device = token_allocator.device
         self._in_tree = np.zeros(token_allocator.size + page_size, dtype=np.bool_)  # slots some node holds
         self._on_cpu = self.device.type == "cpu"
+        self._turns = self._policy if self._policy.tracks_turns else None  # the tier policy that wants turns
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
 
     # ---- match and insert ---------------------------------------------------------------------------
@@ -351,7 +352,7 @@ class RadixCache(RadixTree):
             "req_to_token", table[row, start:end])
         cached, node = protected, req.last_node
         if aligned > protected:
-            turn = self._request_turn(req) if self._policy.tracks_turns else 0
+            turn = 0 if self._turns is None else self._request_turn(req, aligned)
             if below:
                 new, node = self._insert(request_token_ids(req, aligned, protected),
                                          slots[protected - start:aligned - start], req.priority, req.namespace,
@@ -395,16 +396,19 @@ class RadixCache(RadixTree):
         req.prefix_indices = indices
         req.cache_protected_len = aligned
 
-    def _request_turn(self, req: CachedRequest) -> int:
-        """The conversation turn of `req`, as the policy infers it from the prefix the request matched: taken at
-        its first insert, while last_node and cache_protected_len still describe its admission's match (and
-        there is a page after that prefix), then kept in `req.turn` for its later inserts."""
-        if req.turn is None:
+    def _request_turn(self, req: CachedRequest, aligned: int) -> int:
+        """The conversation turn of `req`, as the tier policy that tracks turns infers it from the prefix the
+        request matched: taken at its first insert, while last_node and cache_protected_len still describe its
+        admission's match (and at least a page follows it, up to `aligned`), then kept in `req.turn` for its
+        later inserts. Requests admitted in one batch that continue the same prefix read it one after another,
+        so they count as consecutive turns."""
+        turn = getattr(req, "turn", None)
+        if turn is None:
             node = req.last_node if req.last_node is not None else self._root(req.namespace)
             matched = req.cache_protected_len
-            next_page = bytes(request_token_ids(req, matched + self.page_size, matched))
-            req.turn = self._policy.request_turn(node, next_page, matched, len(req.input_ids))
-        return req.turn
+            turn = req.turn = self._turns.request_turn(node, request_token_ids(req, aligned, matched), matched,
+                                                       len(req.input_ids))
+        return turn
 
     # ---- whole tree ---------------------------------------------------------------------------------
     def reset(self) -> None:

@@ -463,6 +463,8 @@ class RadixTree:
         if node is None and self._pinned:
             node = self._pinned.pop(0)[2]
             self._drop_pins_of(node)
+        if node is not None:
+            self._policy.evicted(node)
         return node
 
     def _evict_leaves(self, num_tokens: int, removed: list[TreeNode] | None = None) -> tuple[int, list[np.ndarray]]:

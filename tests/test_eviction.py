@@ -255,29 +255,62 @@ def test_multiturn_a_short_match_is_a_shared_system_prompt_not_a_previous_turn()
 
 def test_multiturn_recognises_a_conversation_whose_history_was_evicted_by_its_ghost():
     sched, cache = multiturn_scheduler()
-    serve(sched, Req("a", seq(10, 12), max_new_tokens=2))
-    serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=2))
+    serve(sched, Req("a", seq(10, 24), max_new_tokens=2))
+    serve(sched, Req("b", seq(10, 24) + seq(40, 8), max_new_tokens=2))
     cache.evict(1000)  # the conversation's whole history goes
     assert cache.total_size() == 0
-    back = serve(sched, Req("c", seq(10, 12) + seq(30, 4) + seq(40, 4), max_new_tokens=1))
+    # Another prompt that starts with the same token is not that conversation: ghosts are named by 16 tokens.
+    assert serve(sched, Req("x", [10] + seq(900, 30), max_new_tokens=1)).turn == 0
+    cache.evict(1000)
+    back = serve(sched, Req("c", seq(10, 24) + seq(40, 8) + seq(60, 4), max_new_tokens=1))
     assert back.turn == 2  # its evicted history was at turn 1
     sched, cache = multiturn_scheduler(MultiTurn(ghosts=0))
-    serve(sched, Req("a", seq(10, 12), max_new_tokens=2))
-    serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=2))
+    serve(sched, Req("a", seq(10, 24), max_new_tokens=2))
+    serve(sched, Req("b", seq(10, 24) + seq(40, 8), max_new_tokens=2))
     cache.evict(1000)
-    assert serve(sched, Req("c", seq(10, 12) + seq(30, 4) + seq(40, 4), max_new_tokens=1)).turn == 0
+    assert serve(sched, Req("c", seq(10, 24) + seq(40, 8) + seq(60, 4), max_new_tokens=1)).turn == 0
+
+
+def test_multiturn_counts_turns_on_through_continuations_and_caps_the_head_start():
+    sched, cache = multiturn_scheduler()
+    prompt, turns = seq(10, 12), []
+    for k in range(3):
+        prompt = prompt + seq(100 + 10 * k, 4)
+        turns.append(serve(sched, Req(k, prompt, max_new_tokens=1)).turn)
+    assert turns == [0, 1, 2]
+    policy = MultiTurn(turn_bonus=100, max_turns=2)
+    node = next(node for node, _ in tree_nodes(cache))
+    node.turn, node.last_access = 5, 7
+    assert policy._key(node) == 7 + 2 * 100
 
 
 def test_multiturn_forgets_its_ghosts_on_reset_and_other_policies_never_infer_turns():
     sched, cache = multiturn_scheduler()
-    serve(sched, Req("a", seq(10, 12), max_new_tokens=2))
+    serve(sched, Req("a", seq(10, 24), max_new_tokens=2))
     cache.evict(1000)
+    assert cache._policy._ghosts
     cache.reset()
-    assert serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=1)).turn == 0
+    assert not cache._policy._ghosts
     sched, cache = multiturn_scheduler("lru")
     serve(sched, Req("a", seq(10, 12), max_new_tokens=2))
     req = serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=2))
     assert req.turn is None and all(node.turn == 0 for node, _ in tree_nodes(cache))
+
+
+def test_multiturn_serves_a_host_tier_too():
+    pool, alloc = ReqToTokenPool(4, 64), TokenAllocator(64)
+    cache = HiRadixCache(pool, alloc, HostSlotPool(256, 1), eviction_policy="lru", host_eviction_policy="multiturn")
+    sched = Scheduler(pool, alloc, cache)
+    serve(sched, Req("a", seq(10, 12), max_new_tokens=2))
+    assert serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=2)).turn == 1
+    cache.check_invariants()
+
+
+def test_lookahead_over_multiturn_leaves_a_ghost_of_a_prefix_a_waiting_request_needed():
+    cache, _ = make_cache(policy="lookahead+multiturn")
+    put(cache, seq(10, 24))
+    cache.request_waiting("r", seq(10, 24) + [99])
+    assert cache.evict(1000) == 24 and len(cache._policy.base._ghosts) == 1
 
 
 def test_lookahead_over_multiturn_infers_turns_through_its_base():
@@ -291,7 +324,7 @@ def test_lookahead_over_multiturn_infers_turns_through_its_base():
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"turn_bonus": -1}, "turn_bonus"), ({"max_turns": 1.5}, "max_turns"),
     ({"continuation": 1.5}, "continuation must lie in"), ({"continuation": -0.1}, "continuation"),
-    ({"ghosts": -1}, "ghosts")])
+    ({"ghosts": -1}, "ghosts"), ({"ghost_tokens": 0}, "ghost_tokens")])
 def test_multiturn_rejects_bad_arguments_by_name(kwargs, message):
     with pytest.raises((TypeError, ValueError), match=message):
         MultiTurn(**kwargs)

@@ -14,10 +14,11 @@ leaves, and the tree never scans: every call below is O(log n) or better in the 
     waiting(rid, node, key)   the scheduler queued request `rid`, whose match key is `key` and whose prefix
                               ends at `node` in this tier (a root: nothing cached); only if `looks_ahead`
     admitted(rid)             it was admitted (its lock protects its prefix now)
-    request_turn(node, page, matched, prompt_len) -> turn
-                              a request that matched `matched` tokens down to `node`, followed by `page`,
-                              inserts its first new tokens: its conversation turn, which the cache stamps on
-                              the nodes it inserts (`turn`); only if `tracks_turns`
+    evicted(node)             the tier takes `node` out (the policy's victim, or a pinned leaf)
+    request_turn(node, rest, matched, prompt_len) -> turn
+                              a request that matched `matched` tokens down to `node`, its key going on with
+                              `rest`, inserts its first new tokens: its conversation turn, which the cache
+                              stamps on the nodes it inserts (`turn`); only if `tracks_turns`
 
 Node fields a policy may read: `last_access` and `created` (ticks of the tree's logical clock, which advances
 once per match_prefix / insert: deterministic, unlike wall time), `hit_count` (how many match_prefix calls
@@ -90,10 +91,13 @@ class EvictionPolicy(ABC):
     def admitted(self, rid: Any) -> None:
         """Request `rid` was admitted: its prefix is locked now."""
 
-    def request_turn(self, node: TreeNode, page: bytes, matched: int, prompt_len: int) -> int:
+    def evicted(self, node: TreeNode) -> None:
+        """The tier is taking `node` out: the victim `pop` returned, or a pinned leaf once `pop` had none."""
+
+    def request_turn(self, node: TreeNode, rest: memoryview, matched: int, prompt_len: int) -> int:
         """The conversation turn of a request (0: a first prompt) whose admission matched `matched` of its
-        `prompt_len` prompt tokens down to `node` (a root when nothing), and whose next page is `page` (int64
-        token ids as bytes). Called only when `tracks_turns`."""
+        `prompt_len` prompt tokens down to `node` (a root when nothing), and whose key goes on with `rest` (int64
+        token ids, at least a page). Called only when `tracks_turns`."""
         return 0
 
     @abstractmethod

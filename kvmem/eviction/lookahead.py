@@ -58,8 +58,11 @@ class Lookahead(EvictionPolicy):
     def tracks_turns(self) -> bool:  # type: ignore[override]  # the base policy's (lookahead+multiturn)
         return self.base.tracks_turns
 
-    def request_turn(self, node: TreeNode, page: bytes, matched: int, prompt_len: int) -> int:
-        return self.base.request_turn(node, page, matched, prompt_len)
+    def request_turn(self, node: TreeNode, rest: memoryview, matched: int, prompt_len: int) -> int:
+        return self.base.request_turn(node, rest, matched, prompt_len)
+
+    def evicted(self, node: TreeNode) -> None:
+        self.base.evicted(node)
 
     def _place(self, node: TreeNode, entry: list) -> list:
         if node in self._expected:

@@ -10,11 +10,15 @@ The order: LRU with a head start per turn. A leaf's key is `last_access + turn_b
 (clock ticks: the tree's clock advances once per match or insert), where `turn` is the highest conversation
 turn of the requests that inserted through the node. No session id is needed: a request's turn is inferred
 once, at its first insert, from what its admission matched (`request_turn`):
-- its match stops at a node, and the page after it names a ghost, a leaf this policy evicted from that very
-  place (named by its parent and first page, as ARC's ghosts are): the conversation came back after its
-  history was evicted; its turn is the ghost's + 1. The ghosts are the last `ghosts` evictions.
-- else, its match covers at least `continuation` of its prompt: it continues that node's conversation, and
-  its turn is the node's + 1. A shorter match is a shared system prompt or document, not a previous turn.
+- its match stops at a node, and the tokens after it name a ghost, a leaf this tier evicted from that very
+  place (named by its parent and its first `ghost_tokens`, rounded up to whole pages: one page alone would
+  be a BOS token or a chat template's header, which unrelated prompts share): the conversation came back after
+  its history was evicted, and its turn is the ghost's + 1. The ghosts are the last `ghosts` evictions of
+  leaves at least that long.
+- else, its match covers at least `continuation` of its prompt: it continues what went through that node,
+  and its turn is the node's + 1. A shorter match is a shared system prompt or document, not a previous
+  turn; a prompt sent again, or one that is mostly a shared prefix, counts as a later turn too: it is reused
+  as often, and `max_turns` bounds what that buys.
 - else 0: a first prompt.
 Only requests cached through `cache_unfinished_req` / `cache_finished_req` (the Scheduler's) have a turn; keys
 inserted by `insert` alone have turn 0, and the order is then LRU's. O(log n) per operation; the turn costs
@@ -36,45 +40,56 @@ from kvmem.eviction.base import KeyedPolicy
 if TYPE_CHECKING:
     from kvmem.radix_tree import TreeNode
 
+TOKEN_BYTES = 8
+
 TURN_BONUS = 1500  # clock ticks per turn: about 100 s at 15 ticks a second (a replayed H100 serving the trace)
 MAX_TURNS = 4
 CONTINUATION = 0.7
 GHOSTS = 65536
+GHOST_TOKENS = 16
 
 
 class MultiTurn(KeyedPolicy):
     """LRU with a head start of `turn_bonus` ticks per conversation turn, up to `max_turns` (see the module
     docstring). `continuation`: the share of its prompt a request must match to continue a conversation;
-    `ghosts`: how many evicted leaves it remembers, to recognise a conversation whose history was evicted."""
+    `ghosts`: how many evicted leaves it remembers, to recognise a conversation whose history was evicted, each
+    by its first `ghost_tokens` (rounded up to whole pages)."""
 
     tracks_turns = True
 
     def __init__(self, turn_bonus: int = TURN_BONUS, max_turns: int = MAX_TURNS,
-                 continuation: float = CONTINUATION, ghosts: int = GHOSTS) -> None:
+                 continuation: float = CONTINUATION, ghosts: int = GHOSTS, ghost_tokens: int = GHOST_TOKENS) -> None:
         self.turn_bonus = check_int("turn_bonus", turn_bonus, minimum=0)
         self.max_turns = check_int("max_turns", max_turns, minimum=0)
         self.continuation = check_number("continuation", continuation, 0)
         if self.continuation > 1:
             raise ValueError(f"continuation must lie in [0, 1] (a share of the prompt), got {continuation!r}")
         self.max_ghosts = check_int("ghosts", ghosts, minimum=0)
+        self.ghost_tokens = check_int("ghost_tokens", ghost_tokens, minimum=1)
         super().__init__(self._key, "multiturn")
-        self._ghosts: OrderedDict[int, int] = OrderedDict()  # page key of an evicted leaf -> its turn
+        self._ghosts: OrderedDict[int, int] = OrderedDict()  # name of an evicted leaf -> its turn
+
+    def _span(self) -> int:
+        """The tokens a ghost's name covers: ghost_tokens in whole pages (a host tier binds before it knows
+        its page size, so this is read at each use)."""
+        page = self._tree.page_size
+        return -(-self.ghost_tokens // page) * page
 
     def _key(self, node: TreeNode) -> int:
         return node.last_access + self.turn_bonus * min(node.turn, self.max_turns)
 
-    def pop(self) -> TreeNode | None:
-        node = super().pop()
-        if node is not None and self.max_ghosts:
-            ghosts, name = self._ghosts, self._page_key(node)
+    def evicted(self, node: TreeNode) -> None:
+        span = self._span()
+        if self.max_ghosts and node.num_tokens >= span:
+            ghosts, name = self._ghosts, hash((node.parent.id, node.key[:span * TOKEN_BYTES]))
             ghosts.pop(name, None)
             ghosts[name] = node.turn
             if len(ghosts) > self.max_ghosts:
                 ghosts.popitem(last=False)
-        return node
 
-    def request_turn(self, node: TreeNode, page: bytes, matched: int, prompt_len: int) -> int:
-        ghost = self._ghosts.get(hash((node.id, page)))
+    def request_turn(self, node: TreeNode, rest: memoryview, matched: int, prompt_len: int) -> int:
+        span = self._span()
+        ghost = self._ghosts.get(hash((node.id, bytes(rest[:span])))) if len(rest) >= span else None
         if ghost is not None:
             return ghost + 1
         if node.parent is not None and matched >= self.continuation * prompt_len:

@@ -155,6 +155,8 @@ class HiRadixCache(RadixCache):
             storage, host_pool, "wait_complete" if tp_group is not None else prefetch_policy, prefetch_timeout_s)
         super().__init__(req_to_token_pool, token_allocator, page_size, eviction_policy, event_sink, pin_budget)
         self.storage_link = link
+        if self._turns is None and self._host_policy.tracks_turns:
+            self._turns = self._host_policy
         self._names = self._names or link is not None  # storage keys are page digests
         self.host_pool = host_pool
         self.host_allocator = host_allocator
@@ -410,6 +412,7 @@ class HiRadixCache(RadixCache):
             node = self._host_policy.pop()
             if node is None:
                 break
+            self._host_policy.evicted(node)
             node.host_entry = None
             parent = node.parent
             del parent.children[node.key[:self._page_bytes]]
