@@ -6,7 +6,7 @@ tests pin down the order each one is for.
 
 import pytest
 
-from kvmem import HiRadixCache, Req, ReqToTokenPool, Scheduler, TokenAllocator
+from kvmem import HiRadixCache, PagedTokenAllocator, Req, ReqToTokenPool, Scheduler, SchedulerConfig, TokenAllocator
 from kvmem.eviction import ARC, EVICTION_POLICIES, GDSF, S3FIFO, KeyedPolicy, Lookahead, MultiTurn, TwoQ, make_policy
 from kvmem.eviction.base import lru
 from kvmem.radix_cache import RadixCache
@@ -259,11 +259,13 @@ def test_multiturn_recognises_a_conversation_whose_history_was_evicted_by_its_gh
     serve(sched, Req("b", seq(10, 24) + seq(40, 8), max_new_tokens=2))
     cache.evict(1000)  # the conversation's whole history goes
     assert cache.total_size() == 0
-    # Another prompt that starts with the same token is not that conversation: ghosts are named by 16 tokens.
-    assert serve(sched, Req("x", [10] + seq(900, 30), max_new_tokens=1)).turn == 0
-    cache.evict(1000)
     back = serve(sched, Req("c", seq(10, 24) + seq(40, 8) + seq(60, 4), max_new_tokens=1))
     assert back.turn == 2  # its evicted history was at turn 1
+    sched, cache = multiturn_scheduler()
+    serve(sched, Req("a", seq(10, 24), max_new_tokens=1))
+    cache.evict(1000)
+    # A prompt that starts with the same page is not that conversation: its 16 first tokens are checked.
+    assert serve(sched, Req("x", [10] + seq(900, 30), max_new_tokens=1)).turn == 0
     sched, cache = multiturn_scheduler(MultiTurn(ghosts=0))
     serve(sched, Req("a", seq(10, 24), max_new_tokens=2))
     serve(sched, Req("b", seq(10, 24) + seq(40, 8), max_new_tokens=2))
@@ -295,6 +297,20 @@ def test_multiturn_forgets_its_ghosts_on_reset_and_other_policies_never_infer_tu
     serve(sched, Req("a", seq(10, 12), max_new_tokens=2))
     req = serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=2))
     assert req.turn is None and all(node.turn == 0 for node, _ in tree_nodes(cache))
+
+
+def test_multiturn_counts_turns_with_pages_and_chunked_prefill():
+    pool, alloc = ReqToTokenPool(4, 128), PagedTokenAllocator(128, 4)
+    cache = RadixCache(pool, alloc, page_size=4, eviction_policy="multiturn")
+    sched = Scheduler(pool, alloc, cache, SchedulerConfig(chunked_prefill_size=8))
+    prompt, turns = seq(10, 22), []
+    for k in range(3):  # each turn's prompt is the last one's and 6 tokens more; chunks of 8 tokens
+        prompt = prompt + seq(100 + 10 * k, 6)
+        turns.append(serve(sched, Req(k, prompt, max_new_tokens=3)).turn)
+    assert turns == [0, 1, 2]
+    cache.evict(1000)
+    assert serve(sched, Req("back", prompt + seq(200, 6), max_new_tokens=1)).turn == 3  # by its ghost
+    cache.check_invariants()
 
 
 def test_multiturn_serves_a_host_tier_too():

@@ -10,11 +10,11 @@ The order: LRU with a head start per turn. A leaf's key is `last_access + turn_b
 (clock ticks: the tree's clock advances once per match or insert), where `turn` is the highest conversation
 turn of the requests that inserted through the node. No session id is needed: a request's turn is inferred
 once, at its first insert, from what its admission matched (`request_turn`):
-- its match stops at a node, and the tokens after it name a ghost, a leaf this tier evicted from that very
-  place (named by its parent and its first `ghost_tokens`, rounded up to whole pages: one page alone would
-  be a BOS token or a chat template's header, which unrelated prompts share): the conversation came back after
-  its history was evicted, and its turn is the ghost's + 1. The ghosts are the last `ghosts` evictions of
-  leaves at least that long.
+- its match stops at a node, and the tokens after it are those of a ghost, a leaf this tier evicted from that
+  very place (found by its parent and first page, as ARC's ghosts are, then checked over its first
+  `ghost_tokens`: one page alone may be a BOS token or a chat template's header, which unrelated prompts
+  share): the conversation came back after its history was evicted, and its turn is the ghost's + 1. The
+  ghosts are the last `ghosts` evictions, the newest for each place.
 - else, its match covers at least `continuation` of its prompt: it continues what went through that node,
   and its turn is the node's + 1. A shorter match is a shared system prompt or document, not a previous
   turn; a prompt sent again, or one that is mostly a shared prefix, counts as a later turn too: it is reused
@@ -52,8 +52,8 @@ GHOST_TOKENS = 16
 class MultiTurn(KeyedPolicy):
     """LRU with a head start of `turn_bonus` ticks per conversation turn, up to `max_turns` (see the module
     docstring). `continuation`: the share of its prompt a request must match to continue a conversation;
-    `ghosts`: how many evicted leaves it remembers, to recognise a conversation whose history was evicted, each
-    by its first `ghost_tokens` (rounded up to whole pages)."""
+    `ghosts`: how many evicted leaves it remembers, to recognise a conversation whose history was evicted;
+    `ghost_tokens`: how many of a ghost's first tokens a request's key must go on with."""
 
     tracks_turns = True
 
@@ -67,31 +67,25 @@ class MultiTurn(KeyedPolicy):
         self.max_ghosts = check_int("ghosts", ghosts, minimum=0)
         self.ghost_tokens = check_int("ghost_tokens", ghost_tokens, minimum=1)
         super().__init__(self._key, "multiturn")
-        self._ghosts: OrderedDict[int, int] = OrderedDict()  # name of an evicted leaf -> its turn
-
-    def _span(self) -> int:
-        """The tokens a ghost's name covers: ghost_tokens in whole pages (a host tier binds before it knows
-        its page size, so this is read at each use)."""
-        page = self._tree.page_size
-        return -(-self.ghost_tokens // page) * page
+        # (parent, first page) of an evicted leaf -> (its first ghost_tokens, as bytes; its turn)
+        self._ghosts: OrderedDict[int, tuple[bytes, int]] = OrderedDict()
 
     def _key(self, node: TreeNode) -> int:
         return node.last_access + self.turn_bonus * min(node.turn, self.max_turns)
 
     def evicted(self, node: TreeNode) -> None:
-        span = self._span()
-        if self.max_ghosts and node.num_tokens >= span:
-            ghosts, name = self._ghosts, hash((node.parent.id, node.key[:span * TOKEN_BYTES]))
+        if self.max_ghosts:
+            ghosts, name = self._ghosts, self._page_key(node)
             ghosts.pop(name, None)
-            ghosts[name] = node.turn
+            ghosts[name] = (node.key[:self.ghost_tokens * TOKEN_BYTES], node.turn)
             if len(ghosts) > self.max_ghosts:
                 ghosts.popitem(last=False)
 
     def request_turn(self, node: TreeNode, rest: memoryview, matched: int, prompt_len: int) -> int:
-        span = self._span()
-        ghost = self._ghosts.get(hash((node.id, bytes(rest[:span])))) if len(rest) >= span else None
-        if ghost is not None:
-            return ghost + 1
+        ghost = self._ghosts.get(hash((node.id, bytes(rest[:self._tree.page_size]))))
+        # The name is one page; the ghost counts only if the key goes on with the leaf's first tokens too.
+        if ghost is not None and bytes(rest[:len(ghost[0]) // TOKEN_BYTES]) == ghost[0]:
+            return ghost[1] + 1
         if node.parent is not None and matched >= self.continuation * prompt_len:
             return node.turn + 1
         return 0
