@@ -399,15 +399,15 @@ class RadixCache(RadixTree):
     def _request_turn(self, req: CachedRequest, aligned: int) -> int:
         """The conversation turn of `req`, as the tier policy that tracks turns infers it from the prefix the
         request matched: taken at its first insert, while last_node and cache_protected_len still describe its
-        admission's match (and at least a page follows it, up to `aligned`), then kept in `req.turn` for its
-        later inserts. Requests admitted in one batch that continue the same prefix read it one after another,
-        so they count as consecutive turns."""
+        admission's match (at least a page follows it, up to `aligned`), then kept in `req.turn` for its later
+        inserts. Requests admitted in one batch that continue the same prefix read it one after another, so they
+        count as consecutive turns."""
         turn = getattr(req, "turn", None)
         if turn is None:
             node = req.last_node if req.last_node is not None else self._root(req.namespace)
             matched = req.cache_protected_len
-            turn = req.turn = self._turns.request_turn(node, request_token_ids(req, aligned, matched), matched,
-                                                       len(req.input_ids))
+            rest = request_token_ids(req, max(aligned, len(req.input_ids)), matched)  # not just the first chunk
+            turn = req.turn = self._turns.request_turn(node, rest, matched, len(req.input_ids))
         return turn
 
     # ---- whole tree ---------------------------------------------------------------------------------

@@ -48,8 +48,8 @@ class TreeNode:
     `children` maps the bytes of a child's first page to the child. `lock_ref` counts the requests using
     the node's prefix; `last_access` and `created` are logical-clock ticks, `hit_count` counts the matches
     that reached it, `priority` is the highest request priority inserted through it, `depth` is the tokens on
-    the path above it, `turn` is the highest conversation turn of a request inserted through it (0 unless the
-    policy `tracks_turns`: kvmem.eviction.multiturn), and `id` (unique, increasing) breaks ties. `entry` is
+    the path above it, `turn` is the highest conversation turn of a request inserted through it (0 unless a
+    policy of the cache `tracks_turns`: kvmem.eviction.multiturn), and `id` (unique, increasing) breaks ties. `entry` is
     its record in the evictable set, or None when it is not there; `pin` is 0, or the order of its newest pin
     (`RadixTree.pin`).
     `page_digests` (its pages' 32-byte `kvmem.page_hash` digests, concatenated) is kept only by a cache that

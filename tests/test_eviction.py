@@ -313,12 +313,31 @@ def test_multiturn_counts_turns_with_pages_and_chunked_prefill():
     cache.check_invariants()
 
 
+def test_multiturn_checks_a_ghost_against_the_whole_prompt_not_the_first_chunk():
+    pool, alloc = ReqToTokenPool(4, 64), TokenAllocator(64)
+    cache = RadixCache(pool, alloc, eviction_policy="multiturn")
+    sched = Scheduler(pool, alloc, cache, SchedulerConfig(chunked_prefill_size=8))
+    put(cache, seq(10, 24))
+    cache.evict(1000)  # a 24-token leaf: its ghost holds 16 tokens, more than the first chunk's 8
+    assert serve(sched, Req("back", seq(10, 24) + seq(40, 8), max_new_tokens=1)).turn == 1
+
+
 def test_multiturn_serves_a_host_tier_too():
     pool, alloc = ReqToTokenPool(4, 64), TokenAllocator(64)
     cache = HiRadixCache(pool, alloc, HostSlotPool(256, 1), eviction_policy="lru", host_eviction_policy="multiturn")
     sched = Scheduler(pool, alloc, cache)
     serve(sched, Req("a", seq(10, 12), max_new_tokens=2))
     assert serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=2)).turn == 1
+    cache.check_invariants()
+    # A device leaf that leaves with no host copy leaves its ghost with the host tier's policy.
+    pool, alloc = ReqToTokenPool(4, 64), TokenAllocator(64)
+    cache = HiRadixCache(pool, alloc, HostSlotPool(256, 1), eviction_policy="lru", host_eviction_policy="multiturn",
+                         write_policy="write_through_selective")
+    sched = Scheduler(pool, alloc, cache)
+    serve(sched, Req("a", seq(10, 24), max_new_tokens=2))
+    serve(sched, Req("b", seq(10, 24) + seq(40, 8), max_new_tokens=2))
+    cache.evict(1000)
+    assert serve(sched, Req("c", seq(10, 24) + seq(40, 8) + seq(60, 4), max_new_tokens=1)).turn == 2
     cache.check_invariants()
 
 

@@ -14,16 +14,18 @@ leaves, and the tree never scans: every call below is O(log n) or better in the 
     waiting(rid, node, key)   the scheduler queued request `rid`, whose match key is `key` and whose prefix
                               ends at `node` in this tier (a root: nothing cached); only if `looks_ahead`
     admitted(rid)             it was admitted (its lock protects its prefix now)
-    evicted(node)             the tier takes `node` out (the policy's victim, or a pinned leaf)
+    evicted(node)             the tier lets `node` go (the policy's victim, or a pinned leaf); a device tier
+                              over a host tier may keep it there as host-only
     request_turn(node, rest, matched, prompt_len) -> turn
-                              a request that matched `matched` tokens down to `node`, its key going on with
-                              `rest`, inserts its first new tokens: its conversation turn, which the cache
-                              stamps on the nodes it inserts (`turn`); only if `tracks_turns`
+                              a request that matched `matched` tokens down to `node` (its device prefix),
+                              its prompt going on with `rest`, inserts its first new tokens: its conversation
+                              turn, which the cache stamps on the nodes it inserts (`turn`); only if
+                              `tracks_turns`
 
 Node fields a policy may read: `last_access` and `created` (ticks of the tree's logical clock, which advances
 once per match_prefix / insert: deterministic, unlike wall time), `hit_count` (how many match_prefix calls
 reached the node), `priority` (the highest priority of the requests that inserted through it), `turn` (the same for
-their conversation turns; 0 unless the policy `tracks_turns`), `depth`
+their conversation turns; 0 unless a policy of the cache `tracks_turns`), `depth`
 (tokens on the path above it) and `num_tokens`. The tree updates them along the whole path of an access, but
 re-ranks only the path's last node when it is an evictable leaf (no other node on the path is one), so a
 policy must not rank a leaf by what changes on its ancestors.
@@ -34,7 +36,7 @@ A policy object serves one tier of one cache (`bind` refuses a second): most kee
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedList
@@ -92,12 +94,14 @@ class EvictionPolicy(ABC):
         """Request `rid` was admitted: its prefix is locked now."""
 
     def evicted(self, node: TreeNode) -> None:
-        """The tier is taking `node` out: the victim `pop` returned, or a pinned leaf once `pop` had none."""
+        """The tier lets `node` go: the victim `pop` returned, or a pinned leaf once `pop` had none (a host
+        tier's policy that tracks turns also hears of device leaves that leave with no host copy)."""
 
-    def request_turn(self, node: TreeNode, rest: memoryview, matched: int, prompt_len: int) -> int:
+    def request_turn(self, node: TreeNode, rest: Sequence[int], matched: int, prompt_len: int) -> int:
         """The conversation turn of a request (0: a first prompt) whose admission matched `matched` of its
-        `prompt_len` prompt tokens down to `node` (a root when nothing), and whose key goes on with `rest` (int64
-        token ids, at least a page). Called only when `tracks_turns`."""
+        `prompt_len` prompt tokens down to `node` (a root when nothing; with a host tier, the device part of the
+        match), and whose tokens go on with `rest` (int64 token ids, a memoryview or array: at least a page,
+        and the rest of its prompt). Called only when `tracks_turns`."""
         return 0
 
     @abstractmethod

@@ -19,6 +19,7 @@ composes with the others. O(log n) per operation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedList
@@ -58,7 +59,7 @@ class Lookahead(EvictionPolicy):
     def tracks_turns(self) -> bool:  # type: ignore[override]  # the base policy's (lookahead+multiturn)
         return self.base.tracks_turns
 
-    def request_turn(self, node: TreeNode, rest: memoryview, matched: int, prompt_len: int) -> int:
+    def request_turn(self, node: TreeNode, rest: Sequence[int], matched: int, prompt_len: int) -> int:
         return self.base.request_turn(node, rest, matched, prompt_len)
 
     def evicted(self, node: TreeNode) -> None:

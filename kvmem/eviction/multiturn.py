@@ -10,8 +10,8 @@ The order: LRU with a head start per turn. A leaf's key is `last_access + turn_b
 (clock ticks: the tree's clock advances once per match or insert), where `turn` is the highest conversation
 turn of the requests that inserted through the node. No session id is needed: a request's turn is inferred
 once, at its first insert, from what its admission matched (`request_turn`):
-- its match stops at a node, and the tokens after it are those of a ghost, a leaf this tier evicted from that
-  very place (found by its parent and first page, as ARC's ghosts are, then checked over its first
+- its (device) match stops at a node, and the tokens after it are those of a ghost, a leaf this tier evicted
+  from that very place (found by its parent and first page, as ARC's ghosts are, then checked over its first
   `ghost_tokens`: one page alone may be a BOS token or a chat template's header, which unrelated prompts
   share): the conversation came back after its history was evicted, and its turn is the ghost's + 1. The
   ghosts are the last `ghosts` evictions, the newest for each place.
@@ -20,7 +20,11 @@ once, at its first insert, from what its admission matched (`request_turn`):
   turn; a prompt sent again, or one that is mostly a shared prefix, counts as a later turn too: it is reused
   as often, and `max_turns` bounds what that buys.
 - else 0: a first prompt.
-Only requests cached through `cache_unfinished_req` / `cache_finished_req` (the Scheduler's) have a turn; keys
+As a host tier's policy (under a device policy that does not track turns) it ranks host-only leaves by the
+turns and looks its ghosts up from where the device match stops, so a conversation whose history only the
+host holds finds no ghost there (it is matched through the host tier instead); with multiturn in both tiers
+the device policy's ghosts are the ones read. Only requests cached through `cache_unfinished_req` /
+`cache_finished_req` (the Scheduler's) have a turn; keys
 inserted by `insert` alone have turn 0, and the order is then LRU's. O(log n) per operation; the turn costs
 one dict lookup per request.
 
@@ -32,6 +36,7 @@ reuse signal comes from that trace's statistics; the ghosts from ARC (Megiddo an
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvmem._checks import check_int, check_number
@@ -53,7 +58,8 @@ class MultiTurn(KeyedPolicy):
     """LRU with a head start of `turn_bonus` ticks per conversation turn, up to `max_turns` (see the module
     docstring). `continuation`: the share of its prompt a request must match to continue a conversation;
     `ghosts`: how many evicted leaves it remembers, to recognise a conversation whose history was evicted;
-    `ghost_tokens`: how many of a ghost's first tokens a request's key must go on with."""
+    `ghost_tokens`: how many of a ghost's first tokens (all of them, for a shorter leaf) a request's prompt
+    must go on with."""
 
     tracks_turns = True
 
@@ -81,7 +87,7 @@ class MultiTurn(KeyedPolicy):
             if len(ghosts) > self.max_ghosts:
                 ghosts.popitem(last=False)
 
-    def request_turn(self, node: TreeNode, rest: memoryview, matched: int, prompt_len: int) -> int:
+    def request_turn(self, node: TreeNode, rest: Sequence[int], matched: int, prompt_len: int) -> int:
         ghost = self._ghosts.get(hash((node.id, bytes(rest[:self._tree.page_size]))))
         # The name is one page; the ghost counts only if the key goes on with the leaf's first tokens too.
         if ghost is not None and bytes(rest[:len(ghost[0]) // TOKEN_BYTES]) == ghost[0]:

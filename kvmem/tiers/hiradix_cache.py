@@ -383,6 +383,8 @@ class HiRadixCache(RadixCache):
             self._demote(node)
             return
         parent = node.parent
+        if self._turns is self._host_policy:  # it leaves the tree without reaching the host tier
+            self._turns.evicted(node)
         super()._leave_device(node)
         parent.device_children -= 1
         if parent.device_children == 0 and parent.entry is None and parent.lock_ref == 0 \
