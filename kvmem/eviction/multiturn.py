@@ -24,9 +24,8 @@ As a host tier's policy (under a device policy that does not track turns) it ran
 turns and looks its ghosts up from where the device match stops, so a conversation whose history only the
 host holds finds no ghost there (it is matched through the host tier instead); with multiturn in both tiers
 the device policy's ghosts are the ones read. Only requests cached through `cache_unfinished_req` /
-`cache_finished_req` (the Scheduler's) have a turn; keys
-inserted by `insert` alone have turn 0, and the order is then LRU's. O(log n) per operation; the turn costs
-one dict lookup per request.
+`cache_finished_req` (the Scheduler's) have a turn; keys inserted by `insert` alone have turn 0, and the
+order is then LRU's. O(log n) per operation; the turn costs one dict lookup per request.
 
 The defaults (1,500 ticks a turn, at most 4, continuation 0.7) were chosen on the Mooncake conversation trace;
 the README shows what they buy there and on the other workloads. The idea of a conversation's turns as its
