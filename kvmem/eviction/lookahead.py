@@ -138,7 +138,8 @@ class Lookahead(EvictionPolicy):
         self.base.split(head, child)
 
     def waiting(self, rid: Any, node: TreeNode, key: memoryview) -> None:
-        self.admitted(rid)  # a retracted request queued again: its old mark goes
+        if rid in self._keys:  # queued again while it waits: its old mark goes
+            self.admitted(rid)
         self._keys[rid] = key
         if node.parent is not None:
             self._target[rid] = node
