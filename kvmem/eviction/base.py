@@ -119,7 +119,13 @@ class EvictionPolicy(ABC):
     def _page_key(self, node: TreeNode) -> int:
         """A name for `node`'s place in the tree that outlives it (its parent and first page), for ghost lists:
         a prefix evicted and recomputed comes back under the same parent with the same first page."""
-        return hash((node.parent.id, node.key[:self._tree._page_bytes]))
+        return place_key(node.parent, node.key[:self._tree._page_bytes])
+
+
+def place_key(parent: TreeNode, first_page: bytes) -> int:
+    """The name `_page_key` gives a node under `parent` whose first page is `first_page` (int64 token ids as
+    bytes): what a request looks up for the place where its match stops."""
+    return hash((parent.id, first_page))
 
 
 class KeyedPolicy(EvictionPolicy):

@@ -39,12 +39,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvmem._checks import check_int, check_number
-from kvmem.eviction.base import KeyedPolicy
+from kvmem.eviction.base import KeyedPolicy, place_key
 
 if TYPE_CHECKING:
     from kvmem.radix_tree import TreeNode
 
-TOKEN_BYTES = 8
+TOKEN_BYTES = 8  # as kvmem.radix_tree's (which imports this package, so it cannot be imported here)
 
 TURN_BONUS = 1500  # clock ticks per turn: about 100 s at 15 ticks a second (a replayed H100 serving the trace)
 MAX_TURNS = 4
@@ -87,7 +87,7 @@ class MultiTurn(KeyedPolicy):
                 ghosts.popitem(last=False)
 
     def request_turn(self, node: TreeNode, rest: Sequence[int], matched: int, prompt_len: int) -> int:
-        ghost = self._ghosts.get(hash((node.id, bytes(rest[:self._tree.page_size]))))
+        ghost = self._ghosts.get(place_key(node, bytes(rest[:self._tree.page_size])))
         # The name is one page; the ghost counts only if the key goes on with the leaf's first tokens too.
         if ghost is not None and bytes(rest[:len(ghost[0]) // TOKEN_BYTES]) == ghost[0]:
             return ghost[1] + 1
