@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,9 @@ def workload(leaves: int, requests: int, seed: int = 0) -> tuple[list, list]:
 
     cached = [prompt() for _ in range(leaves)]
     keys = [cached[rng.integers(leaves)] if rng.random() < 0.5 else prompt() for _ in range(requests)]
-    return [k.tolist() for k in cached], [k.tolist() for k in keys]
+    # int64 arrays, as the Scheduler's keys are (a Req's fill_ids): a list would cost a conversion per call
+    # that the Scheduler never pays
+    return [array("q", k.tolist()) for k in cached], [array("q", k.tolist()) for k in keys]
 
 
 def run(policy: str, cached: list, keys: list, leaves: int) -> dict[str, float]:
@@ -71,7 +74,7 @@ def run(policy: str, cached: list, keys: list, leaves: int) -> dict[str, float]:
         cache.inc_lock_ref(m.last_node)
         cache.request_admitted(rid)
         t2 = clock()
-        full = key + [rid + (1 << 31) + i for i in range(NEW_TOKENS)]
+        full = key + array("q", range(rid + (1 << 31), rid + (1 << 31) + NEW_TOKENS))
         slots = alloc.alloc(len(full) - len(m.indices))  # the request computes what was not cached
         t3 = clock()
         cache.insert(full, np.concatenate((m.indices.numpy(), slots.numpy())))
