@@ -378,6 +378,18 @@ def test_a_pinned_prefix_goes_only_when_nothing_unpinned_is_left():
     cache.check_invariants()
 
 
+def test_a_pinned_leaf_that_goes_leaves_its_parent_an_ordinary_evictable_leaf():
+    cache, _ = make_cache(policy="lru")
+    put(cache, [2, 0])
+    put(cache, [2, 1, 5, 6])
+    assert cache.pin([2, 0]) == 2
+    assert cache.evict(3) == 3 and cached_sequences(cache) == {(2, 0)}  # the unpinned branch first
+    assert cache.evict(1) == 1  # nothing unpinned is left: the pinned leaf goes, and its pin with it
+    assert cached_sequences(cache) == {(2,)} and cache.pinned_size() == 0 and cache.evictable_size() == 1
+    cache.check_invariants()
+    assert cache.evict(1) == 1 and cache.total_size() == 0
+
+
 def test_pins_past_the_budget_degrade_oldest_first():
     alloc = TokenAllocator(40)
     cache = RadixCache(ReqToTokenPool(4, 64), alloc, eviction_policy="lru", pin_budget=0.2)  # 8 tokens

@@ -143,8 +143,11 @@ class RadixCacheMachine(RuleBasedStateMachine):
         before = len(self.slots_of)
         self.forget_evicted()
         assert (before - len(self.slots_of)) * self.ps == freed
-        if any(p not in self.slots_of for p in pinned):
-            assert len(self.cache._policy) == 0, "a pinned prefix went while unpinned leaves were evictable"
+        gone = [p for p in pinned if p not in self.slots_of]
+        # A pinned leaf goes only when the policy has nothing left, so any unpinned leaf there now became one
+        # when a pinned leaf under it went (its pin went with it).
+        for leaf in self.unpinned_evictable_leaves() if gone else ():
+            assert any(p[:len(leaf)] == leaf for p in gone), "a pinned prefix went while unpinned leaves were evictable"
 
     @rule(key=keys)
     def pin(self, key):
@@ -208,6 +211,15 @@ class RadixCacheMachine(RuleBasedStateMachine):
             parts.append(node.token_ids())
             node = node.parent
         return [t for part in reversed(parts) for t in part]
+
+    def unpinned_evictable_leaves(self) -> list[tuple]:
+        out, stack = [], list(self.cache.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            if self.cache._is_evictable_leaf(node) and not node.pin:
+                out.append(tuple(self.path(node)))
+            stack.extend(node.children.values())
+        return out
 
     def unlocked_node(self):
         """A node nobody locks, or None (dec_lock_ref on the root is a no-op, not an error)."""
