@@ -3,7 +3,7 @@
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmem.events import (
@@ -138,6 +138,7 @@ def test_decode_refuses_what_is_not_bytes():
         decode_batch("text")
 
 
+@settings(deadline=None)  # as the other property tests: a busy machine is not a failure
 @given(st.lists(st.one_of(
     st.builds(lambda hs, parent, bs, medium: BlockStored(hs, parent, list(range(len(hs) * bs)), bs, medium=medium),
               st.lists(st.integers(-(2**63), 2**64 - 1), min_size=1, max_size=4),
