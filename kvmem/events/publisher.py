@@ -181,8 +181,8 @@ class ZmqEventPublisher:
         for seq, seq_bytes, payload in buffer:
             if seq >= start:
                 self._router.send_multipart((client, b"", self._topic, seq_bytes, payload))
+        self.replays_served += 1  # before the end marker: a client that has it sees the count
         self._router.send_multipart((client, b"", b"", END_SEQ, b""))
-        self.replays_served += 1
 
     # ---- sockets ----------------------------------------------------------------------------------
     def _bind(self, kind: int, endpoint: str, name: str, **options: int) -> zmq.Socket:
