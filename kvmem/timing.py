@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+# The phases a Scheduler times one after another; "alloc", "evict" and "cache" are timed inside them, so only
+# these add up to the loop's time.
+LOOP_PHASES = ("rank", "match", "prepare_extend", "prepare_decode", "process", "decode_run")
+
 
 class PhaseTimer:
     """Accumulated seconds and call counts per phase name ("match", "prepare_extend", ...)."""

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvmem.timing import LOOP_PHASES
+
 
 @dataclass
 class ReplayReport:
@@ -123,8 +125,7 @@ class ReplayReport:
         (requests entering the tree: insert, frees of duplicates and tails), "batch" (the rest of the steps:
         batch tensors, req_to_token writes, output tokens, bookkeeping)."""
         seconds = timer.seconds
-        outer = sum(seconds.get(p, 0.0) for p in ("rank", "match", "prepare_extend", "prepare_decode", "process",
-                                                   "decode_run"))
+        outer = sum(seconds.get(p, 0.0) for p in LOOP_PHASES)
         parts = {"match": seconds.get("rank", 0.0) + seconds.get("match", 0.0), "alloc": seconds.get("alloc", 0.0),
                  "evict": seconds.get("evict", 0.0), "insert_release": seconds.get("cache", 0.0)}
         parts["batch"] = max(self.cache_op_seconds - sum(parts.values()), 0.0) if outer else 0.0
