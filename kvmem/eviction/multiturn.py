@@ -87,9 +87,10 @@ class MultiTurn(KeyedPolicy):
                 ghosts.popitem(last=False)
 
     def request_turn(self, node: TreeNode, rest: Sequence[int], matched: int, prompt_len: int) -> int:
-        ghost = self._ghosts.get(place_key(node, bytes(rest[:self._tree.page_size])))
+        head = bytes(rest[:max(self._tree.page_size, self.ghost_tokens)])
+        ghost = self._ghosts.get(place_key(node, head[:self._tree._page_bytes]))
         # The name is one page; the ghost counts only if the key goes on with the leaf's first tokens too.
-        if ghost is not None and bytes(rest[:len(ghost[0]) // TOKEN_BYTES]) == ghost[0]:
+        if ghost is not None and head.startswith(ghost[0]):
             return ghost[1] + 1
         if node.parent is not None and matched >= self.continuation * prompt_len:
             return node.turn + 1
