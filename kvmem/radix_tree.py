@@ -35,11 +35,9 @@ import torch
 from sortedcontainers import SortedList
 
 from kvmem._checks import check_int
-from kvmem._index import as_index_array
+from kvmem._index import TOKEN_BYTES, as_index_array
 from kvmem.eviction import EvictionPolicySpec, make_policy
 from kvmem.page_hash import DIGEST_BYTES
-
-TOKEN_BYTES = 8  # keys hold int64 token ids
 
 
 class TreeNode:
@@ -49,9 +47,9 @@ class TreeNode:
     the node's prefix; `last_access` and `created` are logical-clock ticks, `hit_count` counts the matches
     that reached it, `priority` is the highest request priority inserted through it, `depth` is the tokens on
     the path above it, `turn` is the highest conversation turn of a request inserted through it (0 unless a
-    policy of the cache `tracks_turns`: kvmem.eviction.multiturn), and `id` (unique, increasing) breaks ties. `entry` is
-    its record in the evictable set, or None when it is not there; `pin` is 0, or the order of its newest pin
-    (`RadixTree.pin`).
+    policy of the cache `tracks_turns`: kvmem.eviction.multiturn), and `id` (unique, increasing) breaks ties.
+    `entry` is its record in the evictable set, or None when it is not there; `pin` is 0, or the order of its
+    newest pin (`RadixTree.pin`).
     `page_digests` (its pages' 32-byte `kvmem.page_hash` digests, concatenated) is kept only by a cache that
     needs page names (events, storage), else None. A root (one per namespace) has parent None and an empty
     key; so has a node removed by eviction or `reset`.

@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedList
 
+from kvmem._index import TOKEN_BYTES
 from kvmem.eviction.base import EvictionPolicy, KeyedPolicy, lru
-
-TOKEN_BYTES = 8
 
 if TYPE_CHECKING:
     from kvmem.radix_tree import RadixTree, TreeNode

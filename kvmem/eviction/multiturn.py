@@ -39,12 +39,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvmem._checks import check_int, check_number
+from kvmem._index import TOKEN_BYTES
 from kvmem.eviction.base import KeyedPolicy, place_key
 
 if TYPE_CHECKING:
     from kvmem.radix_tree import TreeNode
-
-TOKEN_BYTES = 8  # as kvmem.radix_tree's (which imports this package, so it cannot be imported here)
 
 TURN_BONUS = 1500  # clock ticks per turn: about 100 s at 15 ticks a second (a replayed H100 serving the trace)
 MAX_TURNS = 4
