@@ -16,6 +16,7 @@ from array import array
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import islice
 from time import perf_counter
 from typing import NamedTuple
 
@@ -306,18 +307,73 @@ class Scheduler:
 
     # ---- decode runs, for simulators ----------------------------------------------------------------
     def pure_decode_steps(self) -> int:
-        """How many of the next steps are decode steps that `run_decode` may take at once: steps that admit no
-        request (none waits, or the running batch is full, and no prompt is being prefilled in chunks),
-        retract none (their slots fit in free + evictable memory) and finish none before the last of them
-        (at most the fewest output tokens a running request still lacks). 0 when the next step is not one.
+        """How many of the next steps are decode steps that `run_decode` may take at once: steps that retract
+        none (their slots fit in free + evictable memory), finish none before the last of them (at most the
+        fewest output tokens a running request still lacks) and admit no request, with no prompt being
+        prefilled in chunks. 0 when the next step is not one.
+
+        A step admits none when none waits, when the running batch is full, or when the request at the head of
+        the queue does not fit the room left: that last one `run_decode` checks again at every step and stops
+        before the first that admits. A tiered cache's match may load pages back, which only the match itself
+        tells, so with one a step where a request waits is never taken in a run.
         """
         if self._batch is not None or self.chunked_req is not None or not self.running:
             return 0
-        if self.waiting and len(self.running) < self.max_running:
+        steps = self._fitting_decode_steps(self._fewest_output_left())
+        if steps and self._may_admit() and not self._head_waits(self.token_allocator.available_size(),
+                                                                 self._reserved_tokens(), attempt=False):
             return 0
+        return steps
+
+    def _fewest_output_left(self) -> int:
+        """The fewest output tokens a running request still lacks (some running)."""
         if self._fewest_left[0] != self._changes:
             self._fewest_left = (self._changes, min(r.max_new_tokens - len(r.output_ids) for r in self.running))
-        return self._fitting_decode_steps(self._fewest_left[1])
+        return self._fewest_left[1]
+
+    def _may_admit(self) -> bool:
+        """Whether a step would try to admit the head of the queue (a decode step would have room for it)."""
+        return bool(self.waiting) and len(self.running) < self.max_running
+
+    def _head_waits(self, available: int, reserved: int, *, attempt: bool) -> bool:
+        """Whether admission fails at the head of the queue with `available` free slots and `reserved` tokens
+        kept for the running requests' outputs, known from walks that change nothing in the tree; with
+        `attempt`, and when it fails, then makes that failed attempt (ranking, match, lock and unlock: their
+        access times, hit counts and splits are the step's), so that a decode run leaves the tree as the steps
+        one by one would. False when it does not fail, or when only the real match can tell: a tiered cache,
+        or a walk that ends where a running request's output pages could continue it (a decode run has not
+        written them yet)."""
+        tree = self.tree_cache
+        if getattr(tree, "host_pool", None) is not None:
+            return False
+        timer = self.timer if attempt else None
+        t0 = perf_counter() if timer is not None else 0.0
+        if self.config.schedule_policy == "lpm":
+            if not self._sort_waiting_by_prefix(take_decode_pages=False):
+                return False
+            req = self.waiting[0]
+            walk = self._walks[req][1]
+        else:
+            req = self.waiting[0]
+            walk = tree._prefix_walk(key_bytes("key", req.match_key()), req.namespace)
+        if walk.child is None and walk.node in self._tails:
+            return False
+        prefix = walk.num_tokens
+        room = available - reserved + tree.evictable_size()
+        if self._charge(req, prefix) <= room:
+            return False
+        if attempt:
+            t1 = perf_counter() if timer is not None else 0.0
+            self._match(req, room)
+            node = req.last_node
+            if req.cache_protected_len != prefix:  # the walk and the match are the same descent
+                raise RuntimeError(f"request {req.rid!r}: matched {req.cache_protected_len} tokens, walked {prefix}")
+            tree._lock_below(node, tree._root(req.namespace))
+            tree._unlock(node)
+            if timer is not None:
+                timer.add("rank", t1 - t0)
+                timer.add("match", perf_counter() - t1)
+        return True
 
     def _fitting_decode_steps(self, steps: int) -> int:
         """How many of the next `steps` decode steps find their slots in free + evictable memory."""
@@ -337,34 +393,37 @@ class Scheduler:
         return low
 
     def run_decode(self, num_steps: int, outputs: Mapping) -> DecodeRun:
-        """Takes `num_steps` decode steps at once (1 <= num_steps <= pure_decode_steps()), as `num_steps`
+        """Takes up to `num_steps` decode steps at once (1 <= num_steps <= pure_decode_steps()), as `num_steps`
         rounds of step() and process_batch_result() would, without building the batches a model reads: the
         same evictions at the same steps, the same slots taken, the same requests finishing in the last step,
         the same stats. For a simulator, which executes no model and knows every output in advance.
 
         outputs[rid]: the whole output of each running request (a sequence of ints); the tokens after those
         it has are what it samples in these steps. Stops early, before a step that would have to retract a
-        request (which step() then does).
+        request or would admit one (which step() then takes); `steps` in the result says how many it took.
         """
         check_int("num_steps", num_steps, minimum=1)
         if self._batch is not None:
             raise RuntimeError("run_decode() called before process_batch_result() for the previous batch")
-        if num_steps > self.pure_decode_steps():
+        # Only the bound a step cannot check for itself: each step checks its room and its admission again.
+        if self.chunked_req is not None or not self.running or num_steps > self._fewest_output_left():
             raise ValueError(f"num_steps {num_steps} exceeds pure_decode_steps() {self.pure_decode_steps()}")
         for req in self.running:
             if len(outputs[req.rid]) < req.max_new_tokens:
                 raise ValueError(f"request {req.rid!r}: its output has {len(outputs[req.rid])} of its "
                                  f"{req.max_new_tokens} tokens")
         timer = self.timer
-        t0 = perf_counter() if timer is not None else 0.0
+        if timer is not None:
+            t0, admission = perf_counter(), timer.seconds.get("rank", 0.0) + timer.seconds.get("match", 0.0)
         self._changes += 1
         steps, used, evictable = self._decode_steps(num_steps)
         finished = self._append_outputs(steps, outputs) if steps else []
         if steps:  # the last step's finishes released memory
             used[steps - 1] = self.token_allocator.size - self.token_allocator.available_size()
             evictable[steps - 1] = self.tree_cache.evictable_size()
-        if timer is not None:
-            timer.add("decode_run", perf_counter() - t0)
+        if timer is not None:  # its steps' admission attempts are timed as "rank" and "match", as step()'s are
+            admission = timer.seconds.get("rank", 0.0) + timer.seconds.get("match", 0.0) - admission
+            timer.add("decode_run", perf_counter() - t0 - admission)
         return DecodeRun(steps, finished, used[:steps], evictable[:steps])
 
     def _decode_steps(self, num_steps: int) -> tuple[int, np.ndarray, np.ndarray]:
@@ -373,6 +432,7 @@ class Scheduler:
         reqs, tree, alloc, ps = self.running, self.tree_cache, self.token_allocator, self.page_size
         bs = len(reqs)
         kv = _kv_lens(reqs)
+        may_admit = self._may_admit()
         # Requests whose kv_len is r modulo the page size open a new page at the steps j with (r + j) % ps == 0.
         per_residue = np.bincount(kv % ps, minlength=ps) * ps if ps > 1 else None
         used = np.empty(num_steps, dtype=np.int64)
@@ -384,6 +444,10 @@ class Scheduler:
             need = bs if per_residue is None else int(per_residue[-j % ps])
             if need > available + tree.evictable_size():
                 break  # this step retracts: step() takes it
+            # The output tokens of the steps before this one count as generated, as _process counts them.
+            if may_admit and not self._head_waits(
+                    available, int((self._tokens_left - j * bs) * self.new_token_ratio), attempt=True):
+                break  # this step admits (or only the real match can tell): step() takes it
             short = need - available
             if short > 0:
                 freed = self._evict(short)
@@ -582,17 +646,44 @@ class Scheduler:
             self.stats.evicted_tokens += self.tree_cache.evict(short)
             self.tree_cache.dec_lock_ref(last_host_node)
 
-    def _sort_waiting_by_prefix(self) -> None:
+    def _sort_waiting_by_prefix(self, take_decode_pages: bool = True) -> bool:
         """Puts the first `lpm_window` waiting requests with the longest cached prefixes first (arrival order
         among equals). Ranking walks the tree read-only (no split, no access-time or hit-count update, no index
         gather): at saturation the window is ranked every step while few are admitted, and a full match for
         each would dominate the loop. For the same reason each request's walk is kept (`_walks`) and taken
-        again only when the tree changed where it stopped."""
-        window = [self.waiting.popleft() for _ in range(min(self.config.lpm_window, len(self.waiting)))]
-        window.sort(key=self._rank)
-        self.waiting.extendleft(reversed(window))
+        again only when the tree changed where it stopped.
 
-    def _rank(self, req: Req) -> int:
+        Without `take_decode_pages`, returns False, reordering nothing, when a walk ends where a running
+        request's output pages could continue it (see _head_waits); else True."""
+        waiting, walks, tails = self.waiting, self._walks, self._tails
+        n = min(self.config.lpm_window, len(waiting))
+        ranks = []
+        for req in islice(waiting, n):
+            # The common case, inlined (the window is ranked at every step): a kept walk that is still current
+            # (RadixTree._walk_is_current, for a walk that matched something) and no running request's tail.
+            kept = walks.get(req)
+            if kept is not None:
+                walk = kept[1]
+                child, node = walk.child, walk.node
+                if child is None:
+                    if node.parent is not None and node not in tails and (
+                            kept[2] is None or kept[2] not in node.children):
+                        ranks.append(kept[3])
+                        continue
+                elif child.parent is node:
+                    ranks.append(kept[3])
+                    continue
+            rank = self._rank(req, take_decode_pages)
+            if rank is None:
+                return False
+            ranks.append(rank)
+        if ranks != sorted(ranks):
+            order = sorted(range(n), key=ranks.__getitem__)
+            window = [waiting.popleft() for _ in range(n)]
+            waiting.extendleft([window[i] for i in reversed(order)])
+        return True
+
+    def _rank(self, req: Req, take_decode_pages: bool) -> int | None:
         tree, ns = self.tree_cache, req.namespace
         kept = self._walks.get(req)
         if kept is None or not tree._walk_is_current(kept[1], kept[2], ns):
@@ -600,6 +691,8 @@ class Scheduler:
             kept = self._keep_walk(req, view, tree._prefix_walk(view, ns))
         walk = kept[1]
         if walk.child is None and walk.node in self._tails:  # a running request's output may continue it
+            if not take_decode_pages:
+                return None
             view = kept[0]
             while walk.child is None and self._take_decode_pages(view, walk.node, walk.matched):
                 walk = tree._prefix_walk(view, ns)

@@ -9,6 +9,7 @@ import torch
 
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.batch import ForwardMode, Req, ScheduleBatch
+from kvmem.eviction import ONLINE_POLICIES
 from kvmem.radix_cache import RadixCache
 from kvmem.req_to_token import ReqToTokenPool
 from kvmem.scheduler import Scheduler, SchedulerConfig
@@ -550,6 +551,72 @@ def test_pure_decode_steps_stop_at_the_first_finish_and_at_a_possible_admission(
     run = sched.run_decode(4, {"a": [9] * 5, "b": [9] * 9})
     assert run.steps == 4 and [r.rid for r in run.finished] == ["a"] and sched.running == [b]
     assert sched.pure_decode_steps() == 0  # now c can be admitted
+
+
+def tree_state(tree):
+    """tree_shape, with each node's access stamp and hit count: what the eviction policies order by."""
+    out, stack = [], [(tree.root_node, ())]
+    while stack:
+        node, path = stack.pop()
+        for child in node.children.values():
+            key = path + tuple(child.token_ids())
+            out.append((key, child.lock_ref, child.last_access, child.hit_count))
+            stack.append((child, key))
+    return sorted(out), tree.evictable_size(), tree.protected_size()
+
+
+@pytest.mark.parametrize("policy", ONLINE_POLICIES)
+@pytest.mark.parametrize("schedule_policy,page_size", [("lpm", 1), ("lpm", 4), ("fcfs", 1), ("fcfs", 4)])
+def test_decode_runs_while_the_queue_head_does_not_fit_leave_every_step_as_stepping_one_by_one_would(
+        policy, schedule_policy, page_size):
+    rng, specs = shared_prefix_specs(5, 40, system_len=120, max_suffix=200, max_output=120)
+    outputs = {i: [rng.randrange(10, 30000) for _ in range(n)] for i, (_, n) in enumerate(specs)}
+    results, blocked = [], []
+    for use_runs in (False, True):
+        pool = ReqToTokenPool(64, 4096)
+        alloc = TokenAllocator(1600) if page_size == 1 else PagedTokenAllocator(1600, page_size)
+        sched = Scheduler(pool, alloc, RadixCache(pool, alloc, page_size=page_size, eviction_policy=policy),
+                          SchedulerConfig(schedule_policy=schedule_policy, max_running_requests=32))
+        reqs = [Req(i, p, n) for i, (p, n) in enumerate(specs)]
+        for r in reqs:
+            sched.add_request(r)
+        samples = []
+        while not sched.is_idle():
+            steps = sched.pure_decode_steps() if use_runs else 0
+            if steps:
+                waits = bool(sched.waiting) and len(sched.running) < sched.max_running
+                run = sched.run_decode(steps, outputs)
+                if waits:
+                    blocked.append(run.steps)
+                samples += list(zip(run.tokens_used.tolist(), run.evictable_tokens.tolist()))
+            else:
+                batch = sched.step()
+                sched.process_batch_result(batch, [outputs[r.rid][len(r.output_ids)] for r in batch.reqs])
+                samples.append((alloc.size - alloc.available_size(), sched.tree_cache.evictable_size()))
+            sched.check_invariants()
+        results.append((samples, [r.output_ids for r in reqs], tree_state(sched.tree_cache), sched.stats,
+                        sched.new_token_ratio))
+    assert results[0] == results[1]
+    # Requests waited for room while fewer than max_running ran, and runs of several steps took those waits.
+    assert max(blocked) > 1 and results[1][3].evicted_tokens > 0
+
+
+def test_a_decode_run_stops_before_the_step_whose_admission_the_queue_head_fits():
+    # The room kept for a's outputs shrinks fast (the ratio decays by 0.2 a step), so b fits at a's third step.
+    sched = make_scheduler(64, 1, max_running_requests=4, init_new_token_ratio=1.0, min_new_token_ratio=0.0,
+                           new_token_ratio_decay=0.2)
+    a, b = Req("a", list(range(1, 41)), 12), Req("b", list(range(100, 117)), 1)
+    sched.add_request(a)
+    sched.process_batch_result(sched.step(), [9])
+    sched.add_request(b)
+    # b's charge against the room: 18 against 13 (24 free, 11 kept for a's outputs), 17 against 15 (23 free,
+    # int(10 x 0.8) kept), then 17 against 17 (22 free, int(9 x 0.6) kept: a's outputs so far count)
+    assert sched.pure_decode_steps() == 11  # up to a's finish, if b went on waiting
+    run = sched.run_decode(11, {"a": [9] * 12})
+    assert run.steps == 2 and list(sched.waiting) == [b] and a.kv_len == 42 and len(a.output_ids) == 3
+    assert sched.pure_decode_steps() == 0
+    batch = sched.step()
+    assert batch.forward_mode is ForwardMode.EXTEND and batch.reqs == [b]
 
 
 def test_run_decode_refuses_more_steps_than_are_pure_and_short_outputs():
