@@ -190,7 +190,6 @@ class Scheduler:
             raise ValueError(f"request {req.rid!r} is already queued, running or finished ({req.status.value})")
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
-        self._changes += 1
         key = req.match_key()
         # A storage tier starts reading the prompt's pages now, while the request waits to be admitted, and a
         # policy that looks ahead keeps what it will match.
@@ -494,17 +493,22 @@ class Scheduler:
         """Each running request's next `steps` output tokens; the requests they finish go into the tree, in
         batch order as process_batch_result finishes them. Returns those."""
         finished, still_running = [], []
+        fewest = 1 << 62
         for req in self.running:
             out = req.output_ids
             n = len(out)
             out.extend(outputs[req.rid][n:n + steps])
             req.kv_len += steps
-            if n + steps < req.max_new_tokens:
+            left = req.max_new_tokens - n - steps
+            if left > 0:
                 still_running.append(req)
+                if left < fewest:
+                    fewest = left
             else:
                 self._finish(req, finished)
         self._tokens_left -= steps * len(self.running)
         self.running = still_running
+        self._fewest_left = (self._changes, fewest)  # saves pure_decode_steps() a pass over the batch
         return finished
 
     # ---- admission ----------------------------------------------------------------------------------
