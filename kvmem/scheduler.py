@@ -334,21 +334,23 @@ class Scheduler:
         """Whether a step would try to admit the head of the queue (a decode step would have room for it)."""
         return bool(self.waiting) and len(self.running) < self.max_running
 
-    def _head_waits(self, available: int, reserved: int, *, attempt: bool) -> bool:
+    def _head_waits(self, available: int, reserved: int, *, attempt: bool, ranked: bool = False) -> bool:
         """Whether admission fails at the head of the queue with `available` free slots and `reserved` tokens
         kept for the running requests' outputs, known from walks that change nothing in the tree; with
         `attempt`, and when it fails, then makes that failed attempt (ranking, match, lock and unlock: their
         access times, hit counts and splits are the step's), so that a decode run leaves the tree as the steps
         one by one would. False when it does not fail, or when only the real match can tell: a tiered cache,
         or a walk that ends where a running request's output pages could continue it (a decode run has not
-        written them yet)."""
+        written them yet). `ranked`: no waiting request's cached prefix changed since the last ranking, which
+        would give the same order again, so it is not redone (the head's kept walk may be one a split made
+        stale: it still counts the same tokens)."""
         tree = self.tree_cache
         if getattr(tree, "host_pool", None) is not None:
             return False
         timer = self.timer if attempt else None
         t0 = perf_counter() if timer is not None else 0.0
         if self.config.schedule_policy == "lpm":
-            if not self._sort_waiting_by_prefix(take_decode_pages=False):
+            if not ranked and not self._sort_waiting_by_prefix(take_decode_pages=False):
                 return False
             req = self.waiting[0]
             walk = self._walks[req][1]
@@ -431,7 +433,8 @@ class Scheduler:
         reqs, tree, alloc, ps = self.running, self.tree_cache, self.token_allocator, self.page_size
         bs = len(reqs)
         kv = _kv_lens(reqs)
-        may_admit = self._may_admit()
+        may_admit, lpm = self._may_admit(), self.config.schedule_policy == "lpm"
+        ranked = False  # the waiting window is in the order a ranking would give now (see _head_waits)
         # Requests whose kv_len is r modulo the page size open a new page at the steps j with (r + j) % ps == 0.
         per_residue = np.bincount(kv % ps, minlength=ps) * ps if ps > 1 else None
         used = np.empty(num_steps, dtype=np.int64)
@@ -443,12 +446,17 @@ class Scheduler:
             need = bs if per_residue is None else int(per_residue[-j % ps])
             if need > available + tree.evictable_size():
                 break  # this step retracts: step() takes it
-            # The output tokens of the steps before this one count as generated, as _process counts them.
-            if may_admit and not self._head_waits(
-                    available, int((self._tokens_left - j * bs) * self.new_token_ratio), attempt=True):
-                break  # this step admits (or only the real match can tell): step() takes it
+            if may_admit:
+                # The output tokens of the steps before this one count as generated, as _process counts them.
+                if not self._head_waits(available, int((self._tokens_left - j * bs) * self.new_token_ratio),
+                                        attempt=True, ranked=ranked):
+                    break  # this step admits (or only the real match can tell): step() takes it
+                # Within a run only an eviction changes a waiting request's cached prefix (a split by that
+                # match keeps every path's tokens): until one, ranking again would give the same order.
+                ranked = lpm
             short = need - available
             if short > 0:
+                ranked = False
                 freed = self._evict(short)
                 evicted += freed
                 available += freed

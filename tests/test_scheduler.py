@@ -619,6 +619,46 @@ def test_a_decode_run_stops_before_the_step_whose_admission_the_queue_head_fits(
     assert batch.forward_mode is ForwardMode.EXTEND and batch.reqs == [b]
 
 
+def test_a_decode_run_ranks_the_queue_again_after_an_eviction_takes_the_head_of_the_queues_prefix():
+    pa, pb = list(range(1000, 1030)), list(range(2000, 2010))
+    outputs = {"pa": [7], "pb": [8], "pc": [9], "r": list(range(3000, 3100)), "a": [5], "b": [6]}
+    results = []
+    for use_runs in (False, True):
+        pool, alloc = ReqToTokenPool(8, 512), TokenAllocator(250)
+        # fifo: the oldest leaves go first, however often the failed admissions touch them
+        sched = Scheduler(pool, alloc, RadixCache(pool, alloc, eviction_policy="fifo"),
+                          SchedulerConfig(max_running_requests=4, init_new_token_ratio=0.0, min_new_token_ratio=0.0))
+        steps_taken = []
+
+        def drive():
+            while not sched.is_idle():
+                steps = sched.pure_decode_steps() if use_runs else 0
+                if steps:
+                    head = sched.waiting[0].rid
+                    steps_taken.append((head, sched.run_decode(steps, outputs).steps, sched.waiting[0].rid))
+                else:
+                    batch = sched.step()
+                    sched.process_batch_result(batch, [outputs[q.rid][len(q.output_ids)] for q in batch.reqs])
+                    steps_taken.append([q.rid for q in batch.reqs])
+                sched.check_invariants()
+
+        for req in (Req("pa", pa, 1), Req("pb", pb, 1), Req("pc", list(range(7000, 7060)), 1)):
+            sched.add_request(req)  # cached in this order: pa's prefix is the oldest, then pb's
+            drive()
+        r = Req("r", list(range(4000, 4100)), 100)
+        sched.add_request(r)
+        sched.process_batch_result(sched.step(), [outputs["r"][0]])
+        a, b = Req("a", pa + list(range(5000, 5160)), 1), Req("b", pb + list(range(6000, 6180)), 1)
+        sched.add_request(a)  # neither fits while r runs; a, with the longer cached prefix, ranks first
+        sched.add_request(b)
+        steps_taken.clear()
+        drive()
+        results.append((tree_state(sched.tree_cache), sched.stats, [q.output_ids for q in (r, a, b)]))
+    # One run took r to its finish, evicting pa's prefix and then pb's: b went ahead of a during the run.
+    assert steps_taken == [("a", 99, "b"), ["b"], ["a"]]
+    assert results[0] == results[1]
+
+
 def test_run_decode_refuses_more_steps_than_are_pure_and_short_outputs():
     sched = make_scheduler(4096, 1)
     sched.add_request(Req("a", [1, 2, 3], 5))
