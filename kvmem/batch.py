@@ -13,6 +13,7 @@ from array import array
 from collections.abc import Sequence
 from itertools import compress
 from time import perf_counter
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,11 +21,12 @@ import torch
 from kvmem._checks import check_int
 from kvmem._paging import num_new_pages
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
-from kvmem.attention.metadata import PagedKVMetadata, decode_metadata, extend_metadata
-from kvmem.kernels.req_to_token import _write_req_to_token
 from kvmem.radix_cache import RadixCache
 from kvmem.req_to_token import ReqToTokenPool
 from kvmem.timing import PhaseTimer
+
+if TYPE_CHECKING:
+    from kvmem.attention.metadata import PagedKVMetadata
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -328,6 +330,10 @@ class ScheduleBatch:
         lists each request's slots (page_size 1) or page ids, read from its req_to_token row. Raises
         RuntimeError before `prepare_for_extend()` / `prepare_for_decode()`.
         """
+        # Imported here, as the kernels are below: Triton's import is a quarter of a second of every process
+        # that only schedules (a replay, a sweep's workers), and only a model's steps need metadata.
+        from kvmem.attention.metadata import decode_metadata, extend_metadata
+
         table = self.req_to_token_pool.req_to_token
         rows, seq = self.req_pool_indices.to(table.device), self.seq_lens.to(table.device)
         if self.forward_mode is ForwardMode.DECODE:
@@ -476,6 +482,8 @@ class ScheduleBatch:
                 host[row, p:s] = out[start:start + s - p]
                 start += s - p
             return
+        from kvmem.kernels.req_to_token import _write_req_to_token  # see attention_metadata
+
         table = self.req_to_token_pool.req_to_token
         counts = np.fromiter((r.prefix_indices.numel() if n else 0 for r, n in zip(self.reqs, is_new)),
                              dtype=np.int64, count=len(is_new))
