@@ -33,6 +33,7 @@ from kvmem.req_to_token import ReqToTokenPool
 from kvmem.timing import PhaseTimer
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")
+_UNBOUNDED = 1 << 62  # the fewest output tokens left among no requests
 
 
 @dataclass(frozen=True)
@@ -157,10 +158,10 @@ class Scheduler:
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = SchedulerStats()
         self._batch: ScheduleBatch | None = None
-        # Counts the calls that change the running requests' outputs: pure_decode_steps() caches the fewest
-        # output tokens one still lacks against it, since run_decode() asks again.
-        self._changes = 0
-        self._fewest_left = (-1, 0)
+        # The fewest output tokens a running request still lacks (_UNBOUNDED with none running), kept up to date
+        # by the results of each step and decode run (a retraction's batch sets it when its results come):
+        # pure_decode_steps() reads it at every step of a replay.
+        self._fewest_left = _UNBOUNDED
         # Output tokens the running requests have still to generate, kept up to date as they change: admission
         # reserves a share of it every step, and summing it over the batch then cost a tenth of the loop.
         self._tokens_left = 0
@@ -207,7 +208,6 @@ class Scheduler:
         """
         if self._batch is not None:
             raise RuntimeError("step() called before process_batch_result() for the previous batch")
-        self._changes += 1
         self.tree_cache.writing_check()
         batch = self._get_extend_batch()
         if batch is None and self.running:
@@ -245,7 +245,6 @@ class Scheduler:
         if len(tokens) != batch.batch_size():
             raise ValueError(f"next_token_ids has {len(tokens)} tokens for a batch of {batch.batch_size()}")
         self._batch = None
-        self._changes += 1
         finished = self._process(batch, tokens)
         if self.timer is not None:
             self.timer.add("process", perf_counter() - t0)
@@ -262,22 +261,28 @@ class Scheduler:
                         self._finish(req, finished)
                         continue
                     self.running.append(req)
-                    self._tokens_left += req.max_new_tokens - len(req.output_ids)
+                    left = req.max_new_tokens - len(req.output_ids)
+                    self._tokens_left += left
+                    self._fewest_left = min(self._fewest_left, left)
                 # The prefilled tokens enter the tree now, as SGLang checkpoints every prefilled request:
                 # requests admitted while this one runs reuse them instead of waiting for it to finish.
                 self._cache(req, finished=False)
                 if decoding and self.config.cache_decode_pages:
                     self._track_tail(req)
             return finished
-        still_running = []
+        still_running, fewest = [], _UNBOUNDED
         for req, tok in zip(batch.reqs, tokens):
             out = req.output_ids
             out.append(tok)
-            if len(out) < req.max_new_tokens:  # not req.finished(), inlined: this runs once per decoded token
+            left = req.max_new_tokens - len(out)  # not req.finished(), inlined: this runs once per decoded token
+            if left > 0:
                 still_running.append(req)
+                if left < fewest:
+                    fewest = left
             else:
                 self._finish(req, finished)
         self.running = still_running
+        self._fewest_left = fewest
         self._tokens_left -= len(batch.reqs)
         return finished
 
@@ -318,17 +323,11 @@ class Scheduler:
         """
         if self._batch is not None or self.chunked_req is not None or not self.running:
             return 0
-        steps = self._fitting_decode_steps(self._fewest_output_left())
+        steps = self._fitting_decode_steps(self._fewest_left)
         if steps and self._may_admit() and not self._head_waits(self.token_allocator.available_size(),
                                                                  self._reserved_tokens(), attempt=False):
             return 0
         return steps
-
-    def _fewest_output_left(self) -> int:
-        """The fewest output tokens a running request still lacks (some running)."""
-        if self._fewest_left[0] != self._changes:
-            self._fewest_left = (self._changes, min(r.max_new_tokens - len(r.output_ids) for r in self.running))
-        return self._fewest_left[1]
 
     def _may_admit(self) -> bool:
         """Whether a step would try to admit the head of the queue (a decode step would have room for it)."""
@@ -407,7 +406,7 @@ class Scheduler:
         if self._batch is not None:
             raise RuntimeError("run_decode() called before process_batch_result() for the previous batch")
         # Only the bound a step cannot check for itself: each step checks its room and its admission again.
-        if self.chunked_req is not None or not self.running or num_steps > self._fewest_output_left():
+        if self.chunked_req is not None or not self.running or num_steps > self._fewest_left:
             raise ValueError(f"num_steps {num_steps} exceeds pure_decode_steps() {self.pure_decode_steps()}")
         for req in self.running:
             if len(outputs[req.rid]) < req.max_new_tokens:
@@ -416,7 +415,6 @@ class Scheduler:
         timer = self.timer
         if timer is not None:
             t0, admission = perf_counter(), timer.seconds.get("rank", 0.0) + timer.seconds.get("match", 0.0)
-        self._changes += 1
         steps, used, evictable = self._decode_steps(num_steps)
         finished = self._append_outputs(steps, outputs) if steps else []
         if steps:  # the last step's finishes released memory
@@ -500,8 +498,7 @@ class Scheduler:
     def _append_outputs(self, steps: int, outputs: Mapping) -> list[Req]:
         """Each running request's next `steps` output tokens; the requests they finish go into the tree, in
         batch order as process_batch_result finishes them. Returns those."""
-        finished, still_running = [], []
-        fewest = 1 << 62
+        finished, still_running, fewest = [], [], _UNBOUNDED
         for req in self.running:
             out = req.output_ids
             n = len(out)
@@ -516,7 +513,7 @@ class Scheduler:
                 self._finish(req, finished)
         self._tokens_left -= steps * len(self.running)
         self.running = still_running
-        self._fewest_left = (self._changes, fewest)  # saves pure_decode_steps() a pass over the batch
+        self._fewest_left = fewest
         return finished
 
     # ---- admission ----------------------------------------------------------------------------------
