@@ -319,7 +319,8 @@ class Scheduler:
         A step admits none when none waits, when the running batch is full, or when the request at the head of
         the queue does not fit the room left: that last one `run_decode` checks again at every step and stops
         before the first that admits. A tiered cache's match may load pages back, which only the match itself
-        tells, so with one a step where a request waits is never taken in a run.
+        tells, so with one a step where a request waits is never taken in a run. With "lpm" it ranks the
+        waiting window to find that head, as the next step would (the same order again).
         """
         if self._batch is not None or self.chunked_req is not None or not self.running:
             return 0
@@ -340,15 +341,22 @@ class Scheduler:
         access times, hit counts and splits are the step's), so that a decode run leaves the tree as the steps
         one by one would. False when it does not fail, or when only the real match can tell: a tiered cache,
         or a walk that ends where a running request's output pages could continue it (a decode run has not
-        written them yet). `ranked`: no waiting request's cached prefix changed since the last ranking, which
-        would give the same order again, so it is not redone (the head's kept walk may be one a split made
-        stale: it still counts the same tokens)."""
+        written them yet), and, without `attempt`, when the head of the last ranking still fits with its last
+        walk. `ranked`: no waiting request's cached prefix changed since the last ranking, which would give the
+        same order again, so it is not redone (the head's kept walk may be one a split made stale: it still
+        counts the same tokens)."""
         tree = self.tree_cache
         if getattr(tree, "host_pool", None) is not None:
             return False
         timer = self.timer if attempt else None
         t0 = perf_counter() if timer is not None else 0.0
+        room = available - reserved + tree.evictable_size()
         if self.config.schedule_policy == "lpm":
+            kept = self._walks.get(self.waiting[0])
+            if not attempt and kept is not None and self._charge(self.waiting[0], kept[1].num_tokens) <= room:
+                # The head of the last ranking fits with its last walk: the next step all but surely admits,
+                # and finding out for sure would rank the window once more before that step ranks it again.
+                return False
             if not ranked and not self._sort_waiting_by_prefix(take_decode_pages=False):
                 return False
             req = self.waiting[0]
@@ -359,7 +367,6 @@ class Scheduler:
         if walk.child is None and walk.node in self._tails:
             return False
         prefix = walk.num_tokens
-        room = available - reserved + tree.evictable_size()
         if self._charge(req, prefix) <= room:
             return False
         if attempt:
