@@ -473,14 +473,17 @@ def test_an_empty_batch_is_refused_with_a_clear_error():
 
 # ---- decode runs (simulators) -------------------------------------------------------------------------------
 
-def tree_shape(tree):
-    """What the cache holds, node by node: (path tokens, lock) pairs, and the sizes."""
+POLICY_FIELDS = ("last_access", "hit_count")  # what the eviction policies order a node by, besides its shape
+
+
+def tree_shape(tree, *fields):
+    """What the cache holds, node by node: (path tokens, lock, then each of the node's `fields`), and the sizes."""
     out, stack = [], [(tree.root_node, ())]
     while stack:
         node, path = stack.pop()
         for child in node.children.values():
             key = path + tuple(child.token_ids())
-            out.append((key, child.lock_ref))
+            out.append((key, child.lock_ref, *(getattr(child, f) for f in fields)))
             stack.append((child, key))
     return sorted(out), tree.evictable_size(), tree.protected_size()
 
@@ -553,18 +556,6 @@ def test_pure_decode_steps_stop_at_the_first_finish_and_at_a_possible_admission(
     assert sched.pure_decode_steps() == 0  # now c can be admitted
 
 
-def tree_state(tree):
-    """tree_shape, with each node's access stamp and hit count: what the eviction policies order by."""
-    out, stack = [], [(tree.root_node, ())]
-    while stack:
-        node, path = stack.pop()
-        for child in node.children.values():
-            key = path + tuple(child.token_ids())
-            out.append((key, child.lock_ref, child.last_access, child.hit_count))
-            stack.append((child, key))
-    return sorted(out), tree.evictable_size(), tree.protected_size()
-
-
 @pytest.mark.parametrize("policy", ONLINE_POLICIES)
 @pytest.mark.parametrize("schedule_policy,page_size", [("lpm", 1), ("lpm", 4), ("fcfs", 1), ("fcfs", 4)])
 def test_decode_runs_while_the_queue_head_does_not_fit_leave_every_step_as_stepping_one_by_one_would(
@@ -594,8 +585,8 @@ def test_decode_runs_while_the_queue_head_does_not_fit_leave_every_step_as_stepp
                 sched.process_batch_result(batch, [outputs[r.rid][len(r.output_ids)] for r in batch.reqs])
                 samples.append((alloc.size - alloc.available_size(), sched.tree_cache.evictable_size()))
             sched.check_invariants()
-        results.append((samples, [r.output_ids for r in reqs], tree_state(sched.tree_cache), sched.stats,
-                        sched.new_token_ratio))
+        results.append((samples, [r.output_ids for r in reqs], tree_shape(sched.tree_cache, *POLICY_FIELDS),
+                        sched.stats, sched.new_token_ratio))
     assert results[0] == results[1]
     # Requests waited for room while fewer than max_running ran, and runs of several steps took those waits.
     assert max(blocked) > 1 and results[1][3].evicted_tokens > 0
@@ -653,7 +644,7 @@ def test_a_decode_run_ranks_the_queue_again_after_an_eviction_takes_the_head_of_
         sched.add_request(b)
         steps_taken.clear()
         drive()
-        results.append((tree_state(sched.tree_cache), sched.stats, [q.output_ids for q in (r, a, b)]))
+        results.append((tree_shape(sched.tree_cache, *POLICY_FIELDS), sched.stats, [q.output_ids for q in (r, a, b)]))
     # One run took r to its finish, evicting pa's prefix and then pb's: b went ahead of a during the run.
     assert steps_taken == [("a", 99, "b"), ["b"], ["a"]]
     assert results[0] == results[1]
