@@ -172,6 +172,9 @@ class Scheduler:
         # Each waiting request's last ranking walk: (its key's bytes, the walk, the key's page after it, minus the
         # prefix length), see _sort_waiting_by_prefix.
         self._walks: dict[Req, tuple] = {}
+        # Whether a walk tells what a failed admission's match returns (see _head_waits): not with a host tier,
+        # whose match may load pages back. Known once: _head_waits runs at every step of a decode run.
+        self._walk_tells_match = getattr(tree_cache, "host_pool", None) is None
 
     # ---- intake -------------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -345,9 +348,9 @@ class Scheduler:
         walk. `ranked`: no waiting request's cached prefix changed since the last ranking, which would give the
         same order again, so it is not redone (the head's kept walk may be one a split made stale: it still
         counts the same tokens)."""
-        tree = self.tree_cache
-        if getattr(tree, "host_pool", None) is not None:
+        if not self._walk_tells_match:
             return False
+        tree = self.tree_cache
         timer = self.timer if attempt else None
         t0 = perf_counter() if timer is not None else 0.0
         room = available - reserved + tree.evictable_size()
