@@ -5,8 +5,11 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmem import sizing
+from kvmem.eviction import EVICTION_POLICIES
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.cost import GPUS, MODEL_COMPUTE, RooflineCost, StepCost, cost_model
 from kvmem.replay.report import ReplayReport, format_summary
@@ -49,6 +52,38 @@ def test_a_chat_replay_with_decode_runs_matches_too(monkeypatch):
     fast = replay(trace, config)
     monkeypatch.setattr(Scheduler, "pure_decode_steps", lambda self: 0)
     assert samples(replay(trace, config)) == samples(fast) and fast.hit_rate > 0
+
+
+@settings(max_examples=60, deadline=None)  # two small replays each; a busy machine is not a failure
+@given(chat=st.tuples(st.integers(30, 120), st.sampled_from([1, 64, 300]), st.sampled_from([2.0, 20.0, 200.0]),
+                      st.integers(0, 2**16)),
+       room=st.sampled_from([1.2, 2, 4, 10]), page_size=st.sampled_from([1, 4, 16]),
+       policy=st.sampled_from(tuple(EVICTION_POLICIES)), schedule=st.sampled_from(["lpm", "fcfs"]),
+       max_running=st.sampled_from([4, 16, 256]), chunk=st.sampled_from([None, 64, 8192]),
+       flags=st.tuples(st.booleans(), st.booleans(), st.booleans()), tp=st.sampled_from([None, 1, 8]),
+       pin=st.sampled_from([0, 16]), host=st.booleans())
+def test_decode_runs_report_what_stepping_reports_under_any_replay_configuration(
+        chat, room, page_size, policy, schedule, max_running, chunk, flags, tp, pin, host):
+    """Runs go on while requests wait, through evictions, pins and a host tier: every configuration the replay
+    takes must come out as stepping one by one (the hand-picked cases above are a few of these)."""
+    n, system_len, rate, seed = chat
+    trace = multi_turn_chat(n, system_len=system_len, turns=(1, 5), user_len=(8, 200), output_len=(1, 120),
+                            arrival_rate=rate, seed=seed)
+    need = trace.max_context_len
+    honour, decode_pages, in_batch = flags
+    capacity = max(need + 64, int(need * room))
+    config = ReplayConfig(
+        capacity_tokens=capacity, max_context_len=need, page_size=page_size,
+        eviction_policy=policy, schedule_policy=schedule, max_running=max_running, chunked_prefill_size=chunk,
+        honour_arrivals=honour, cache_decode_pages=decode_pages, in_batch_prefix_caching=in_batch,
+        pin_prefix_tokens=pin, host_capacity_tokens=capacity * 3 if host and policy != "belady" else None,
+        **({} if tp is None else {"gpu": "H100", "model": "llama-3-8b", "tp": tp}))
+    fast = replay(trace, config)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Scheduler, "pure_decode_steps", lambda self: 0)
+        slow = replay(trace, config)
+    assert report_without_timings(fast) == report_without_timings(slow)
+    assert samples(fast) == samples(slow)
 
 
 # ---- ReplicaSim ---------------------------------------------------------------------------------------------
