@@ -310,17 +310,26 @@ class ScheduleBatch:
         if not reqs:
             self._set_lens(prefix, seq, _EMPTY, rows)
             return
-        out = self._alloc_decode(prefix, rows)
+        out = self._write_decode(prefix, rows)
         if out is None:  # cannot happen: retraction leaves room for every remaining request
             raise RuntimeError("decode allocation failed after eviction and retraction")
+        for r in reqs:
+            r.kv_len += 1
+        self._set_lens(prefix, seq, out, rows)
+
+    def _write_decode(self, prefix: np.ndarray, rows: np.ndarray) -> torch.Tensor | None:
+        """Allocates each request's slot for its token at position `prefix` and writes it into its req_to_token
+        row `rows`; returns the slots, or None (nothing changed) when they are short. A decode step's, and each
+        step of the Scheduler's decode runs, so that a run takes the very slots its steps would."""
+        out = self._alloc_decode(prefix, rows)
+        if out is None:
+            return None
         host = self.req_to_token_pool.host_view
         if host is not None:
             host[rows, prefix] = out.cpu().numpy()
         else:
             self.req_to_token_pool.req_to_token[torch.from_numpy(rows), torch.from_numpy(prefix)] = out.to(torch.int32)
-        for r in reqs:
-            r.kv_len += 1
-        self._set_lens(prefix, seq, out, rows)
+        return out
 
     def attention_metadata(self) -> PagedKVMetadata:
         """FlashInfer's paged-KV arrays for this step (see `kvmem.attention`), on req_to_token's device.

@@ -322,8 +322,9 @@ class Scheduler:
         A step admits none when none waits, when the running batch is full, or when the request at the head of
         the queue does not fit the room left: that last one `run_decode` checks again at every step and stops
         before the first that admits. A tiered cache's match may load pages back, which only the match itself
-        tells, so with one a step where a request waits is never taken in a run. With "lpm" it ranks the
-        waiting window to find that head, as the next step would (the same order again).
+        tells, so with one a step that may admit (a request waits and the batch is not full) is never taken in
+        a run. With "lpm" it ranks the waiting window to find that head, as the next step would (the same
+        order again); the timer counts that as "rank".
         """
         if self._batch is not None or self.chunked_req is not None or not self.running:
             return 0
@@ -350,9 +351,7 @@ class Scheduler:
         counts the same tokens)."""
         if not self._walk_tells_match:
             return False
-        tree = self.tree_cache
-        timer = self.timer if attempt else None
-        t0 = perf_counter() if timer is not None else 0.0
+        tree, timer = self.tree_cache, self.timer
         room = available - reserved + tree.evictable_size()
         if self.config.schedule_policy == "lpm":
             kept = self._walks.get(self.waiting[0])
@@ -360,8 +359,13 @@ class Scheduler:
                 # The head of the last ranking fits with its last walk: the next step all but surely admits,
                 # and finding out for sure would rank the window once more before that step ranks it again.
                 return False
-            if not ranked and not self._sort_waiting_by_prefix(take_decode_pages=False):
-                return False
+            if not ranked:
+                t0 = perf_counter() if timer is not None else 0.0
+                in_order = self._sort_waiting_by_prefix(take_decode_pages=False)
+                if timer is not None:
+                    timer.add("rank", perf_counter() - t0)
+                if not in_order:
+                    return False
             req = self.waiting[0]
             walk = self._walks[req][1]
         else:
@@ -373,7 +377,7 @@ class Scheduler:
         if self._charge(req, prefix) <= room:
             return False
         if attempt:
-            t1 = perf_counter() if timer is not None else 0.0
+            t0 = perf_counter() if timer is not None else 0.0
             self._match(req, room)
             node = req.last_node
             if req.cache_protected_len != prefix:  # the walk and the match are the same descent
@@ -381,8 +385,7 @@ class Scheduler:
             tree._lock_below(node, tree._root(req.namespace))
             tree._unlock(node)
             if timer is not None:
-                timer.add("rank", t1 - t0)
-                timer.add("match", perf_counter() - t1)
+                timer.add("match", perf_counter() - t0)
         return True
 
     def _fitting_decode_steps(self, steps: int) -> int:
@@ -408,19 +411,32 @@ class Scheduler:
         same evictions at the same steps, the same slots taken, the same requests finishing in the last step,
         the same stats. For a simulator, which executes no model and knows every output in advance.
 
-        outputs[rid]: the whole output of each running request (a sequence of ints); the tokens after those
-        it has are what it samples in these steps. Stops early, before a step that would have to retract a
-        request or would admit one (which step() then takes); `steps` in the result says how many it took.
+        outputs[rid]: the whole output of each running request, a list of ints (what process_batch_result
+        stores); the tokens after those it has are what it samples in these steps. Stops early, before a step
+        that would have to retract a request or would admit one, or where only the real match can tell (see
+        pure_decode_steps); step() then takes it. `steps` in the result says how many it took. A run that
+        stops before an admission may leave the waiting window ranked as that step will rank it.
         """
         check_int("num_steps", num_steps, minimum=1)
         if self._batch is not None:
             raise RuntimeError("run_decode() called before process_batch_result() for the previous batch")
         # Only the bound a step cannot check for itself: each step checks its room and its admission again.
-        if self.chunked_req is not None or not self.running or num_steps > self._fewest_left:
-            raise ValueError(f"num_steps {num_steps} exceeds pure_decode_steps() {self.pure_decode_steps()}")
+        # The message names that bound, not pure_decode_steps(), whose ranking would reorder the queue.
+        if self.chunked_req is not None:
+            raise ValueError(f"num_steps {num_steps} exceeds pure_decode_steps(): 0 while a prompt is prefilled "
+                             f"in chunks")
+        if not self.running:
+            raise ValueError(f"num_steps {num_steps} exceeds pure_decode_steps(): 0 with no request running")
+        if num_steps > self._fewest_left:
+            raise ValueError(f"num_steps {num_steps} exceeds pure_decode_steps(): at most {self._fewest_left}, "
+                             f"the fewest output tokens a running request lacks")
         for req in self.running:
-            if len(outputs[req.rid]) < req.max_new_tokens:
-                raise ValueError(f"request {req.rid!r}: its output has {len(outputs[req.rid])} of its "
+            out = outputs[req.rid]
+            if type(out) is not list:
+                raise TypeError(f"outputs[{req.rid!r}] must be a list of ints (as process_batch_result stores "
+                                f"them), got {type(out).__name__}")
+            if len(out) < req.max_new_tokens:
+                raise ValueError(f"request {req.rid!r}: its output has {len(out)} of its "
                                  f"{req.max_new_tokens} tokens")
         timer = self.timer
         if timer is not None:
@@ -437,10 +453,13 @@ class Scheduler:
 
     def _decode_steps(self, num_steps: int) -> tuple[int, np.ndarray, np.ndarray]:
         """The memory side of run_decode: per step the writing check, the eviction of any shortfall and the
-        slots taken (counted, then allocated and written into req_to_token in one go for all the steps)."""
+        slots taken, allocated and written into req_to_token as that step's decode batch would (the free list's
+        order, and so which slot each request gets, depends on the evictions between the steps)."""
         reqs, tree, alloc, ps = self.running, self.tree_cache, self.token_allocator, self.page_size
         bs = len(reqs)
         kv = _kv_lens(reqs)
+        rows = np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=bs)
+        batch = self._new_batch(reqs)
         may_admit, lpm = self._may_admit(), self.config.schedule_policy == "lpm"
         ranked = False  # the waiting window is in the order a ranking would give now (see _head_waits)
         # Requests whose kv_len is r modulo the page size open a new page at the steps j with (r + j) % ps == 0.
@@ -465,18 +484,16 @@ class Scheduler:
             short = need - available
             if short > 0:
                 ranked = False
-                freed = self._evict(short)
-                evicted += freed
-                available += freed
-            available -= need
+                evicted += self._evict(short)
+            if batch._write_decode(kv + j, rows) is None:  # cannot happen: the shortfall was just evicted
+                raise RuntimeError("decode-run allocation failed after eviction")
+            available = alloc.available_size()
             used[j] = alloc.size - available
             evictable[j] = tree.evictable_size()
             self._decay_new_token_ratio()
             steps += 1
         self.stats.decode_batches += steps
         self.stats.evicted_tokens += evicted
-        if steps:
-            self._alloc_decode_run(kv, steps)
         return steps, used, evictable
 
     def _evict(self, num_tokens: int) -> int:
@@ -486,24 +503,6 @@ class Scheduler:
         if timer is not None:
             timer.add("evict", perf_counter() - t0)
         return freed
-
-    def _alloc_decode_run(self, kv: np.ndarray, steps: int) -> None:
-        """The slots of `steps` decode tokens for every running request, written after each one's kv_len."""
-        batch = self._new_batch(self.running)
-        seq = kv + steps
-        rows = np.fromiter((r.req_pool_idx for r in self.running), dtype=np.int64, count=len(self.running))
-        out = batch._alloc_extend(kv, seq, batch._last_loc(kv, rows))
-        if out is None:  # cannot happen: each step's slots were counted free, after its eviction
-            raise RuntimeError("decode-run allocation failed after eviction")
-        # Every request takes `steps` slots, in batch order: one [bs, steps] scatter writes them all.
-        cols = kv[:, None] + np.arange(steps, dtype=np.int64)
-        host = self.req_to_token_pool.host_view
-        if host is not None:
-            host[rows[:, None], cols] = out.cpu().numpy().reshape(-1, steps)
-        else:
-            table = self.req_to_token_pool.req_to_token
-            table[torch.from_numpy(rows).to(table.device)[:, None], torch.from_numpy(cols).to(table.device)] = \
-                out.view(-1, steps).to(table)
 
     def _append_outputs(self, steps: int, outputs: Mapping) -> list[Req]:
         """Each running request's next `steps` output tokens; the requests they finish go into the tree, in

@@ -232,17 +232,18 @@ def test_rejections_are_counted_one_by_one():
 
 
 def test_the_replay_times_its_cache_calls_and_itself_with_the_clock(monkeypatch):
-    # A clock that ticks once a reading: each timed cache call takes 1 s, the replay all readings. Three extend
-    # steps time two calls each (step, process_batch_result); r0's one decode step runs as a decode run (one call).
-    # 7 calls, 14 readings between the replay's first and last: 15 s.
+    # A clock that ticks once a reading: each timed cache call takes 1 s, the replay all readings. Each of the
+    # four steps first asks pure_decode_steps (one call); three extend steps time two calls more each (step,
+    # process_batch_result), and r0's one decode step runs as a decode run (one call). 11 calls, 22 readings
+    # between the replay's first and last: 23 s.
     import kvmem.replay.simulator as simulator
 
     ticks = iter(range(1000))
     monkeypatch.setattr(simulator.time, "perf_counter", lambda: next(ticks) * 1.0000001)
     report = replay(three_requests(), config(64))
-    assert (report.cache_op_seconds, report.replay_seconds) == pytest.approx((7.0000007, 15.0000015))
+    assert (report.cache_op_seconds, report.replay_seconds) == pytest.approx((11.0000011, 23.0000023))
     summary = report.to_json()
-    assert (summary["cache_op_seconds"], summary["replay_seconds"]) == (7.000001, 15.000002)  # to the microsecond
+    assert (summary["cache_op_seconds"], summary["replay_seconds"]) == (11.000001, 23.000002)  # to the microsecond
 
 
 def test_the_cost_model_takes_free_decodes_and_slow_prefills_but_refuses_impossible_ones():

@@ -477,20 +477,35 @@ POLICY_FIELDS = ("last_access", "hit_count")  # what the eviction policies order
 
 
 def tree_shape(tree, *fields):
-    """What the cache holds, node by node: (path tokens, lock, then each of the node's `fields`), and the sizes."""
+    """What the cache holds, node by node: (path tokens, lock, then each of the node's `fields`, an array's as a
+    list: "value" gives its slots), and the sizes."""
     out, stack = [], [(tree.root_node, ())]
     while stack:
         node, path = stack.pop()
         for child in node.children.values():
             key = path + tuple(child.token_ids())
-            out.append((key, child.lock_ref, *(getattr(child, f) for f in fields)))
+            values = (getattr(child, f) for f in fields)
+            out.append((key, child.lock_ref, *(v.tolist() if hasattr(v, "tolist") else v for v in values)))
             stack.append((child, key))
     return sorted(out), tree.evictable_size(), tree.protected_size()
 
 
-def drive(sched, reqs, outputs, use_runs):
+def running_rows(sched, rows):
+    """Each running request's req_to_token row as the next step would read it, by (rid, outputs so far)."""
+    table = sched.req_to_token_pool.req_to_token
+    for r in sched.running:
+        rows[r.rid, len(r.output_ids)] = table[r.req_pool_idx, :r.kv_len].tolist()
+
+
+def same_rows(stepped, ran):
+    """A decode run samples the rows after its last step only; stepping one by one, after every step."""
+    return ran and {k: stepped.get(k) for k in ran} == ran
+
+
+def drive(sched, reqs, outputs, use_runs, rows=None):
     """Steps `sched` to idle with the outputs known in advance; with use_runs, pure decode stretches go through
-    run_decode. Returns the (tokens used, evictable) sample after every step and the finish order."""
+    run_decode. Returns the (tokens used, evictable) sample after every step and the finish order; fills
+    `rows` (see running_rows) after each step or run."""
     for r in reqs:
         sched.add_request(r)
     samples, finished = [], []
@@ -506,6 +521,8 @@ def drive(sched, reqs, outputs, use_runs):
             done = sched.process_batch_result(batch, [outputs[r.rid][len(r.output_ids)] for r in batch.reqs])
             samples.append((alloc.size - alloc.available_size(), sched.tree_cache.evictable_size()))
             finished += [r.rid for r in done]
+        if rows is not None:
+            running_rows(sched, rows)
         sched.check_invariants()
     return samples, finished
 
@@ -524,7 +541,7 @@ def shared_prefix_specs(seed, count, system_len, max_suffix, max_output):
 def test_run_decode_leaves_every_step_as_stepping_one_by_one_would(page_size, seed):
     rng, specs = shared_prefix_specs(seed, 30, system_len=200, max_suffix=150, max_output=150)
     outputs = {i: [rng.randrange(10, 30000) for _ in range(n)] for i, (_, n) in enumerate(specs)}
-    results = []
+    results, rows = [], ({}, {})
     for use_runs in (False, True):
         # Small enough to evict in decode and, with no room reserved for outputs, to retract.
         sched = make_scheduler(1200, page_size, schedule_policy="fcfs", max_running_requests=8,
@@ -532,13 +549,14 @@ def test_run_decode_leaves_every_step_as_stepping_one_by_one_would(page_size, se
         sched.timer = timer = PhaseTimer()
         reqs = [Req(i, p, n) for i, (p, n) in enumerate(specs)]
         t0 = perf_counter()
-        samples, finished = drive(sched, reqs, outputs, use_runs)
+        samples, finished = drive(sched, reqs, outputs, use_runs, rows[use_runs])
         elapsed = perf_counter() - t0
         assert 0 < timer.seconds["evict"] <= elapsed and None not in timer.calls
-        results.append((samples, finished, [r.output_ids for r in reqs], tree_shape(sched.tree_cache),
+        # A run takes the very slots its steps would: the tree's (its "value") and the running requests' rows.
+        results.append((samples, finished, [r.output_ids for r in reqs], tree_shape(sched.tree_cache, "value"),
                         sched.stats, sched.new_token_ratio, sched.token_allocator.available_size(),
                         timer.calls["evict"]))  # an eviction (and its timing) only where a step is short
-    assert results[0] == results[1]
+    assert results[0] == results[1] and same_rows(*rows)
     assert results[1][4].evicted_tokens > 0 and results[1][4].retractions > 0
 
 
@@ -562,7 +580,7 @@ def test_decode_runs_while_the_queue_head_does_not_fit_leave_every_step_as_stepp
         policy, schedule_policy, page_size):
     rng, specs = shared_prefix_specs(5, 40, system_len=120, max_suffix=200, max_output=120)
     outputs = {i: [rng.randrange(10, 30000) for _ in range(n)] for i, (_, n) in enumerate(specs)}
-    results, blocked = [], []
+    results, blocked, rows = [], [], ({}, {})
     for use_runs in (False, True):
         pool = ReqToTokenPool(64, 4096)
         alloc = TokenAllocator(1600) if page_size == 1 else PagedTokenAllocator(1600, page_size)
@@ -584,10 +602,11 @@ def test_decode_runs_while_the_queue_head_does_not_fit_leave_every_step_as_stepp
                 batch = sched.step()
                 sched.process_batch_result(batch, [outputs[r.rid][len(r.output_ids)] for r in batch.reqs])
                 samples.append((alloc.size - alloc.available_size(), sched.tree_cache.evictable_size()))
+            running_rows(sched, rows[use_runs])
             sched.check_invariants()
-        results.append((samples, [r.output_ids for r in reqs], tree_shape(sched.tree_cache, *POLICY_FIELDS),
-                        sched.stats, sched.new_token_ratio))
-    assert results[0] == results[1]
+        results.append((samples, [r.output_ids for r in reqs],
+                        tree_shape(sched.tree_cache, *POLICY_FIELDS, "value"), sched.stats, sched.new_token_ratio))
+    assert results[0] == results[1] and same_rows(*rows)
     # Requests waited for room while fewer than max_running ran, and runs of several steps took those waits.
     assert max(blocked) > 1 and results[1][3].evicted_tokens > 0
 
@@ -659,6 +678,49 @@ def test_run_decode_refuses_more_steps_than_are_pure_and_short_outputs():
     with pytest.raises(ValueError, match="its output has 3"):
         sched.run_decode(2, {"a": [9] * 3})
     assert sched.running[0].output_ids == [9] and sched.running[0].kv_len == 3
+
+
+def test_a_refused_run_decode_leaves_the_queue_and_the_requests_as_they_were():
+    sched = make_scheduler(64, 1, max_running_requests=4)
+    a = Req("a", list(range(1, 31)), 20)
+    sched.add_request(a)
+    sched.process_batch_result(sched.step(), [9])
+    # Neither fits; ranking would put y, which starts with 20 of a's cached prompt tokens, before x.
+    x, y = Req("x", list(range(100, 140)), 5), Req("y", list(range(1, 21)) + list(range(200, 239)), 5)
+    sched.add_request(x)
+    sched.add_request(y)
+    with pytest.raises(ValueError) as raised:
+        sched.run_decode(25, {"a": [9] * 20})
+    assert str(raised.value) == ("num_steps 25 exceeds pure_decode_steps(): at most 19, the fewest output tokens "
+                                 "a running request lacks")
+    with pytest.raises(TypeError) as raised:
+        sched.run_decode(2, {"a": np.full(20, 9)})  # would leave numpy ints among a's output ids
+    assert str(raised.value) == "outputs['a'] must be a list of ints (as process_batch_result stores them), " \
+                                "got ndarray"
+    assert list(sched.waiting) == [x, y] and a.output_ids == [9] and a.kv_len == 30
+    assert sched.pure_decode_steps() == 19 and list(sched.waiting) == [y, x]  # the preview ranks, as documented
+    empty = make_scheduler(48, 1)
+    with pytest.raises(ValueError, match=r"pure_decode_steps\(\): 0 with no request running"):
+        empty.run_decode(1, {})
+
+
+@pytest.mark.parametrize("schedule_policy", ["lpm", "fcfs"])
+def test_a_decode_runs_admission_attempts_are_timed_as_a_steps_are(schedule_policy):
+    """A step times its ranking (lpm only) as "rank" and its match as "match"; so do a run's failed attempts,
+    and the ranking pure_decode_steps() does to find the head of the queue."""
+    sched = make_scheduler(64, 1, max_running_requests=4, schedule_policy=schedule_policy)
+    sched.timer = timer = PhaseTimer()
+    a = Req("a", list(range(1, 31)), 20)
+    sched.add_request(a)
+    sched.process_batch_result(sched.step(), [9])
+    sched.add_request(Req("x", list(range(100, 140)), 5))
+    before = dict(timer.calls)
+    assert sched.pure_decode_steps() == 19
+    run = sched.run_decode(19, {"a": [9] * 20})
+    assert run.steps == 19 and [r.rid for r in run.finished] == ["a"]
+    ranked = 2 if schedule_policy == "lpm" else 0  # the preview's and the run's first step's (then it keeps it)
+    assert timer.calls.get("rank", 0) - before.get("rank", 0) == ranked
+    assert timer.calls["match"] - before["match"] == 19  # x's failed admission at every step
 
 
 # ---- output pages of running requests ---------------------------------------------------------------------
@@ -1133,9 +1195,7 @@ def test_decode_runs_through_a_pool_without_a_host_view_write_what_the_host_path
             else:
                 batch = sched.step()
                 sched.process_batch_result(batch, [outputs[r.rid][len(r.output_ids)] for r in batch.reqs])
-            table = sched.req_to_token_pool.req_to_token
-            for r in sched.running:  # every running request's row, as the next step would read it
-                rows[r.rid, len(r.output_ids)] = table[r.req_pool_idx, :r.kv_len].tolist()
+            running_rows(sched, rows)
             sched.check_invariants()
         results.append((rows, [r.output_ids for r in reqs], sched.stats, tree_shape(sched.tree_cache)))
     assert results[0] == results[1] and results[0][2].decode_batches > 0

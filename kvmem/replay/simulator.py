@@ -163,7 +163,9 @@ class ReplicaSim:
     def step(self, until: float = math.inf) -> StepOutcome:
         """Takes the next scheduler step, or every step of a run of pure decode steps (see
         Scheduler.pure_decode_steps) that starts before `until`; returns what ended in it."""
-        steps = self.sched.pure_decode_steps()
+        t0 = time.perf_counter()
+        steps = self.sched.pure_decode_steps()  # it may rank the waiting window: cache time, as a step's ranking
+        self._cache_s += time.perf_counter() - t0
         if steps:
             return self._decode_run(steps, until)
         return self._step()
