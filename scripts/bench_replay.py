@@ -15,8 +15,8 @@ match, allocation and eviction, req_to_token writes and batch tensors, inserts a
 hashing of its Request objects (`hash_s`: vLLM hashes on creation and on every appended token, kvmem when a
 request enters the tree); SGLang's match + lock, slot allocation, release and LPM policy calls. Timings are
 the minimum over --repeats runs for every side. kvmem runs with decode pages cached as written and in-batch
-prefix caching (`--kvmem-mode vllm`, vLLM's hit semantics), and its hit rate is also given with SGLang's
-semantics (neither) and each alone.
+prefix caching (the mode `kvmem_vllm` in the report: vLLM's hit semantics), and its hit rate is also given
+with SGLang's semantics (neither: `kvmem_sglang`) and each alone.
 
 `ratios`: peer seconds / kvmem seconds (above 1: kvmem is faster). `hit_rate_minus_vllm`: kvmem's hit rate in
 vLLM mode less vLLM's.

@@ -49,10 +49,30 @@ def test_one_replica_replays_exactly_as_a_single_replay(policy, tiers):
     for key in ("requests", "prompt_tokens", "cached_tokens", "evicted_tokens", "retractions", "steps",
                 "peak_tokens_used", "mean_tokens_used", "peak_pinned_tokens", "mean_evictable_tokens", "mean_running"):
         assert replica[key] == single[key], key
-    assert "mean_running" not in cluster  # per-step samples of one replica: not summed over the cluster
-    for key in ("hit_rate", "device_hit_rate", "host_hit_rate", "loaded_tokens", "backed_up_tokens"):
-        assert cluster.get(key) == single.get(key), key
+    per_step = ("peak_tokens_used", "mean_tokens_used", "peak_pinned_tokens", "mean_evictable_tokens", "mean_running")
+    assert not set(per_step) & set(cluster)  # per-step samples of one replica: not summed over the cluster
+    timings = ("cache_op_seconds", "replay_seconds", "cache_op_breakdown_s")
+    # Every other field of a single replay, the time figures of its cost model included, is the cluster's.
+    assert {k: v for k, v in cluster.items() if k in single and k not in timings} == \
+        {k: v for k, v in single.items() if k not in per_step + timings}
+    assert single["output_tokens"] > 0 and single["ttft_p50_s"] > 0 and single["requests_per_s"] > 0
+    assert set(cluster["cache_op_breakdown_s"]) == set(single["cache_op_breakdown_s"]) == \
+        {"match", "alloc", "evict", "insert_release", "batch"}
     assert cluster["load_imbalance"] == 1.0
+
+
+def test_a_clusters_time_figures_cover_every_replica():
+    config = config_for(CHAT, capacity=2048, gpu="H100", model="llama-3-8b")
+    report = replay_cluster(CHAT, config, 2, "round-robin")
+    cluster, replicas = report.to_json(), [r.to_json() for r in report.reports]
+    assert cluster["output_tokens"] == sum(r["output_tokens"] for r in replicas) > 0
+    assert cluster["prefill_seconds_saved"] == pytest.approx(sum(r["prefill_seconds_saved"] for r in replicas),
+                                                             abs=2e-6)
+    assert cluster["simulated_seconds"] == max(r["simulated_seconds"] for r in replicas)
+    assert cluster["requests_per_s"] == pytest.approx(cluster["requests"] / cluster["simulated_seconds"], rel=1e-5)
+    ttft = sorted(t for r in report.reports for t in r.ttft_s)
+    assert len(ttft) == cluster["requests"] and ttft[0] <= cluster["ttft_p50_s"] <= ttft[-1]
+    assert cluster["cost_model"] == replicas[0]["cost_model"] and "prefill_gpu_seconds_saved" in cluster
 
 
 # ---- the index is the replicas' caches, as their events tell it ----------------------------------------

@@ -14,7 +14,7 @@ from kvmem.replay.report import ReplayReport, require_matplotlib
 _SUMMED = ("capacity_tokens", "requests", "prompt_tokens", "cached_tokens", "evicted_tokens", "retractions",
            "rejected", "cache_op_seconds", "host_cached_tokens", "storage_cached_tokens", "prefetched_tokens",
            "stored_tokens", "storage_misses_corrupt", "storage_failed_ops", "loaded_tokens", "backed_up_tokens",
-           "host_evicted_tokens", "transfer_seconds")
+           "host_evicted_tokens", "transfer_seconds", "output_tokens", "prefill_seconds_saved")
 # Per-step samples of one replica: in the per-replica entries, not summed.
 _PER_REPLICA_ONLY = ("peak_tokens_used", "mean_tokens_used", "peak_pinned_tokens", "mean_evictable_tokens",
                      "mean_running")
@@ -73,14 +73,24 @@ class ClusterReport:
         return len(self.reports)
 
     def total(self) -> ReplayReport:
-        """The replicas' counters summed into one report (no per-step samples)."""
+        """The replicas' counters summed into one report, with every request's time to first token (no per-step
+        samples: `simulated_seconds` is the cluster's in to_json)."""
         first = self.reports[0]
         total = ReplayReport(capacity_tokens=0, host_capacity_tokens=None if first.host_capacity_tokens is None
-                             else first.host_capacity_tokens * self.num_replicas, storage=first.storage)
+                             else first.host_capacity_tokens * self.num_replicas, storage=first.storage,
+                             cost_model=first.cost_model, num_gpus=first.num_gpus)  # each replica's GPUs
         for name in _SUMMED:
             setattr(total, name, sum(getattr(r, name) for r in self.reports))
+        for r in self.reports:
+            total.ttft_s.extend(r.ttft_s)
+        total.cache_phases = {k: sum(r.cache_phases.get(k, 0.0) for r in self.reports) for k in first.cache_phases}
         total.replay_seconds = self.replay_seconds
         return total
+
+    @property
+    def simulated_seconds(self) -> float:
+        """The latest replica's clock at its last step."""
+        return max(r.simulated_seconds for r in self.reports)
 
     @property
     def hit_rate(self) -> float:
@@ -98,9 +108,12 @@ class ClusterReport:
         """The cluster's totals (a single replay's fields, summed; `capacity_tokens` is the cluster's), then
         `replicas`, `router`, `load_imbalance`, `makespan_seconds`, `routing_seconds`, `events`,
         `index_hit_rate` (index-reading policies only) and `per_replica`."""
-        total = self.total()
+        total, sim_s = self.total(), self.simulated_seconds
         out = {k: v for k, v in total.to_json().items() if k not in _PER_REPLICA_ONLY}
         out["steps"] = sum(len(r.time_s) for r in self.reports)
+        out.update({"simulated_seconds": round(sim_s, 6),  # the cluster's throughput: over its time
+                    "output_tokens_per_s": round(total.output_tokens / sim_s, 3) if sim_s else 0.0,
+                    "requests_per_s": round(total.requests / sim_s, 6) if sim_s else 0.0})
         out.update({
             "replicas": self.num_replicas,
             "router": self.policy,
