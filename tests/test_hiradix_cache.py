@@ -14,19 +14,23 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 from kvmem import HiRadixCache, PagedTokenAllocator, RadixCache, ReqToTokenPool, TokenAllocator
 from kvmem.eviction import ONLINE_POLICIES
 from kvmem.replay.belady import BeladyPolicy
+from kvmem.storage import FileStore
 from kvmem.tiers import Transfer
 from tests.test_radix_cache_model import future_index
 
 
 class ContentHost:
     """A host tier of `size` slots whose 'KV' is one token id per slot; copies move ids. `fail` makes the next
-    copies fail; `delay` makes backups complete only after that many polls (an asynchronous copy)."""
+    copies fail; `delay` makes backups complete only after that many polls (an asynchronous copy), and
+    `fail_late` makes the next such copies fail when they complete. As a storage tier's host pool, a page's
+    payload is its ids."""
 
     def __init__(self, size, page_size, device_kv):
         self.allocator = TokenAllocator(size) if page_size == 1 else PagedTokenAllocator(size, page_size)
+        self.page_size = page_size
         self.kv = np.full(size + page_size, -1, dtype=np.int64)
         self.device_kv = device_kv
-        self.fail = 0
+        self.fail = self.fail_late = 0
         self.delay = 0
 
     def _transfer(self, copy):
@@ -36,7 +40,28 @@ class ContentHost:
         if not self.delay:
             copy()
             return Transfer()
+        if self.fail_late:
+            self.fail_late -= 1
+            copy = _raise_copy_fault
         return DelayedTransfer(self.delay, copy)
+
+    def storage_format(self):
+        return "test-content"
+
+    def page_payload_bytes(self):
+        return 8 * self.page_size
+
+    def check_host_slots(self, host_slots):
+        return np.asarray(host_slots)
+
+    def read_pages(self, host_slots):
+        slots = np.asarray(host_slots)
+        return [self.kv[slots[i:i + self.page_size]].tobytes() for i in range(0, len(slots), self.page_size)]
+
+    def write_pages(self, host_slots, payloads):
+        slots = np.asarray(host_slots)
+        for i, payload in enumerate(payloads):
+            self.kv[slots[i * self.page_size:(i + 1) * self.page_size]] = np.frombuffer(payload, dtype=np.int64)
 
     def backup(self, host_slots, device_slots):
         host, device = np.asarray(host_slots), np.asarray(device_slots)
@@ -47,6 +72,10 @@ class ContentHost:
         transfer = self._transfer(lambda: self.device_kv.__setitem__(device, self.kv[host]))
         transfer.wait()
         return transfer
+
+
+def _raise_copy_fault():
+    raise RuntimeError("injected late copy fault")
 
 
 class DelayedTransfer(Transfer):
@@ -234,6 +263,55 @@ def test_a_backup_that_fails_late_discards_the_backups_issued_after_it():
         w.cache.writing_check()
     assert w.cache.host_total_size() == 0 and w.host.allocator.available_size() == 64
     assert (w.cache.stats.failed_transfers, w.cache.stats.discarded_backups) == (1, 1)
+    w.cache.check_invariants()
+
+
+def test_a_backup_started_while_discarded_ones_are_in_flight_goes_with_them():
+    # A's copy fails; B's (under A) is in flight and will be discarded; C's, started under B's copy then, must
+    # not outlive it: both tiers stay prefix-closed after every step, and no host slot is left behind.
+    w = World(device=64, host=128, page_size=4)
+    a, b, c = tokens((100, 8)), tokens((200, 8)), tokens((300, 8))
+    w.host.delay = 5
+    w.put(a)
+    w.put(a + b)
+    assert [r.nodes[0].key for r in w.cache._pending] == [w.cache.match_prefix(a).last_node.key,
+                                                          w.cache.match_prefix(a + b).last_node.key]
+    w.cache._pending[0].transfer.error = RuntimeError("late fault")
+    w.cache._pending[0].transfer.polls = -1
+    w.cache.writing_check()                 # A's copy fails: B's is marked for discard, still in flight
+    w.cache.check_invariants()
+    w.put(a + b + c)                        # C's backup starts now, under B's copy
+    w.cache.check_invariants()
+    while w.cache._pending:
+        w.cache._pending[0].transfer.wait()
+        w.cache.writing_check()
+    w.cache.check_invariants()
+    assert (w.cache.stats.failed_transfers, w.cache.stats.discarded_backups) == (1, 2)
+    assert w.cache.host_total_size() == 0 and w.cache.evict(1 << 20) == 24
+    assert w.host.allocator.available_size() == 128
+    w.cache.check_invariants()
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_a_prefetch_hangs_its_pages_only_under_a_parent_whose_host_copy_landed(tmp_path, fault):
+    # write_back: the prompt's first 8 tokens are on device only, so attaching the prefetch's pages backs them up
+    # first; that copy is asynchronous, and when it fails the pages must not hang under a parent without one.
+    prompt = tokens((100, 32))
+    first = World(page_size=4, storage=FileStore(tmp_path))
+    first.put(prompt)
+    first.cache.close()
+    w = World(page_size=4, write_policy="write_back", storage=FileStore(tmp_path), prefetch_policy="wait_complete")
+    w.put(prompt[:8])
+    w.host.delay, w.host.fail_late = 3, int(fault)
+    prefetch = w.cache.prefetch(prompt + [1])
+    assert w.cache.finish_prefetch(prefetch) == (0 if fault else 24)
+    assert not w.cache._pending and w.cache.stats.failed_transfers == int(fault)
+    w.cache.check_invariants()
+    w.check_content()
+    assert w.cache.evict(1 << 20) == 8   # write_back: the eviction backs the parent up, if it has no copy yet
+    assert w.cache.match_prefix(prompt).host_hit_length == (8 if fault else 32)
+    w.cache.evict_host(1 << 20)
+    assert w.host.allocator.available_size() == 256
     w.cache.check_invariants()
 
 

@@ -437,3 +437,94 @@ def test_the_mooncake_server_command_stops_its_processes_on_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_store_whose_lookup_fails_costs_hits_not_an_exception(tmp_path, monkeypatch):
+    first, device, alloc = cache_over(FileStore(tmp_path))
+    put(first, device, alloc, PROMPT)
+    first.close()
+    store = FileStore(tmp_path)
+    keys = keys_of(PROMPT)
+    unreadable = store._file(keys[2])
+    real_exists = type(unreadable).exists
+
+    def exists(path, *args, **kwargs):  # a folder it may not search (EACCES), as root never sees one
+        if path == unreadable:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_exists(path, *args, **kwargs)
+    monkeypatch.setattr(type(unreadable), "exists", exists)
+    assert store.batch_exists(keys) == 2 and store.stats.failed_ops == 1
+    second, _, _ = cache_over(store)
+    assert second.finish_prefetch(second.prefetch(PROMPT + [1])) == 2 * PS   # the pages before it
+    second.check_invariants()
+
+    class DownStore(PageStore):  # any store: its lookup raising is a miss
+        def batch_exists(self, keys):
+            raise ConnectionError("master down")
+
+        def batch_get(self, keys, host_pool, host_slots):
+            raise AssertionError("never read what no lookup found")
+
+        batch_set = batch_get
+    down, _, _ = cache_over(DownStore())
+    assert down.prefetch(PROMPT + [1]) is None and down.storage_link.storage.stats.failed_ops == 1
+    down.check_invariants()
+
+
+def test_finish_prefetch_refuses_a_prefetch_it_did_not_start_or_finished_already(tmp_path):
+    first, device, alloc = cache_over(FileStore(tmp_path))
+    put(first, device, alloc, PROMPT)
+    first.close()
+    second, _, _ = cache_over(FileStore(tmp_path))
+    other, _, _ = cache_over(FileStore(tmp_path))
+    prefetch, foreign = second.prefetch(PROMPT + [1]), other.prefetch(PROMPT + [1])
+    assert second.finish_prefetch(prefetch) == len(PROMPT)
+    free = second.host_allocator.available_size()
+    for bad in (prefetch, foreign):  # its slots are the tree's now; another cache's slots are not this one's
+        with pytest.raises(ValueError) as raised:
+            second.finish_prefetch(bad)
+        assert str(raised.value) == "prefetch was not started by this cache's prefetch(), or was finished already"
+    with pytest.raises(TypeError, match="prefetch must be a Prefetch .* got str"):
+        second.finish_prefetch("x")
+    assert second.host_allocator.available_size() == free and second.match_prefix(PROMPT).host_hit_length == 32
+    second.check_invariants()
+    assert other.finish_prefetch(foreign) == len(PROMPT)
+    other.check_invariants()
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_reset_keeps_count_of_the_slots_a_prefetch_still_reads_into(tmp_path, late):
+    first, device, alloc = cache_over(FileStore(tmp_path))
+    put(first, device, alloc, PROMPT)
+    first.close()
+    store = GatedStore(FileStore(tmp_path))
+    second, _, _ = cache_over(store, "best_effort")
+    size = second.host_allocator.size
+    prefetch = second.prefetch(PROMPT + [1])
+    if late:
+        assert second.finish_prefetch(prefetch) == 0   # taken before its read ended: writing_check reaps it
+    second.reset()
+    second.check_invariants()                            # its slots are still the read's
+    store.gate.set()
+    prefetch.future.result(timeout=10)
+    if not late:  # read from the root: its pages are still the right ones, and hang there
+        assert second.finish_prefetch(prefetch) == len(PROMPT)
+    second.writing_check()
+    assert second.host_allocator.available_size() + second.host_total_size() == size
+    second.check_invariants()
+
+
+def test_a_prefetch_makes_host_room_without_evicting_the_prefix_it_hangs_from(tmp_path):
+    first, device, alloc = cache_over(FileStore(tmp_path))
+    put(first, device, alloc, PROMPT)
+    first.close()
+    second, device2, alloc2 = cache_over(FileStore(tmp_path))
+    put(second, device2, alloc2, PROMPT[:8])
+    second.evict(64)                                     # the prefix is on host only, the host's only leaf
+    host = second.host_allocator
+    filler = host.alloc(host.available_size() - 16)   # 8 short of the 24 tokens the prefetch reads
+    prefetch = second.prefetch(PROMPT + [1])
+    assert prefetch is None and second.match_prefix(PROMPT).host_hit_length == 8   # no read it would waste
+    host.free(filler)
+    assert second.finish_prefetch(second.prefetch(PROMPT + [1])) == len(PROMPT) - 8
+    second.check_invariants()

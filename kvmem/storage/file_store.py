@@ -46,7 +46,11 @@ class FileStore(PageStore):
 
     def _exists(self, keys: list[str]) -> int:
         for i, key in enumerate(keys):
-            if not self._file(key).exists():
+            try:
+                if not self._file(key).exists():
+                    return i
+            except OSError:  # a folder it cannot search, an I/O error: the page is missing for this lookup
+                self.stats.failed_ops += 1
                 return i
         return len(keys)
 
@@ -69,8 +73,12 @@ class FileStore(PageStore):
         stored = 0
         for key, value in zip(keys, values):
             file = self._file(key)
-            if file.exists():
-                stored += 1
+            try:
+                if file.exists():
+                    stored += 1
+                    continue
+            except OSError:
+                self.stats.failed_ops += 1
                 continue
             if self.capacity_bytes is not None and not self._make_room(len(value)):
                 self.stats.failed_ops += 1  # a page larger than the whole store
@@ -89,7 +97,10 @@ class FileStore(PageStore):
         return stored
 
     def _discard(self, key: str) -> None:
-        self._file(key).unlink(missing_ok=True)
+        try:
+            self._file(key).unlink(missing_ok=True)
+        except OSError:  # a read-only store keeps the bad page; each read finds it bad again, and only it
+            self.stats.failed_ops += 1
         self._bytes -= self._lru.pop(key, 0)
 
     # ---- the size cap -------------------------------------------------------------------------------
@@ -107,7 +118,10 @@ class FileStore(PageStore):
             return False
         while self._bytes + size > self.capacity_bytes and self._lru:
             key, freed = self._lru.popitem(last=False)
-            self._file(key).unlink(missing_ok=True)
+            try:
+                self._file(key).unlink(missing_ok=True)
+            except OSError:
+                self.stats.failed_ops += 1
             self._bytes -= freed
         return True
 

@@ -151,6 +151,10 @@ class HiRadixCache(RadixCache):
             host_eviction_policy = eviction_policy
         self._host_policy = make_policy(host_eviction_policy)
         self._host_policy.bind(self)
+        # Host slots reading pages for prefetches, not yet the tree's, and those prefetches not yet finished:
+        # both outlive reset(), since a read in flight still writes into its slots.
+        self._prefetch_held = 0
+        self._prefetches: dict[int, Prefetch] = {}  # by id; held, so that no other object takes the id
         link = None if storage is None else StorageLink(
             storage, host_pool, "wait_complete" if tp_group is not None else prefetch_policy, prefetch_timeout_s)
         super().__init__(req_to_token_pool, token_allocator, page_size, eviction_policy, event_sink, pin_budget)
@@ -169,7 +173,6 @@ class HiRadixCache(RadixCache):
         self._host_policy.clear()
         self._host_evictable_size = 0
         self._host_protected_size = 0
-        self._prefetch_held = 0  # host slots reading pages for prefetches, not yet the tree's
         self._pending: deque[_Backup] = deque()
 
     # ---- sizes --------------------------------------------------------------------------------------
@@ -478,6 +481,9 @@ class HiRadixCache(RadixCache):
         if started is None:
             return
         record = _Backup(started[0], nodes, node, sum(n.num_tokens for n in nodes))
+        # While a failed backup's later ones are still in flight, an ancestor's host copy here may be one of
+        # theirs, to be released when it lands: this one goes with them (re-backed up later, if wanted).
+        record.discard = any(r.discard for r in self._pending)
         for n in nodes:
             n.backup = record
         self.inc_lock_ref(node)
@@ -540,6 +546,15 @@ class HiRadixCache(RadixCache):
             self.dec_lock_ref(record.lock_node)
         return done
 
+    def _complete_backup(self, record: _Backup) -> None:
+        """Waits for `record`'s copy and those issued before it, and completes them (writing_check)."""
+        for pending in self._pending:
+            pending.transfer.wait()
+            if pending is record:
+                break
+        while record.nodes[0].backup is record:  # writing_check completes it, with or without its host copy
+            self.writing_check()
+
     def _release_host_copies(self, nodes: list[HiTreeNode]) -> None:
         """Drops the host copies of device nodes (a failed or discarded backup): they stay device-only."""
         values = [n.host_value for n in nodes if n.host_value is not None]
@@ -580,20 +595,39 @@ class HiRadixCache(RadixCache):
         pages = self.storage_link.lookup(digests)
         if self.tp_group is not None:
             pages = _all_reduce_min(pages, self.tp_group)
-        host = self._alloc_host(pages * self.page_size) if pages else None
+        if not pages:
+            return None
+        # The prefix the pages will hang from is locked while host room is made: evicting it would waste the read.
+        held = walk.node if walk.child is None else walk.child
+        if held.parent is not None:
+            self.inc_lock_ref(held)
+        try:
+            host = self._alloc_host(pages * self.page_size)
+        finally:
+            if held.parent is not None:
+                self.dec_lock_ref(held)
         if host is None:
             return None
         host = host.numpy()
         self._prefetch_held += len(host)
         end = (start + pages * self.page_size) * TOKEN_BYTES
-        return self.storage_link.read(namespace, view[:end].tobytes(), start, digests[:pages * DIGEST_BYTES], host)
+        prefetch = self.storage_link.read(namespace, view[:end].tobytes(), start, digests[:pages * DIGEST_BYTES],
+                                          host)
+        self._prefetches[id(prefetch)] = prefetch
+        return prefetch
 
     def finish_prefetch(self, prefetch: Prefetch | None) -> int:
         """Attaches the pages of `prefetch` that arrived (by the prefetch policy) as host-only nodes, where the
         tree's prefix still leads to them; returns the tokens attached. Pages the tree gained meanwhile, or whose
-        prefix left it, are released."""
+        prefix left it, are released. Raises, changing nothing, for a prefetch this cache did not start or has
+        finished already (its slots are no longer the prefetch's)."""
         if prefetch is None:
             return 0
+        if not isinstance(prefetch, Prefetch):
+            raise TypeError(f"prefetch must be a Prefetch (from prefetch()) or None, got {type(prefetch).__name__}")
+        if self._prefetches.get(id(prefetch)) is not prefetch:
+            raise ValueError("prefetch was not started by this cache's prefetch(), or was finished already")
+        del self._prefetches[id(prefetch)]
         got = self.storage_link.arrived(prefetch)
         if got is None:  # still reading: its slots stay held until the read ends (writing_check reaps them)
             return 0
@@ -625,8 +659,11 @@ class HiRadixCache(RadixCache):
             return 0, 0  # the prefix the pages hang from left the tree, or the tree has them all by now
         skip = (now - prefetch.start) // ps
         parent = self._walk_to_node(walk)
-        if parent.parent is not None and parent.host_value is None:
-            self._backup_path(parent)  # a host-only child needs a parent with a host copy (prefix-closed)
+        if parent.parent is not None:
+            if parent.host_value is None:
+                self._backup_path(parent)  # a host-only child needs a parent with a host copy (prefix-closed)
+            if parent.backup is not None:  # in flight: it may fail or be discarded, so wait until it lands
+                self._complete_backup(parent.backup)
             if parent.host_value is None:
                 return 0, 0
         node = self.node_class(view[now * TOKEN_BYTES:end_tokens * TOKEN_BYTES].tobytes(), _NO_SLOTS, parent,
@@ -746,7 +783,8 @@ class HiRadixCache(RadixCache):
             parent = node.parent
             if on_device and parent.parent is not None and not len(parent.value):
                 _fail(f"node {node.id} is on device under a host-only parent")
-            if node.host_value is not None and parent.parent is not None and parent.host_value is None:
+            if node.host_value is not None and parent.parent is not None and parent.host_value is None and not (
+                    node.backup is not None and node.backup.discard):  # in flight, to be released when it lands
                 _fail(f"node {node.id} has a host copy but its parent {parent.id} has none")
             if not on_device and node.host_value is None:
                 _fail(f"node {node.id} is in neither tier")

@@ -110,7 +110,13 @@ class StorageLink:
         """How many leading pages of `digests` the store has, once the writes queued so far are done."""
         self.drain_writes()
         keys = [digests[i:i + DIGEST_BYTES].hex() for i in range(0, len(digests), DIGEST_BYTES)]
-        return self.storage.batch_exists(keys)
+        try:
+            return self.storage.batch_exists(keys)
+        except Exception:  # noqa: BLE001 - a store that raises is a store that failed: a miss
+            stats = getattr(self.storage, "stats", None)
+            if stats is not None:
+                stats.failed_ops += 1
+            return 0
 
     def read(self, namespace, key: bytes, start: int, digests: bytes, host_slots: np.ndarray) -> Prefetch:
         """Starts reading the pages `digests` into `host_slots` on the worker."""
