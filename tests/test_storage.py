@@ -11,7 +11,7 @@ import torch
 from kvmem import HiRadixCache, HostKVPool, MHAKVPool, PagedTokenAllocator, ReqToTokenPool
 from kvmem.page_hash import page_digests, storage_key
 from kvmem.storage import FileStore, PageStore
-from kvmem.storage.page_format import CHECKSUM_BYTES, HEADER_BYTES, decode_page, encode_page, fingerprint
+from kvmem.storage.page_format import CHECKSUM_BYTES, HEADER_BYTES, decode_page, encode_page, fingerprint, is_intact
 from kvmem.tiers import HostSlotPool
 
 PS = 4
@@ -35,6 +35,7 @@ def test_a_page_decodes_only_with_its_digest_fingerprint_and_page_size_intact():
     assert decode_page(bytes(corrupt), digest, fp, PS) is None
     assert decode_page(value[:-3], digest, fp, PS) is None               # truncated
     assert decode_page(b"", digest, fp, PS) is None
+    assert is_intact(value) and not any(map(is_intact, (bytes(corrupt), value[:-3], b"", b"x" * 200)))
 
 
 # ---- the file store -------------------------------------------------------------------------------------------
@@ -80,11 +81,14 @@ def test_a_corrupt_or_truncated_page_file_is_a_counted_miss_and_is_dropped(tmp_p
     assert store.batch_get(keys[3:], host, dst[:20]) == 2 and store.stats.corrupt == 2
 
 
-def test_a_page_of_another_model_is_a_miss(tmp_path):
+def test_a_page_of_another_model_is_a_miss_that_stays_for_its_model(tmp_path):
     _, host, slots = kv_world(model_id="model-a")
     FileStore(tmp_path).batch_set(keys_of(PROMPT), host, slots)
     _, other, _ = kv_world(model_id="model-b")
-    assert FileStore(tmp_path).batch_get(keys_of(PROMPT), other, other.allocator.alloc(len(PROMPT))) == 0
+    store = FileStore(tmp_path)
+    assert store.batch_get(keys_of(PROMPT), other, other.allocator.alloc(len(PROMPT))) == 0
+    assert (store.stats.foreign, store.stats.corrupt) == (1, 0)   # not taken for damage, so not deleted
+    assert store.batch_get(keys_of(PROMPT), host, host.allocator.alloc(len(PROMPT))) == len(PROMPT) // PS
 
 
 def test_a_capped_file_store_deletes_its_least_recently_used_pages(tmp_path):

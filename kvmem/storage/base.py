@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvmem.storage.page_format import CHECKSUM_BYTES, HEADER_BYTES, decode_page, encode_page, fingerprint
+from kvmem.storage.page_format import CHECKSUM_BYTES, HEADER_BYTES, decode_page, encode_page, fingerprint, is_intact
 
 
 class StorageBackend(Protocol):
@@ -39,7 +39,8 @@ class StorageStats:
 
     hits: int = 0           # pages read and loaded into host slots
     stored: int = 0         # pages written
-    corrupt: int = 0        # values that failed their checks (counted as misses, never loaded)
+    corrupt: int = 0        # damaged values (misses, never loaded; dropped so that they can be written again)
+    foreign: int = 0        # intact values written for another model, format or page size (misses, kept)
     failed_ops: int = 0     # calls the store itself failed (down, full, I/O error): misses or unstored pages
 
 
@@ -78,7 +79,9 @@ class PageStore:
             for key, value in zip(chunk, values):
                 payload = decode_page(value, bytes.fromhex(key), fp, ps)
                 if payload is None:
-                    if value is not None:
+                    if value is not None and is_intact(value):  # another model's or format's page: left for it
+                        self.stats.foreign += 1
+                    elif value is not None:
                         self.stats.corrupt += 1
                         self._discard(key)
                     break

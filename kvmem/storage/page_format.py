@@ -15,7 +15,8 @@ A value is loaded only if every field matches what the reader expects: its magic
 the digest of the page the reader is looking for (so a value filed under the wrong key is never taken for
 the right page), the fingerprint of the reader's pool (another model, dtype or layout is a miss, not a wrong
 load), and its checksum (a corrupt or truncated value is a miss). `decode_page` returns None for any of these;
-the store counts it.
+`is_intact` tells a damaged value (which the store counts as corrupt and drops, so that it can be written again)
+from an intact one written for another reader (a miss it leaves for its owner).
 
 The checksum guards against corruption (bit rot, a torn or truncated write), not forgery: whoever can write a
 value can compute any checksum of it, so a store is trusted as much as its writers. CRC-32 catches every burst
@@ -47,6 +48,17 @@ def encode_page(digest: bytes, format_fingerprint: bytes, page_size: int, payloa
     payload = memoryview(payload).cast("B")
     header = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, page_size, len(payload), digest, format_fingerprint)
     return b"".join((header, payload, _CHECKSUM.pack(zlib.crc32(payload, zlib.crc32(header)))))
+
+
+def is_intact(value) -> bool:
+    """Whether `value` is a whole page as some writer encoded it: its magic, version, length and checksum."""
+    view = memoryview(value).cast("B")
+    if len(view) < HEADER_BYTES + CHECKSUM_BYTES:
+        return False
+    magic, version, _, _, length, _, _ = _HEADER.unpack(view[:HEADER_BYTES])
+    end = HEADER_BYTES + length
+    return (magic, version) == (MAGIC, FORMAT_VERSION) and len(view) == end + CHECKSUM_BYTES and \
+        _CHECKSUM.unpack(view[end:])[0] == zlib.crc32(view[:end])
 
 
 def decode_page(value, digest: bytes, format_fingerprint: bytes, page_size: int) -> memoryview | None:
