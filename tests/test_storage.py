@@ -3,6 +3,7 @@ host backups, read back by another cache (another replica, or the same one after
 unless they are the page asked for."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -531,4 +532,26 @@ def test_a_prefetch_makes_host_room_without_evicting_the_prefix_it_hangs_from(tm
     assert prefetch is None and second.match_prefix(PROMPT).host_hit_length == 8   # no read it would waste
     host.free(filler)
     assert second.finish_prefetch(second.prefetch(PROMPT + [1])) == len(PROMPT) - 8
+    second.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "timeout"])
+def test_a_lookup_waits_neither_for_a_slow_read_nor_for_the_writes_queued_behind_it(tmp_path, policy):
+    first, device, alloc = cache_over(FileStore(tmp_path))
+    put(first, device, alloc, PROMPT)
+    first.close()
+    store = GatedStore(FileStore(tmp_path))
+    second, device2, alloc2 = cache_over(store, policy)
+    slow = second.prefetch(PROMPT + [1])              # its read waits at the gate
+    other = list(range(500, 532))
+    put(second, device2, alloc2, other)               # its pages' write is queued behind that read
+    digests = b"".join(bytes.fromhex(k) for k in keys_of(other + [1]))
+    t0 = time.monotonic()
+    assert second.storage_link.lookup(digests) == len(other) // PS   # counted, not waited for
+    assert time.monotonic() - t0 < 5 and not slow.future.done() and store.batch_exists(keys_of(other)) == 0
+    store.gate.set()
+    slow.future.result(timeout=10)
+    second.storage_link.drain_writes()
+    assert store.batch_exists(keys_of(other)) == len(other) // PS
+    assert second.finish_prefetch(slow) == len(PROMPT)
     second.check_invariants()

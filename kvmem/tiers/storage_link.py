@@ -5,8 +5,10 @@ for a slow store unless its prefetch policy says so. Two rules keep them safe an
 
 - A write copies its pages' bytes out of the host pool before it is queued (`_PageSnapshot`), so the host tier
   may evict or reuse those slots at once.
-- A lookup (`lookup`) first waits for the writes queued before it, so a cache always finds what it stored
-  itself ("read your writes"), and a replay gives the same result on every run.
+- A lookup (`lookup`) finds what the cache stored itself ("read your writes"): under "wait_complete" it first
+  waits for the writes queued before it, so that a replay gives the same result on every run; under the other
+  policies, whose admission must not wait for the store, it counts the pages of queued writes as present (their
+  read runs after them) and never waits, not even for a slow read queued before those writes.
 
 Prefetch policies (when admission takes a prefetch's pages): "best_effort" takes the pages that have arrived,
 "wait_complete" waits for all of them, "timeout" waits at most `prefetch_timeout_s`. A prefetch still running
@@ -16,6 +18,8 @@ when it is taken keeps its host slots until the read ends (`reap`), and is then 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -91,6 +95,8 @@ class StorageLink:
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-storage")
         self._writes: list[concurrent.futures.Future] = []
         self._late: list[Prefetch] = []  # taken before their read ended: their slots wait for it
+        self._queued_keys: Counter[str] = Counter()  # keys of writes not yet done (the worker takes them off)
+        self._queued_lock = threading.Lock()
 
     def write(self, digests: bytes, host_slots: np.ndarray) -> None:
         """Queues the pages in `host_slots` (named by `digests`) for the store."""
@@ -99,17 +105,42 @@ class StorageLink:
         positions = np.arange(len(host_slots), dtype=np.int64)
 
         def store() -> int:
-            stored = self.storage.batch_set(keys, snapshot, positions)
+            try:
+                stored = self.storage.batch_set(keys, snapshot, positions)
+            finally:  # written, or failed: either way the store now says what it has
+                with self._queued_lock:
+                    self._queued_keys.subtract(keys)
+                    self._queued_keys += Counter()  # drops the keys at zero
             self.stats.stored_tokens += stored * snapshot.page_size
             return stored
+        with self._queued_lock:
+            self._queued_keys.update(keys)
         self._writes.append(self._worker.submit(store))
         if len(self._writes) > 1024:
             self._writes = [f for f in self._writes if not f.done()]
 
     def lookup(self, digests: bytes) -> int:
-        """How many leading pages of `digests` the store has, once the writes queued so far are done."""
-        self.drain_writes()
+        """How many leading pages of `digests` the store has, or will have once the writes queued so far are done
+        (see the module docstring)."""
         keys = [digests[i:i + DIGEST_BYTES].hex() for i in range(0, len(digests), DIGEST_BYTES)]
+        if self.prefetch_policy == "wait_complete":
+            self.drain_writes()
+            return self._exists(keys)
+        # Writes are queued from this thread only: a key not queued now was written already, or never.
+        with self._queued_lock:
+            queued = {k for k in keys if k in self._queued_keys}
+        found = 0
+        while found < len(keys):
+            if keys[found] in queued:
+                found += 1
+                continue
+            present = self._exists(keys[found:])
+            found += present
+            if not present or found == len(keys) or keys[found] not in queued:
+                break
+        return found
+
+    def _exists(self, keys: list[str]) -> int:
         try:
             return self.storage.batch_exists(keys)
         except Exception:  # noqa: BLE001 - a store that raises is a store that failed: a miss
