@@ -10,6 +10,7 @@ holds more than that.
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -83,7 +84,7 @@ class FileStore(PageStore):
             if self.capacity_bytes is not None and not self._make_room(len(value)):
                 self.stats.failed_ops += 1  # a page larger than the whole store
                 continue
-            tmp = file.with_name(f".{key}.{os.getpid()}.tmp")
+            tmp = file.with_name(f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")  # unique per writer
             try:
                 file.parent.mkdir(parents=True, exist_ok=True)
                 tmp.write_bytes(value)
