@@ -453,6 +453,88 @@ def test_bad_policy_options_exit_2_with_one_line(capsys, fake_replay, argv, frag
     assert_one_line_error(*run(capsys, *argv), fragment)
 
 
+@pytest.mark.parametrize("argv, fragment", [
+    (["--compare-policies", "lru,fifo", "--eviction-policy", "lfu"], "name the policies in --compare-policies"),
+    (["--sweep", "100000,200000", "--capacity-tokens", "5000"], "the list sets the capacities"),
+    (["--capacity-tokens", "200000", "--host-capacity-tokens", "4000000", "--sweep", "--storage", "file:{tmp}"],
+     "each replay would find the pages the ones before it stored"),
+    (["--capacity-tokens", "200000", "--host-capacity-tokens", "4000000", "--compare-policies", "lru",
+      "--storage", "file:{tmp}"], "each replay would find the pages the ones before it stored"),
+])
+def test_options_another_overrides_or_replays_that_would_depend_on_each_other_exit_2(capsys, fake_replay, tmp_path,
+                                                                                     argv, fragment):
+    plots = tmp_path / "plots"
+    argv = [a.format(tmp=tmp_path / "store") for a in argv] + ["--plot", str(plots)]
+    assert_one_line_error(*run(capsys, *argv), fragment)
+    assert fake_replay == [] and not plots.exists()  # nothing made for a replay that does not run
+
+
+def test_a_trace_through_a_pipe_needs_its_format_and_one_process(capsys, fake_replay, tmp_path):
+    import os
+
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+    assert_one_line_error(*run(capsys, str(fifo)), "not a regular file: give its --format")
+    assert_one_line_error(*run(capsys, str(fifo), "--format", "mooncake", "--compare-policies", "lru", "--jobs",
+                               "2"), "a pipe can be read once): use --jobs 1")
+    assert fake_replay == []
+
+
+def test_a_missing_trace_makes_no_plot_folder(capsys, fake_replay, tmp_path):
+    plots = tmp_path / "deep" / "plots"
+    assert_one_line_error(*run(capsys, str(tmp_path / "missing.jsonl"), "--plot", str(plots)), "cannot open")
+    assert not (tmp_path / "deep").exists()
+
+
+def _descendants(pid: int) -> set[int]:
+    """The processes under `pid`, from /proc."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def test_a_sweep_stopped_by_sigterm_leaves_no_worker_behind():
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvmem.replay.cli", "--format", "synthetic-chat", "--limit",
+                             "100000", "--sweep", "100000,200000", "--jobs", "2", "--no-progress"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    children: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while len(children) < 2 and time.monotonic() < deadline:  # the two workers (and the tracker, maybe)
+            time.sleep(0.2)
+            children = _descendants(proc.pid)
+        assert len(children) >= 2, "the sweep's workers never started"
+        time.sleep(5.0)  # they are replaying (a SIGTERM while one is being spawned may leave it a traceback)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+        assert proc.stderr.read().decode().strip().endswith("error: terminated")
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{c}").exists() for c in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [c for c in children if Path(f"/proc/{c}").exists()], "workers outlived the sweep"
+    finally:
+        for c in children | _descendants(proc.pid):
+            try:
+                os.kill(c, signal.SIGKILL)
+            except OSError:
+                pass
+        proc.kill()
+
+
 def test_pin_options_reach_the_replay_config(capsys, fake_replay):
     code, out, _ = run(capsys, "--format", "synthetic-system", "--limit", "5", "--pin-prefix-tokens", "1024",
                        "--pin-budget", "0.1")

@@ -13,8 +13,12 @@ import argparse
 import dataclasses
 import functools
 import json
+import multiprocessing
 import os
+import signal
+import stat
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -146,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what a file store may hold, in tokens (default: unbounded)")
     p.add_argument("--storage-gbps", type=_positive_float, default=DEFAULT_STORAGE_GBPS, metavar="B",
                    help=f"storage bandwidth, GB/s (default {DEFAULT_STORAGE_GBPS:g})")
-    p.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES,
+    p.add_argument("--eviction-policy", choices=EVICTION_POLICIES,
                    help="which cached prefixes go first (default lru; belady: the offline optimum)")
     p.add_argument("--compare-policies", nargs="?", const=list(DEFAULT_POLICIES), type=_policy_list,
                    metavar="POLICIES", help="replay under several eviction policies (comma-separated; default: "
@@ -204,24 +208,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error(str(e))
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    if on_main_thread:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return _run(args, tour)
     except KeyboardInterrupt:
         return _error("interrupted", 130)
+    except _Terminated:
+        return _error("terminated", 128 + signal.SIGTERM)
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised where the main process is, once its worker processes are gone."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    # Ctrl-C reaches every process of the group; a SIGTERM only this one, and a pool waits for its workers.
+    for child in multiprocessing.active_children():
+        child.kill()  # at once and silently, even one still starting up
+    raise _Terminated
 
 
 def _run(args: argparse.Namespace, tour: bool = False) -> int:
     try:
         if args.plot:
             require_matplotlib()
-            _make_plot_dir(args.plot)
         trace = _load_trace(args)
         config = _replay_config(args, trace)
         runs = None if tour else cluster_runs(args, config)
         points = None if runs is not None else _tour_points(config) if tour else _sweep_points(args, config)
         for point in points or [config]:
             point.check_host_memory()
+        _check_combinations(args, config, points)
         _check_storage(config)
+        if args.plot:
+            _make_plot_dir(args.plot)
     except TraceError as e:
         hint = " (--on-error skip skips malformed lines)" if e.line is not None and args.on_error == "stop" else ""
         return _error(f"{e}{hint}")
@@ -357,6 +382,13 @@ def _load_trace(args: argparse.Namespace) -> Trace:
     if args.trace is None and args.format == "jsonl":
         raise ValueError("--format jsonl needs a TRACE file (the embedded default is Mooncake)")
     path = args.trace if args.trace is not None else default_trace_path()
+    if os.path.exists(path) and not os.path.isdir(path) and not _is_regular_file(path):  # a pipe reads once
+        if args.format == "auto":
+            raise ValueError(f"TRACE {path} is not a regular file: give its --format (finding it out would use up "
+                             f"the first line of a pipe)")
+        if args.compare_policies and (args.jobs or default_jobs()) > 1:
+            raise ValueError(f"--compare-policies with --jobs > 1 reads TRACE in every worker, and {path} is not a "
+                             f"regular file (a pipe can be read once): use --jobs 1")
     return read_trace(path, args.format, limit=args.limit, on_error=args.on_error)
 
 
@@ -384,7 +416,7 @@ def _replay_config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
         tiers["host_capacity_tokens"] = args.host_capacity_tokens
     return ReplayConfig(
         capacity_tokens=capacity, max_context_len=trace.max_context_len, page_size=args.page_size,
-        eviction_policy=args.eviction_policy, schedule_policy=args.schedule_policy,
+        eviction_policy=args.eviction_policy or "lru", schedule_policy=args.schedule_policy,
         max_running=args.max_running,
         chunked_prefill_size=args.chunked_prefill_size if args.chunked_prefill_size > 0 else None,
         honour_arrivals=args.arrivals == "honour", seed=args.seed, write_policy=args.write_policy,
@@ -393,6 +425,25 @@ def _replay_config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
         cache_decode_pages=args.cache_decode_pages, in_batch_prefix_caching=args.in_batch_prefix_caching,
         gpu=args.gpu, model=_model_name(args, None), tp=args.tp, pin_prefix_tokens=args.pin_prefix_tokens,
         pin_budget=args.pin_budget, **tiers)
+
+
+def _check_combinations(args: argparse.Namespace, config: ReplayConfig, points: list | None) -> None:
+    """Options another one overrides, and replays that would depend on each other."""
+    if args.compare_policies and args.eviction_policy is not None:
+        raise ValueError("--eviction-policy with --compare-policies: name the policies in --compare-policies' list")
+    if args.sweep and args.capacity_tokens is not None:
+        raise ValueError("--capacity-tokens with --sweep CAPACITIES: the list sets the capacities (--sweep without "
+                         "a list sweeps around --capacity-tokens)")
+    if config.storage is not None and (points is not None or args.compare_policies):
+        raise ValueError("--storage with --sweep or --compare-policies: each replay would find the pages the ones "
+                         "before it stored; replay each configuration against its own --storage")
+
+
+def _is_regular_file(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _check_storage(config: ReplayConfig) -> None:
