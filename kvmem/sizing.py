@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Union
@@ -187,23 +189,40 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kvmem-sizing", description=main.__doc__)
     parser.add_argument("model", choices=list(MODEL_CONFIGS))
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-    parser.add_argument("--quant-group", type=int, default=None)
-    parser.add_argument("--gpu-mem-gb", type=float, default=None)
-    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--quant-group", type=_positive(int), default=None)
+    parser.add_argument("--gpu-mem-gb", type=_positive(float), default=None)
+    parser.add_argument("--page-size", type=_positive(int), default=1)
     args = parser.parse_args(argv)
     config = get_model_config(args.model)
-    report = {
-        "model": args.model,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "bytes_per_token": bytes_per_token(config, args.kv_cache_dtype, args.quant_group),
-        "bytes_per_token_without_scales": bytes_per_token(config, args.kv_cache_dtype, args.quant_group,
-                                                          include_scales=False),
-    }
-    if args.gpu_mem_gb is not None:
-        report["gpu_mem_gb"] = args.gpu_mem_gb
-        report["tokens"] = tokens_for_budget(config, gpu_mem_gb=args.gpu_mem_gb, kv_cache_dtype=args.kv_cache_dtype,
-                                             page_size=args.page_size, quant_group=args.quant_group)
+    try:
+        report = {
+            "model": args.model,
+            "kv_cache_dtype": args.kv_cache_dtype,
+            "bytes_per_token": bytes_per_token(config, args.kv_cache_dtype, args.quant_group),
+            "bytes_per_token_without_scales": bytes_per_token(config, args.kv_cache_dtype, args.quant_group,
+                                                              include_scales=False),
+        }
+        if args.gpu_mem_gb is not None:
+            report["gpu_mem_gb"] = args.gpu_mem_gb
+            report["tokens"] = tokens_for_budget(config, gpu_mem_gb=args.gpu_mem_gb,
+                                                 kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size,
+                                                 quant_group=args.quant_group)
+    except (ValueError, TypeError) as e:  # a combination the model or dtype cannot take: the library says why
+        parser.error(str(e))
     print(json.dumps(report))
+
+
+def _positive(kind: type) -> Callable[[str], int | float]:
+    """An argparse type: a finite number above 0."""
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an int' if kind is int else 'a number'}") from None
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number above 0")
+        return value
+    return parse
 
 
 if __name__ == "__main__":
