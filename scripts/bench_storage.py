@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -98,6 +99,20 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads", "pages": pages,
               "repeats": repeats, "rows": []}
+    # SIGTERM as Ctrl-C: the finally below stops the Mooncake master and storage process it started.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _run(args, report, pages, repeats, shapes)
+    except KeyboardInterrupt:
+        print("bench_storage: interrupted", file=sys.stderr)
+        return 130
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _run(args: argparse.Namespace, report: dict, pages: int, repeats: int, shapes) -> int:
     mooncake = _mooncake_server(pages, shapes)
     try:
         for name, layers, heads, head_dim, ps in shapes:

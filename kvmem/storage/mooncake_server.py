@@ -139,10 +139,20 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive int")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run a local Mooncake master and storage process until "
                                                  "interrupted; prints the addresses for kvmem-replay --storage.")
-    parser.add_argument("--segment-mb", type=int, default=4096)
+    parser.add_argument("--segment-mb", type=_positive_int, default=4096)
     parser.add_argument("--metadata", choices=("p2p", "http"), default="p2p")
     args = parser.parse_args(argv)
     # SIGTERM (what `kill` and service managers send; a background job of a script ignores SIGINT) stops the
