@@ -417,6 +417,10 @@ def test_compare_policies_reports_the_share_of_the_gap_each_policy_closes(capsys
     for policy in compare["policies"]:
         expected = (hit[policy][0] - lru) / (belady - lru) if belady > lru else None
         assert gap[policy][0] == (expected if expected is None else pytest.approx(expected, abs=1e-3))
+    assert "policy" in err
+    code, out, err = run(capsys, "--format", "synthetic-chat", "--limit", "40", "--capacity-tokens", "3000",
+                         "--compare-policies", "lookahead", "--jobs", "1", "--no-progress", "--json-only")
+    assert code == 0 and json.loads(out)["compare"]["hit_rate"] == hit and "policy" not in err  # no table
 
 
 def test_compare_table_shows_each_policy_then_how_much_lru_could_choose_among_and_its_ttft():

@@ -348,7 +348,8 @@ def _compare(args: argparse.Namespace, trace: Trace, config: ReplayConfig, capac
     result = compare_policies(trace, config, args.compare_policies, capacities or [config.capacity_tokens],
                               args.jobs or default_jobs(),
                               functools.partial(_load_trace, args))
-    print(format_table(result), file=sys.stderr)
+    if not args.json_only:
+        print(format_table(result), file=sys.stderr)
     out["compare"] = result
     if args.plot:
         try:
