@@ -66,3 +66,16 @@ def _int_kind(minimum: int | None, maximum: int | None) -> str:
     if minimum is not None:
         return f"an int >= {minimum}"
     return "an int"
+
+
+def positive_int_arg(text: str) -> int:
+    """An argparse type: an int above 0 (argparse names the option in its error)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value

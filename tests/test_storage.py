@@ -130,6 +130,13 @@ def cache_over(store, policy="wait_complete", device_pool=None, host_pool=None):
                         prefetch_policy=policy), device, alloc
 
 
+def store_prompt(tmp_path) -> None:
+    """PROMPT's pages in a file store at tmp_path, as a first cache leaves them."""
+    first, device, alloc = cache_over(FileStore(tmp_path))
+    put(first, device, alloc, PROMPT)
+    first.close()
+
+
 def put(cache, device, alloc, tokens, namespace=None):
     slots = alloc.alloc(len(tokens))
     kv = torch.tensor(tokens, dtype=torch.float32).reshape(-1, 1, 1)
@@ -140,9 +147,7 @@ def put(cache, device, alloc, tokens, namespace=None):
 
 
 def test_a_second_cache_reads_what_the_first_stored_and_gets_the_right_kv(tmp_path):
-    first, device, alloc = cache_over(FileStore(tmp_path))
-    put(first, device, alloc, PROMPT)
-    first.close()
+    store_prompt(tmp_path)
     second, device2, _ = cache_over(FileStore(tmp_path))         # another replica, or a restart
     prefetch = second.prefetch(PROMPT + [1])
     assert second.finish_prefetch(prefetch) == len(PROMPT)
@@ -165,9 +170,7 @@ def test_pages_are_found_only_in_their_namespace(tmp_path):
 
 
 def test_only_the_pages_beyond_the_trees_own_prefix_are_read(tmp_path):
-    first, device, alloc = cache_over(FileStore(tmp_path))
-    put(first, device, alloc, PROMPT)
-    first.close()
+    store_prompt(tmp_path)
     second, device2, alloc2 = cache_over(FileStore(tmp_path))
     put(second, device2, alloc2, PROMPT[:12])                    # 3 pages already cached here
     prefetch = second.prefetch(PROMPT + [1])
@@ -196,9 +199,7 @@ class GatedStore(PageStore):
 
 @pytest.mark.parametrize("policy", ["best_effort", "timeout"])
 def test_admission_does_not_wait_for_a_slow_store_and_its_slots_come_back(tmp_path, policy):
-    first, device, alloc = cache_over(FileStore(tmp_path))
-    put(first, device, alloc, PROMPT)
-    first.close()
+    store_prompt(tmp_path)
     store = GatedStore(FileStore(tmp_path))
     second, _, _ = cache_over(store, policy)
     free = second.host_allocator.available_size()
@@ -214,9 +215,7 @@ def test_admission_does_not_wait_for_a_slow_store_and_its_slots_come_back(tmp_pa
 
 
 def test_wait_complete_waits_for_the_read(tmp_path):
-    first, device, alloc = cache_over(FileStore(tmp_path))
-    put(first, device, alloc, PROMPT)
-    first.close()
+    store_prompt(tmp_path)
     store = GatedStore(FileStore(tmp_path))
     second, _, _ = cache_over(store, "wait_complete")
     prefetch = second.prefetch(PROMPT + [1])
@@ -244,9 +243,7 @@ def test_a_store_that_fails_costs_hits_not_correctness(tmp_path):
 
 
 def test_a_prefetch_whose_prefix_left_the_tree_is_released(tmp_path):
-    first, device, alloc = cache_over(FileStore(tmp_path))
-    put(first, device, alloc, PROMPT)
-    first.close()
+    store_prompt(tmp_path)
     second, device2, alloc2 = cache_over(FileStore(tmp_path))
     put(second, device2, alloc2, PROMPT[:8])
     prefetch = second.prefetch(PROMPT + [1])
@@ -445,9 +442,7 @@ def test_the_mooncake_server_command_stops_its_processes_on_sigterm():
 
 
 def test_a_store_whose_lookup_fails_costs_hits_not_an_exception(tmp_path, monkeypatch):
-    first, device, alloc = cache_over(FileStore(tmp_path))
-    put(first, device, alloc, PROMPT)
-    first.close()
+    store_prompt(tmp_path)
     store = FileStore(tmp_path)
     keys = keys_of(PROMPT)
     unreadable = store._file(keys[2])
@@ -477,9 +472,7 @@ def test_a_store_whose_lookup_fails_costs_hits_not_an_exception(tmp_path, monkey
 
 
 def test_finish_prefetch_refuses_a_prefetch_it_did_not_start_or_finished_already(tmp_path):
-    first, device, alloc = cache_over(FileStore(tmp_path))
-    put(first, device, alloc, PROMPT)
-    first.close()
+    store_prompt(tmp_path)
     second, _, _ = cache_over(FileStore(tmp_path))
     other, _, _ = cache_over(FileStore(tmp_path))
     prefetch, foreign = second.prefetch(PROMPT + [1]), other.prefetch(PROMPT + [1])
@@ -499,9 +492,7 @@ def test_finish_prefetch_refuses_a_prefetch_it_did_not_start_or_finished_already
 
 @pytest.mark.parametrize("late", [False, True])
 def test_reset_keeps_count_of_the_slots_a_prefetch_still_reads_into(tmp_path, late):
-    first, device, alloc = cache_over(FileStore(tmp_path))
-    put(first, device, alloc, PROMPT)
-    first.close()
+    store_prompt(tmp_path)
     store = GatedStore(FileStore(tmp_path))
     second, _, _ = cache_over(store, "best_effort")
     size = second.host_allocator.size
@@ -520,9 +511,7 @@ def test_reset_keeps_count_of_the_slots_a_prefetch_still_reads_into(tmp_path, la
 
 
 def test_a_prefetch_makes_host_room_without_evicting_the_prefix_it_hangs_from(tmp_path):
-    first, device, alloc = cache_over(FileStore(tmp_path))
-    put(first, device, alloc, PROMPT)
-    first.close()
+    store_prompt(tmp_path)
     second, device2, alloc2 = cache_over(FileStore(tmp_path))
     put(second, device2, alloc2, PROMPT[:8])
     second.evict(64)                                     # the prefix is on host only, the host's only leaf
@@ -537,9 +526,7 @@ def test_a_prefetch_makes_host_room_without_evicting_the_prefix_it_hangs_from(tm
 
 @pytest.mark.parametrize("policy", ["best_effort", "timeout"])
 def test_a_lookup_waits_neither_for_a_slow_read_nor_for_the_writes_queued_behind_it(tmp_path, policy):
-    first, device, alloc = cache_over(FileStore(tmp_path))
-    put(first, device, alloc, PROMPT)
-    first.close()
+    store_prompt(tmp_path)
     store = GatedStore(FileStore(tmp_path))
     second, device2, alloc2 = cache_over(store, policy)
     slow = second.prefetch(PROMPT + [1])              # its read waits at the gate

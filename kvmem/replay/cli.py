@@ -22,6 +22,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvmem._checks import positive_int_arg
 from kvmem.replay.cluster_cli import add_cluster_arguments, cluster_runs, run_cluster
 from kvmem.replay.compare import DEFAULT_POLICIES
 from kvmem.replay.config import (
@@ -56,16 +57,6 @@ class _UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line instead of argparse's usage block
         raise _UsageError(message)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
-    return value
 
 
 def _non_negative_int(text: str) -> int:
@@ -109,7 +100,7 @@ def _policy_list(text: str) -> list[str]:
 
 def _capacity_list(text: str) -> list[int]:
     try:
-        return [_positive_int(part) for part in text.split(",")]
+        return [positive_int_arg(part) for part in text.split(",")]
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive token counts, got {text!r} "
                                          "(a TRACE goes before --sweep)") from None
@@ -123,16 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="auto", choices=("auto", "mooncake", "jsonl") + SYNTHETIC_FORMATS,
                    help="trace format, or a built-in synthetic workload (no TRACE then); default auto")
     cap = p.add_mutually_exclusive_group()
-    cap.add_argument("--capacity-tokens", type=_positive_int, metavar="N",
+    cap.add_argument("--capacity-tokens", type=positive_int_arg, metavar="N",
                      help=f"KV-cache capacity in tokens (default {DEFAULT_CAPACITY_TOKENS})")
     cap.add_argument("--gpu-mem-gb", type=_positive_float, metavar="G",
                      help="KV-cache memory in GiB; needs --model")
     p.add_argument("--model", metavar="CONFIG", help="model preset (see kvmem.sizing): sizes --gpu-mem-gb and "
                    "--host-mem-gb, and prices copies between tiers (default: llama-3-8b's bytes per token)")
     p.add_argument("--kv-cache-dtype", metavar="DTYPE", help="KV storage dtype for --gpu-mem-gb (default auto)")
-    p.add_argument("--page-size", type=_positive_int, default=1, metavar="P", help="tokens per page (default 1)")
+    p.add_argument("--page-size", type=positive_int_arg, default=1, metavar="P", help="tokens per page (default 1)")
     host = p.add_mutually_exclusive_group()
-    host.add_argument("--host-capacity-tokens", type=_positive_int, metavar="N",
+    host.add_argument("--host-capacity-tokens", type=positive_int_arg, metavar="N",
                       help="a host-memory tier of N tokens under the device cache (HiCache-style)")
     host.add_argument("--host-mem-gb", type=_positive_float, metavar="G", help="the host tier in GiB; needs --model")
     p.add_argument("--write-policy", default="write_through", choices=WRITE_POLICIES,
@@ -146,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "kept across runs) or mooncake:HOST:PORT (a Mooncake master; see kvmem.storage.mooncake_server)")
     p.add_argument("--storage-metadata", default="P2PHANDSHAKE", metavar="URL",
                    help="the Mooncake metadata server (default P2PHANDSHAKE: none)")
-    p.add_argument("--storage-capacity-tokens", type=_positive_int, metavar="N",
+    p.add_argument("--storage-capacity-tokens", type=positive_int_arg, metavar="N",
                    help="what a file store may hold, in tokens (default: unbounded)")
     p.add_argument("--storage-gbps", type=_positive_float, default=DEFAULT_STORAGE_GBPS, metavar="B",
                    help=f"storage bandwidth, GB/s (default {DEFAULT_STORAGE_GBPS:g})")
@@ -161,13 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin-budget", type=_fraction, default=0.2, metavar="F",
                    help="share of the capacity pins may hold; older pins past it degrade (default 0.2)")
     p.add_argument("--schedule-policy", default="lpm", choices=SCHEDULE_POLICIES)
-    p.add_argument("--max-running", type=_positive_int, default=256, metavar="R",
+    p.add_argument("--max-running", type=positive_int_arg, default=256, metavar="R",
                    help="most requests running at once (default 256)")
     p.add_argument("--chunked-prefill-size", type=int, default=8192, metavar="C",
                    help="prompt tokens per prefill step; 0 or less: no chunking (default 8192)")
     p.add_argument("--arrivals", default="honour", choices=("honour", "all-at-once"),
                    help="honour the trace's arrival times, or queue everything at time 0 (default honour)")
-    p.add_argument("--limit", type=_positive_int, metavar="N",
+    p.add_argument("--limit", type=positive_int_arg, metavar="N",
                    help="replay only the first N requests (synthetic: generate N; default 1000)")
     p.add_argument("--on-error", default="stop", choices=("stop", "skip"),
                    help="at a malformed trace line: stop with its line number, or skip it (default stop)")
@@ -185,9 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "GPUs (TTFT, prefill GPU-seconds saved, throughput); without --capacity-tokens or "
                    "--gpu-mem-gb, the KV capacity is what their memory leaves beside the weights. Default: a "
                    "fixed 30 ms a step + 50k prefill tokens/s")
-    p.add_argument("--tp", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--tp", type=positive_int_arg, default=1, metavar="N",
                    help="GPUs per replica, tensor-parallel (with --gpu; default 1)")
-    p.add_argument("--jobs", type=_positive_int, metavar="J",
+    p.add_argument("--jobs", type=positive_int_arg, metavar="J",
                    help="replays run at once by --sweep and --compare-policies, in separate processes (default: the "
                         "cores)")
     p.add_argument("--json-only", action="store_true", help="no human summary on stderr, only the JSON report")

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvmem._checks import check_int, check_number
+from kvmem._checks import check_int, check_number, positive_int_arg
 
 READY_TIMEOUT_S = 20.0
 
@@ -139,20 +139,10 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive int")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run a local Mooncake master and storage process until "
                                                  "interrupted; prints the addresses for kvmem-replay --storage.")
-    parser.add_argument("--segment-mb", type=_positive_int, default=4096)
+    parser.add_argument("--segment-mb", type=positive_int_arg, default=4096)
     parser.add_argument("--metadata", choices=("p2p", "http"), default="p2p")
     args = parser.parse_args(argv)
     # SIGTERM (what `kill` and service managers send; a background job of a script ignores SIGINT) stops the
