@@ -54,3 +54,30 @@ def emit(report: dict, out: str | None) -> None:
     if out:
         Path(out).write_text(text + "\n")
     print(text)
+
+
+def check_points(requests, trace: str, points: list[list[str]], out: str | None, *, cluster: bool = False) -> None:
+    """Parses each point's kvmem-replay options and builds its config (and, for a cluster, its runs) before any
+    replay starts, and checks --out's folder: a bad option is then a one-line error at once (`usage_error`),
+    not a traceback after the work. Raises ValueError or the replay CLI's usage error."""
+    from kvmem.replay.cli import _replay_config, build_parser
+    from kvmem.replay.cluster_cli import cluster_runs
+
+    if not points:
+        raise ValueError("nothing to replay: the lists of points are empty")
+    if out and not Path(out).resolve().parent.is_dir():
+        raise ValueError(f"--out {out}: its folder does not exist")
+    for argv in points:
+        args = build_parser().parse_args([trace, *argv])
+        config = _replay_config(args, requests)
+        config.check_host_memory()
+        if cluster:
+            cluster_runs(args, config)
+
+
+def usage_errors() -> tuple[type[Exception], ...]:
+    """What check_points and reading a trace raise for bad input."""
+    from kvmem.replay.cli import _UsageError
+    from kvmem.replay.traces import TraceError
+
+    return ValueError, RuntimeError, TraceError, _UsageError

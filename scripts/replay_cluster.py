@@ -70,13 +70,19 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvmem.replay.traces import read_trace
 
-    requests = read_trace(args.trace, limit=args.limit)
     base = ["--replicas", str(args.replicas), "--capacity-tokens", str(args.capacity_tokens),
             "--page-size", str(args.page_size), "--no-progress"]
     host = ["--host-capacity-tokens", str(args.host_capacity_tokens)]
     points = [[*base, "--router", p] for p in args.routers]
     points += [[*base, "--router", p, *host] for p in args.tiered]
     points += [[*base, "--router", p, *host, "--storage", "file:{fresh}"] for p in args.shared_storage]
+    try:
+        requests = read_trace(args.trace, limit=args.limit)
+        _peer.check_points(requests, args.trace, [[o.replace("{fresh}", tempfile.gettempdir()) for o in p]
+                                                  for p in points], args.out, cluster=True)
+    except _peer.usage_errors() as e:
+        print(f"replay_cluster.py: error: {e}", file=sys.stderr)
+        return 2
     rows = []
     for point in points:
         store = tempfile.mkdtemp(prefix="kvmem-cluster-store-") if "file:{fresh}" in point else None

@@ -19,6 +19,8 @@ import os
 import sys
 import time
 
+from kvmem._checks import positive_int_arg
+
 import _peer  # scripts/_peer.py: the script's own folder is on sys.path
 
 FIELDS = ("hit_rate", "device_hit_rate", "host_hit_rate", "storage_hit_rate", "loaded_tokens", "backed_up_tokens",
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--storage-metadata", default="P2PHANDSHAKE")
     ap.add_argument("--device-only", type=_ints, default=[], help="extra device-only capacities to compare with")
     ap.add_argument("--page-size", type=int, default=1)
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--jobs", type=positive_int_arg, default=os.cpu_count() or 1)
     ap.add_argument("--out", help="also write the JSON table here")
     args = ap.parse_args(argv)
 
@@ -74,6 +76,14 @@ def main(argv: list[str] | None = None) -> int:
                          "--storage-metadata", args.storage_metadata]
         points.append(argv)
     points += [["--capacity-tokens", str(c), "--page-size", str(args.page_size)] for c in args.device_only]
+    from kvmem.replay.traces import read_trace
+
+    try:  # every point checked here, before the workers start: a bad one would cost a BrokenProcessPool later
+        _peer.check_points(read_trace(args.trace), args.trace, [[o.replace("{point}", "0") for o in p]
+                                                                for p in points], args.out)
+    except _peer.usage_errors() as e:
+        print(f"replay_tiers.py: error: {e}", file=sys.stderr)
+        return 2
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
         rows = list(pool.map(run_point, [args.trace] * len(points), points))
     _peer.emit({"trace": args.trace, "rows": rows}, args.out)

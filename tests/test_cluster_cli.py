@@ -89,3 +89,25 @@ def test_the_cluster_table_script_replays_each_policy_then_a_shared_store(capsys
         "round-robin", "cache-aware", "round-robin --host-capacity-tokens 400000 --storage file:TMPDIR"]
     assert rows[0]["vs_first"] == 1.0 and "storage_hit_rate" in rows[2] and rows[2]["requests_per_replica"] == [6, 6]
     assert not list(tmp_path.glob("kvmem-cluster-store-*"))  # the store was removed after its point
+
+
+@pytest.mark.parametrize("script, argv, fragment", [
+    ("replay_cluster.py", ["--replicas", "0"], "expected a positive replica count"),
+    ("replay_cluster.py", ["--routers", "bogus"], "unknown routing policy 'bogus'"),
+    ("replay_cluster.py", ["--limit", "0"], "limit must be a positive int"),
+    ("replay_cluster.py", ["--routers", "", "--shared-storage", ""], "nothing to replay"),
+    ("replay_cluster.py", ["--out", "/nonexistent-kvmem/x.json"], "its folder does not exist"),
+    ("replay_tiers.py", ["--device", "100000", "--host", "400000", "--write-policy", "bogus"], "invalid choice"),
+    ("replay_tiers.py", ["--device", "100000", "--jobs", "0"], "expected a positive int"),
+])
+def test_the_table_scripts_refuse_bad_options_before_any_replay_in_one_line(capsys, monkeypatch, script, argv,
+                                                                           fragment):
+    path = Path(__file__).resolve().parents[1] / "scripts" / script
+    monkeypatch.syspath_prepend(str(path.parent))
+    main_ = runpy.run_path(str(path), run_name="script")["main"]
+    try:
+        code = main_([str(default_trace_path()), *argv])
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and fragment in err and "Traceback" not in err

@@ -319,6 +319,15 @@ def test_plot_option_writes_the_plots_named_in_the_report(capsys, fake_replay, t
     assert code == 0 and Path(json.loads(out)["plots"][0]).exists()
 
 
+def test_a_plot_that_cannot_be_written_after_the_replay_keeps_the_report(capsys, fake_replay, tmp_path, monkeypatch):
+    def disk_full(self, directory):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ReplayReport, "write_plots", disk_full)
+    code, out, err = run(capsys, "--limit", "3", "--plot", str(tmp_path))
+    assert code == 2 and json.loads(out)["requests"] == 3 and "plots" not in json.loads(out)
+    assert err.endswith(f"error: cannot write plots to {tmp_path}: No space left on device\n")
+
+
 # ---- time, the summary, the tour ----------------------------------------------------------------------------
 
 def test_a_gpu_server_prices_the_clock_and_sizes_the_cache(capsys, fake_replay):

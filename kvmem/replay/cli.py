@@ -269,11 +269,18 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
             try:
                 plots = reports[0].write_plots(args.plot) if points is None else [write_sweep_plot(reports, args.plot)]
             except OSError as e:
-                return _error(f"cannot write plots to {args.plot}: {e.strerror or e}")
+                return _report_then_error(out, f"cannot write plots to {args.plot}: {e.strerror or e}")
             out["plots"] = [str(p) for p in plots]
     sys.stdout.write(json.dumps(out, indent=2) + "\n")
     sys.stdout.flush()
     return 0
+
+
+def _report_then_error(out: dict, message: str) -> int:
+    """The replay's report on stdout all the same (it may have taken hours), then the error."""
+    sys.stdout.write(json.dumps(out, indent=2) + "\n")
+    sys.stdout.flush()
+    return _error(message)
 
 
 def default_jobs() -> int:
@@ -346,7 +353,7 @@ def _compare(args: argparse.Namespace, trace: Trace, config: ReplayConfig, capac
         try:
             out["plots"] = [str(write_policy_plot(result, args.plot))]
         except OSError as e:
-            return _error(f"cannot write plots to {args.plot}: {e.strerror or e}")
+            return _report_then_error(out, f"cannot write plots to {args.plot}: {e.strerror or e}")
     sys.stdout.write(json.dumps(out, indent=2) + "\n")
     sys.stdout.flush()
     return 0
