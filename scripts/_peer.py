@@ -58,7 +58,7 @@ def emit(report: dict, out: str | None) -> None:
 
 def check_points(requests, trace: str, points: list[list[str]], out: str | None, *, cluster: bool = False) -> None:
     """Parses each point's kvmem-replay options and builds its config (and, for a cluster, its runs) before any
-    replay starts, and checks --out's folder: a bad option is then a one-line error at once (`usage_error`),
+    replay starts, and checks --out's folder: a bad option is then a one-line error at once (`usage_errors`),
     not a traceback after the work. Raises ValueError or the replay CLI's usage error."""
     from kvmem.replay.cli import _replay_config, build_parser
     from kvmem.replay.cluster_cli import cluster_runs
