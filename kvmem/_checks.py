@@ -7,6 +7,8 @@ Public functions check what a caller hands them, once, where it enters; the inte
 
 from __future__ import annotations
 
+import argparse
+import math
 import numbers
 import os
 
@@ -70,12 +72,21 @@ def _int_kind(minimum: int | None, maximum: int | None) -> str:
 
 def positive_int_arg(text: str) -> int:
     """An argparse type: an int above 0 (argparse names the option in its error)."""
-    import argparse
-
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def positive_float_arg(text: str) -> float:
+    """An argparse type: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value

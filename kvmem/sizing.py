@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Union
 
-from kvmem._checks import check_int, check_number
+from kvmem._checks import check_int, check_number, positive_float_arg, positive_int_arg
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 MODEL_DTYPE_BYTES = MappingProxyType({"float16": 2, "bfloat16": 2, "float32": 4})
@@ -189,9 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kvmem-sizing", description=main.__doc__)
     parser.add_argument("model", choices=list(MODEL_CONFIGS))
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-    parser.add_argument("--quant-group", type=_positive(int), default=None)
-    parser.add_argument("--gpu-mem-gb", type=_positive(float), default=None)
-    parser.add_argument("--page-size", type=_positive(int), default=1)
+    parser.add_argument("--quant-group", type=positive_int_arg, default=None)
+    parser.add_argument("--gpu-mem-gb", type=positive_float_arg, default=None)
+    parser.add_argument("--page-size", type=positive_int_arg, default=1)
     args = parser.parse_args(argv)
     config = get_model_config(args.model)
     try:
@@ -211,18 +209,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     print(json.dumps(report))
 
-
-def _positive(kind: type) -> Callable[[str], int | float]:
-    """An argparse type: a finite number above 0."""
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an int' if kind is int else 'a number'}") from None
-        if not 0 < value < math.inf:
-            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number above 0")
-        return value
-    return parse
 
 
 if __name__ == "__main__":

@@ -154,15 +154,15 @@ def test_command_line_prints_a_json_report(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--gpu-mem-gb", "-1"], "argument --gpu-mem-gb: '-1' must be a finite number above 0"),
-    (["--gpu-mem-gb", "nan"], "argument --gpu-mem-gb: 'nan' must be a finite number above 0"),
-    (["--gpu-mem-gb", "0"], "argument --gpu-mem-gb: '0' must be a finite number above 0"),
+    (["--gpu-mem-gb", "-1"], "argument --gpu-mem-gb: expected a positive number, got '-1'"),
+    (["--gpu-mem-gb", "nan"], "argument --gpu-mem-gb: expected a positive number, got 'nan'"),
+    (["--gpu-mem-gb", "0"], "argument --gpu-mem-gb: expected a positive number, got '0'"),
     (["--gpu-mem-gb", "1e30"], "gpu_mem_gb 1e+30 is beyond any memory"),
-    (["--quant-group", "0"], "argument --quant-group: '0' must be a finite number above 0"),
+    (["--quant-group", "0"], "argument --quant-group: expected a positive int, got '0'"),
     (["--kv-cache-dtype", "int4", "--quant-group", "3"], "quant_group 3 must divide head_dim 128"),
     (["--quant-group", "32"], "quant_group applies to int8/int4 only"),
-    (["--page-size", "-3"], "argument --page-size: '-3' must be a finite number above 0"),
-    (["--page-size", "x"], "argument --page-size: 'x' is not an int"),
+    (["--page-size", "-3"], "argument --page-size: expected a positive int, got '-3'"),
+    (["--page-size", "x"], "argument --page-size: expected a positive int, got 'x'"),
 ])
 def test_command_line_refuses_bad_numbers_in_one_line_with_status_2(capsys, argv, message):
     with pytest.raises(SystemExit) as raised:

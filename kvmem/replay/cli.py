@@ -22,7 +22,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvmem._checks import positive_int_arg
+from kvmem._checks import positive_float_arg, positive_int_arg
 from kvmem.replay.cluster_cli import add_cluster_arguments, cluster_runs, run_cluster
 from kvmem.replay.compare import DEFAULT_POLICIES
 from kvmem.replay.config import (
@@ -69,16 +69,6 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -116,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     cap = p.add_mutually_exclusive_group()
     cap.add_argument("--capacity-tokens", type=positive_int_arg, metavar="N",
                      help=f"KV-cache capacity in tokens (default {DEFAULT_CAPACITY_TOKENS})")
-    cap.add_argument("--gpu-mem-gb", type=_positive_float, metavar="G",
+    cap.add_argument("--gpu-mem-gb", type=positive_float_arg, metavar="G",
                      help="KV-cache memory in GiB; needs --model")
     p.add_argument("--model", metavar="CONFIG", help="model preset (see kvmem.sizing): sizes --gpu-mem-gb and "
                    "--host-mem-gb, and prices copies between tiers (default: llama-3-8b's bytes per token)")
@@ -125,13 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     host = p.add_mutually_exclusive_group()
     host.add_argument("--host-capacity-tokens", type=positive_int_arg, metavar="N",
                       help="a host-memory tier of N tokens under the device cache (HiCache-style)")
-    host.add_argument("--host-mem-gb", type=_positive_float, metavar="G", help="the host tier in GiB; needs --model")
+    host.add_argument("--host-mem-gb", type=positive_float_arg, metavar="G", help="the host tier in GiB; needs --model")
     p.add_argument("--write-policy", default="write_through", choices=WRITE_POLICIES,
                    help="when the host tier copies device pages (default write_through)")
-    p.add_argument("--h2d-gbps", type=_positive_float, metavar="B",
+    p.add_argument("--h2d-gbps", type=positive_float_arg, metavar="B",
                    help=f"host-to-device copy bandwidth, GB/s (default: the --gpu's host link, else "
                         f"{DEFAULT_PCIE_GBPS:g}, PCIe 5 x16)")
-    p.add_argument("--d2h-gbps", type=_positive_float, metavar="B",
+    p.add_argument("--d2h-gbps", type=positive_float_arg, metavar="B",
                    help=f"device-to-host copy bandwidth, GB/s (default: as --h2d-gbps, {DEFAULT_PCIE_GBPS:g})")
     p.add_argument("--storage", metavar="SPEC", help="a storage tier under the host tier: file:DIR (a directory, "
                    "kept across runs) or mooncake:HOST:PORT (a Mooncake master; see kvmem.storage.mooncake_server)")
@@ -139,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the Mooncake metadata server (default P2PHANDSHAKE: none)")
     p.add_argument("--storage-capacity-tokens", type=positive_int_arg, metavar="N",
                    help="what a file store may hold, in tokens (default: unbounded)")
-    p.add_argument("--storage-gbps", type=_positive_float, default=DEFAULT_STORAGE_GBPS, metavar="B",
+    p.add_argument("--storage-gbps", type=positive_float_arg, default=DEFAULT_STORAGE_GBPS, metavar="B",
                    help=f"storage bandwidth, GB/s (default {DEFAULT_STORAGE_GBPS:g})")
     p.add_argument("--eviction-policy", choices=EVICTION_POLICIES,
                    help="which cached prefixes go first (default lru; belady: the offline optimum)")
