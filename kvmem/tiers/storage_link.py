@@ -109,8 +109,11 @@ class StorageLink:
                 stored = self.storage.batch_set(keys, snapshot, positions)
             finally:  # written, or failed: either way the store now says what it has
                 with self._queued_lock:
-                    self._queued_keys.subtract(keys)
-                    self._queued_keys += Counter()  # drops the keys at zero
+                    queued = self._queued_keys
+                    for key in keys:
+                        queued[key] -= 1
+                        if not queued[key]:
+                            del queued[key]
             self.stats.stored_tokens += stored * snapshot.page_size
             return stored
         with self._queued_lock:
