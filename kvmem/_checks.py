@@ -70,23 +70,20 @@ def _int_kind(minimum: int | None, maximum: int | None) -> str:
     return "an int"
 
 
-def positive_int_arg(text: str) -> int:
-    """An argparse type: an int above 0 (argparse names the option in its error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
-    return value
+def _number_arg(kind: type, accepts, wording: str):
+    """An argparse type: a `kind` that `accepts` takes; argparse names the option in its error."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not accepts(value):
+            raise argparse.ArgumentTypeError(f"expected {wording}, got {text!r}")
+        return value
+    return parse
 
 
-def positive_float_arg(text: str) -> float:
-    """An argparse type: a finite number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+positive_int_arg = _number_arg(int, lambda v: v > 0, "a positive int")
+non_negative_int_arg = _number_arg(int, lambda v: v >= 0, "a non-negative int")
+positive_float_arg = _number_arg(float, lambda v: 0 < v < math.inf, "a positive number")
+fraction_arg = _number_arg(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvmem._checks import positive_float_arg, positive_int_arg
+from kvmem._checks import fraction_arg, non_negative_int_arg, positive_float_arg, positive_int_arg
 from kvmem.replay.cluster_cli import add_cluster_arguments, cluster_runs, run_cluster
 from kvmem.replay.compare import DEFAULT_POLICIES
 from kvmem.replay.config import (
@@ -57,26 +57,6 @@ class _UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line instead of argparse's usage block
         raise _UsageError(message)
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative int, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative int, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
-    return value
 
 
 def _policy_list(text: str) -> list[str]:
@@ -137,9 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="POLICIES", help="replay under several eviction policies (comma-separated; default: "
                    f"{','.join(DEFAULT_POLICIES)}; lru and belady always run), print a table on stderr, and with "
                    "--plot a hit-rate-by-policy chart")
-    p.add_argument("--pin-prefix-tokens", type=_non_negative_int, default=0, metavar="N",
+    p.add_argument("--pin-prefix-tokens", type=non_negative_int_arg, default=0, metavar="N",
                    help="pin the first N tokens of each finished request's prompt (a system prompt; default 0: none)")
-    p.add_argument("--pin-budget", type=_fraction, default=0.2, metavar="F",
+    p.add_argument("--pin-budget", type=fraction_arg, default=0.2, metavar="F",
                    help="share of the capacity pins may hold; older pins past it degrade (default 0.2)")
     p.add_argument("--schedule-policy", default="lpm", choices=SCHEDULE_POLICIES)
     p.add_argument("--max-running", type=positive_int_arg, default=256, metavar="R",
@@ -173,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "cores)")
     p.add_argument("--json-only", action="store_true", help="no human summary on stderr, only the JSON report")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.add_argument("--seed", type=_non_negative_int, default=0, help="seed for synthetic workloads and the simulator")
+    p.add_argument("--seed", type=non_negative_int_arg, default=0,
+                   help="seed for synthetic workloads and the simulator")
     add_cluster_arguments(p)
     return p
 
