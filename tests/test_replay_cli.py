@@ -218,10 +218,25 @@ def test_a_missing_trace_file_exits_2(capsys, fake_replay, tmp_path):
     (["--host-capacity-tokens", "600000", "--storage", "mooncake:localhost"], "host:port"),
     (["--host-capacity-tokens", "600000", "--storage", "mooncake:127.0.0.1:1"], "no master answers"),
     (["--host-capacity-tokens", "600000", "--storage-capacity-tokens", "0"], "positive int"),
+    # A tier's options without the tier would be ignored, and its figures read as the tier's.
+    (["--write-policy", "write_back"], "--write-policy needs a host tier"),
+    (["--h2d-gbps", "5"], "--h2d-gbps needs a host tier"),
+    (["--d2h-gbps", "5"], "--d2h-gbps needs a host tier"),
+    (["--host-capacity-tokens", "600000", "--storage-gbps", "3"], "--storage-gbps needs a storage tier"),
+    (["--host-capacity-tokens", "600000", "--storage-metadata", "http://127.0.0.1:1/metadata"],
+     "--storage-metadata needs a storage tier"),
+    (["--host-capacity-tokens", "600000", "--storage-capacity-tokens", "5000"],
+     "--storage-capacity-tokens needs a storage tier"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, fake_replay, argv, fragment):
     assert_one_line_error(*run(capsys, *argv), fragment)
     assert fake_replay == []
+
+
+def test_a_replay_that_rejects_every_request_reports_it_and_exits_2(capsys):
+    code, out, err = run(capsys, "--capacity-tokens", "64", "--limit", "3", "--no-progress", "--json-only")
+    assert code == 2 and json.loads(out)["rejected"] == 3
+    assert err.splitlines()[-1] == "kvmem-replay: error: all 3 requests were rejected: none fits in the KV cache's 64 tokens"
 
 
 def test_a_file_in_no_known_format_exits_2(capsys, fake_replay, tmp_path):

@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     host.add_argument("--host-capacity-tokens", type=positive_int_arg, metavar="N",
                       help="a host-memory tier of N tokens under the device cache (HiCache-style)")
     host.add_argument("--host-mem-gb", type=positive_float_arg, metavar="G", help="the host tier in GiB; needs --model")
-    p.add_argument("--write-policy", default="write_through", choices=WRITE_POLICIES,
+    p.add_argument("--write-policy", choices=WRITE_POLICIES,
                    help="when the host tier copies device pages (default write_through)")
     p.add_argument("--h2d-gbps", type=positive_float_arg, metavar="B",
                    help=f"host-to-device copy bandwidth, GB/s (default: the --gpu's host link, else "
@@ -105,11 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"device-to-host copy bandwidth, GB/s (default: as --h2d-gbps, {DEFAULT_PCIE_GBPS:g})")
     p.add_argument("--storage", metavar="SPEC", help="a storage tier under the host tier: file:DIR (a directory, "
                    "kept across runs) or mooncake:HOST:PORT (a Mooncake master; see kvmem.storage.mooncake_server)")
-    p.add_argument("--storage-metadata", default="P2PHANDSHAKE", metavar="URL",
+    p.add_argument("--storage-metadata", metavar="URL",
                    help="the Mooncake metadata server (default P2PHANDSHAKE: none)")
     p.add_argument("--storage-capacity-tokens", type=positive_int_arg, metavar="N",
                    help="what a file store may hold, in tokens (default: unbounded)")
-    p.add_argument("--storage-gbps", type=positive_float_arg, default=DEFAULT_STORAGE_GBPS, metavar="B",
+    p.add_argument("--storage-gbps", type=positive_float_arg, metavar="B",
                    help=f"storage bandwidth, GB/s (default {DEFAULT_STORAGE_GBPS:g})")
     p.add_argument("--eviction-policy", choices=EVICTION_POLICIES,
                    help="which cached prefixes go first (default lru; belady: the offline optimum)")
@@ -242,6 +242,9 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
             except OSError as e:
                 return _report_then_error(out, f"cannot write plots to {args.plot}: {e.strerror or e}")
             out["plots"] = [str(p) for p in plots]
+        if points is None and reports[0].rejected and not reports[0].requests:
+            return _report_then_error(out, f"all {reports[0].rejected:,} requests were rejected: none fits in the KV "
+                                           f"cache's {config.capacity_tokens:,} tokens")
     sys.stdout.write(json.dumps(out, indent=2) + "\n")
     sys.stdout.flush()
     return 0
@@ -363,6 +366,7 @@ def _load_trace(args: argparse.Namespace) -> Trace:
 
 
 def _replay_config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
+    _check_tier_options(args)
     if args.kv_cache_dtype is not None and args.gpu is None and args.gpu_mem_gb is None and args.host_mem_gb is None:
         raise ValueError("--kv-cache-dtype only sizes the cache together with --gpu, --gpu-mem-gb or --host-mem-gb")
     if args.tp != 1 and args.gpu is None:
@@ -389,12 +393,27 @@ def _replay_config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
         eviction_policy=args.eviction_policy or "lru", schedule_policy=args.schedule_policy,
         max_running=args.max_running,
         chunked_prefill_size=args.chunked_prefill_size if args.chunked_prefill_size > 0 else None,
-        honour_arrivals=args.arrivals == "honour", seed=args.seed, write_policy=args.write_policy,
-        h2d_gbps=h2d, d2h_gbps=args.d2h_gbps or h2d, storage=args.storage, storage_metadata=args.storage_metadata,
-        storage_capacity_tokens=args.storage_capacity_tokens, storage_gbps=args.storage_gbps,
+        honour_arrivals=args.arrivals == "honour", seed=args.seed, write_policy=args.write_policy or "write_through",
+        h2d_gbps=h2d, d2h_gbps=args.d2h_gbps or h2d, storage=args.storage,
+        storage_metadata=args.storage_metadata or "P2PHANDSHAKE", storage_capacity_tokens=args.storage_capacity_tokens,
+        storage_gbps=args.storage_gbps or DEFAULT_STORAGE_GBPS,
         cache_decode_pages=args.cache_decode_pages, in_batch_prefix_caching=args.in_batch_prefix_caching,
         gpu=args.gpu, model=_model_name(args, None), tp=args.tp, pin_prefix_tokens=args.pin_prefix_tokens,
         pin_budget=args.pin_budget, **tiers)
+
+
+def _check_tier_options(args: argparse.Namespace) -> None:
+    """A tier's options without the tier would be ignored: a planner who forgot the tier would read its
+    figures as the tier's."""
+    given = [(option, value) for option, value in (
+        ("--write-policy", args.write_policy), ("--h2d-gbps", args.h2d_gbps), ("--d2h-gbps", args.d2h_gbps))
+        if value is not None]
+    if given and args.host_capacity_tokens is None and args.host_mem_gb is None:
+        raise ValueError(f"{given[0][0]} needs a host tier (--host-capacity-tokens or --host-mem-gb)")
+    for option, value in (("--storage-metadata", args.storage_metadata), ("--storage-gbps", args.storage_gbps),
+                          ("--storage-capacity-tokens", args.storage_capacity_tokens)):
+        if value is not None and args.storage is None:
+            raise ValueError(f"{option} needs a storage tier (--storage)")
 
 
 def _check_combinations(args: argparse.Namespace, config: ReplayConfig, points: list | None) -> None:
