@@ -236,7 +236,8 @@ def test_bad_arguments_exit_2_with_one_line(capsys, fake_replay, argv, fragment)
 def test_a_replay_that_rejects_every_request_reports_it_and_exits_2(capsys):
     code, out, err = run(capsys, "--capacity-tokens", "64", "--limit", "3", "--no-progress", "--json-only")
     assert code == 2 and json.loads(out)["rejected"] == 3
-    assert err.splitlines()[-1] == "kvmem-replay: error: all 3 requests were rejected: none fits in the KV cache's 64 tokens"
+    assert err.splitlines()[-1] == ("kvmem-replay: error: all 3 requests were rejected: none fits in the KV "
+                                    "cache's 64 tokens")
 
 
 def test_a_file_in_no_known_format_exits_2(capsys, fake_replay, tmp_path):
