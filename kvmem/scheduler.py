@@ -182,14 +182,15 @@ class Scheduler:
         if not isinstance(req, Req):
             raise TypeError(f"req must be a Req, got {type(req).__name__}")
         total = len(req.input_ids) + req.max_new_tokens
+        # The capacity first: where it also caps max_context_len (a replay sizes its rows so), it is the reason.
+        if round_up(total, self.page_size) > self.token_allocator.size:
+            self.stats.rejected += 1
+            raise ValueError(f"request {req.rid!r}: {len(req.input_ids)} prompt + {req.max_new_tokens} new tokens "
+                             f"exceed the KV capacity {self.token_allocator.size}")
         if total > self.req_to_token_pool.max_context_len:
             self.stats.rejected += 1
             raise ValueError(f"request {req.rid!r}: {len(req.input_ids)} prompt + {req.max_new_tokens} new tokens "
                              f"exceed max_context_len {self.req_to_token_pool.max_context_len}")
-        if round_up(total, self.page_size) > self.token_allocator.size:
-            self.stats.rejected += 1
-            raise ValueError(f"request {req.rid!r}: {total} tokens exceed the KV capacity "
-                             f"{self.token_allocator.size}")
         if req.status is not ReqStatus.NEW:
             raise ValueError(f"request {req.rid!r} is already queued, running or finished ({req.status.value})")
         req.status = ReqStatus.WAITING

@@ -1126,10 +1126,13 @@ def test_add_request_refuses_what_can_never_run_and_counts_it():
     assert sched.stats.rejected == 1
     sched = make_scheduler(16, max_context_len=64)
     assert message_of_call(lambda: sched.add_request(Req("b", list(range(12)), 5))) == \
-        "request 'b': 17 tokens exceed the KV capacity 16"
+        "request 'b': 12 prompt + 5 new tokens exceed the KV capacity 16"
     assert message_of_call(lambda: sched.add_request(Req("c", list(range(12)), 6))) == \
-        "request 'c': 18 tokens exceed the KV capacity 16"
+        "request 'c': 12 prompt + 6 new tokens exceed the KV capacity 16"
     assert sched.stats.rejected == 2
+    sched = make_scheduler(16, max_context_len=16)  # both bounds: the capacity is named, as a replay caps rows by it
+    assert message_of_call(lambda: sched.add_request(Req("e", list(range(12)), 5))) == \
+        "request 'e': 12 prompt + 5 new tokens exceed the KV capacity 16"
     sched = make_scheduler(64, max_context_len=16)
     sched.add_request(Req("d", list(range(12)), 4))  # exactly max_context_len: it fits
     assert len(sched.waiting) == 1 and sched.stats.rejected == 0
