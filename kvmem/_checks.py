@@ -87,3 +87,18 @@ positive_int_arg = _number_arg(int, lambda v: v > 0, "a positive int")
 non_negative_int_arg = _number_arg(int, lambda v: v >= 0, "a non-negative int")
 positive_float_arg = _number_arg(float, lambda v: 0 < v < math.inf, "a positive number")
 fraction_arg = _number_arg(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+
+
+def output_file_arg(text: str) -> str:
+    """An argparse type for a file a script writes once its work is done: refused at once when it could not be
+    written then (a folder by that name, its folder missing, or no write permission)."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        reason = "it is a folder"
+    elif not os.path.isdir(folder):
+        reason = "its folder does not exist"
+    elif not os.access(text if os.path.exists(text) else folder, os.W_OK):
+        reason = "it is not writable"
+    else:
+        return text
+    raise argparse.ArgumentTypeError(f"cannot write {text!r}: {reason}")

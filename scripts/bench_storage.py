@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from kvmem import HostKVPool, MHAKVPool
+from kvmem._checks import check_host_bytes, output_file_arg, positive_int_arg
 from kvmem.page_hash import page_digests, storage_key
 from kvmem.storage import FileStore
 
@@ -89,13 +90,19 @@ def _clear(store, keys) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pages", type=int, default=256, help="pages per call (default 256)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--pages", type=positive_int_arg, default=256, help="pages per call (default 256)")
+    ap.add_argument("--repeats", type=positive_int_arg, default=3)
     ap.add_argument("--quick", action="store_true", help="32 pages, one repeat, the small shapes only")
-    ap.add_argument("--out", help="also write the JSON report here")
+    ap.add_argument("--out", type=output_file_arg, help="also write the JSON report here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # page gathers are small copies: a thread pool only waits on a shared machine
     pages, repeats, shapes = (32, 1, SHAPES[1:]) if args.quick else (args.pages, args.repeats, SHAPES)
+    # The largest host pool (its Mooncake segment is 2/3 of it), checked before the Mooncake master starts: more
+    # pages than this machine holds abort Mooncake's storage process, or fail the pool, only once it runs.
+    try:
+        check_host_bytes(f"a host pool of {3 * pages} pages", 3 * pages * _biggest_page(shapes))
+    except ValueError as e:
+        ap.error(f"argument --pages: {e}")
 
     report = {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads", "pages": pages,
               "repeats": repeats, "rows": []}
@@ -150,8 +157,12 @@ def _mooncake_server(pages: int, shapes):
         _mooncake_store_class()
     except RuntimeError as e:
         return str(e)
-    biggest = max(layers * heads * head_dim * 2 * 2 * ps for _, layers, heads, head_dim, ps in shapes)
-    return MooncakeServer(segment_mb=max(256, 2 * pages * biggest >> 20)).start()
+    return MooncakeServer(segment_mb=max(256, 2 * pages * _biggest_page(shapes) >> 20)).start()
+
+
+def _biggest_page(shapes) -> int:
+    """Bytes of the largest shape's page: K and V at bfloat16."""
+    return max(layers * heads * head_dim * 2 * 2 * ps for _, layers, heads, head_dim, ps in shapes)
 
 
 if __name__ == "__main__":

@@ -23,24 +23,33 @@ import time
 
 import torch
 
-from kvmem.engine.cli import DTYPES, add_engine_args, load_model, make_engine
+from kvmem._checks import positive_int_arg
+from kvmem._device import check_device
+from kvmem.engine.cli import DTYPES, add_engine_args, check_model_name, load_model, make_engine
 from kvmem.engine.presets import PRESETS
 
 
 def read_prompts(path: str, tokenizer) -> list[dict]:
+    """The prompts of `path`; OSError when it cannot be read, ValueError naming a bad prompt's line (or the file,
+    when it holds no prompt)."""
     prompts = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+            if not isinstance(row, dict) or ("input_ids" not in row and "text" not in row):
+                raise ValueError(f"{path}:{n}: a prompt needs 'input_ids' or 'text'")
             if "input_ids" not in row:
-                if "text" not in row:
-                    raise SystemExit(f"{path}:{n}: a prompt needs 'input_ids' or 'text'")
                 if tokenizer is None:
-                    raise SystemExit(f"{path}:{n}: a 'text' prompt needs a checkpoint with a tokenizer")
+                    raise ValueError(f"{path}:{n}: a 'text' prompt needs a checkpoint with a tokenizer")
                 row["input_ids"] = tokenizer(row["text"])["input_ids"]
             prompts.append(row)
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
     return prompts
 
 
@@ -53,20 +62,51 @@ def load_tokenizer(model_name: str):
         return None
 
 
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses, as usage errors, the options the model's loading or the engine would refuse with a traceback
+    once the model has loaded."""
+    if args.capacity_tokens % args.page_size:
+        parser.error(f"argument --page-size: {args.page_size} does not divide --capacity-tokens {args.capacity_tokens}")
+    try:
+        check_model_name(args.model)
+    except ValueError as e:
+        parser.error(f"argument {e}")
+    try:
+        device = check_device(args.device)
+    except ValueError as e:
+        parser.error(f"argument --device: {e}")
+    if args.attention_backend == "flashinfer" and device.type != "cuda":
+        parser.error("argument --attention-backend: flashinfer needs a CUDA --device")
+    try:
+        torch.Generator().manual_seed(args.seed)
+    except (RuntimeError, ValueError) as e:
+        parser.error(f"argument --seed: {args.seed} is not a seed torch takes ({e})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompts", required=True)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=positive_int_arg, default=32)
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0, help="weights seed of a preset")
     add_engine_args(parser)
     args = parser.parse_args(argv)
-    model = load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, seed=args.seed)
+    check_args(parser, args)
     tokenizer = None if args.model in PRESETS else load_tokenizer(args.model)
-    prompts = read_prompts(args.prompts, tokenizer)
-    engine = make_engine(model, args)
+    try:
+        prompts = read_prompts(args.prompts, tokenizer)
+    except (OSError, ValueError) as e:
+        parser.error(f"argument --prompts: {e}")
+    try:
+        model = load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, seed=args.seed)
+    except (OSError, ValueError) as e:  # a folder transformers cannot load a checkpoint from
+        parser.error(f"argument --model: {e}")
+    try:
+        engine = make_engine(model, args)
+    except (ValueError, RuntimeError) as e:  # what only the loaded model tells: its architecture, its pool's bytes
+        parser.error(f"--model {args.model}: {e}")
     start = time.perf_counter()
     index_of, lines = {}, {}
     for i, row in enumerate(prompts):

@@ -50,6 +50,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10: mutmut depends on toml there
     import toml as tomllib
 
+from kvmem._checks import output_file_arg, positive_int_arg
+
 ROOT = Path(__file__).resolve().parents[1]
 EQUIVALENTS = Path(__file__).with_name("mutation_equivalents.toml")
 # A mutant whose tests fail, loop past their time or crash the test process is caught.
@@ -181,30 +183,52 @@ def score(found: dict, listed: list[dict]) -> dict:
             "stale_equivalent": stale, "survivors": alive}
 
 
-def main() -> int:
+def check_workdir(workdir: Path, module: dict, args: argparse.Namespace) -> str | None:
+    """Why the run cannot go on in `workdir` (None: it can), found before a copy is built or mutmut starts."""
+    if args.rescore or args.retest_survivors:
+        missing = [path for path in module["mutate"] if not (workdir / "mutants" / (path + ".meta")).is_file()]
+        if missing:
+            return f"{workdir} holds no finished run of {args.module} (no mutants/{missing[0]}.meta)"
+    if args.rescore:
+        return None
+    built = workdir.with_name(workdir.name + "-retest") if args.retest_survivors else workdir
+    if built.exists() and not built.is_dir():
+        return f"{built} is not a folder"
+    folder = built.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not (folder.is_dir() and os.access(folder, os.W_OK)):
+        return f"cannot create {built}: {folder} is not a writable folder"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
     shared, modules = load_config()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("module", nargs="?", choices=sorted(modules))
     ap.add_argument("--list", action="store_true", help="list the modules, their files and tests")
-    ap.add_argument("--max-children", type=int, default=1,
+    ap.add_argument("--max-children", type=positive_int_arg, default=1,
                     help="mutants tested at once (default 1: the machine is shared)")
     ap.add_argument("--workdir", type=Path, help="where the copy and mutmut's results go "
                     "(default /tmp/kvmem-mutation/MODULE; replaced)")
-    ap.add_argument("--out", type=Path, help="also write the JSON summary here")
-    ap.add_argument("--rescore", action="store_true",
-                    help="score the finished run in the work directory again against the current list of "
-                         "equivalent survivors, without running mutmut")
-    ap.add_argument("--retest-survivors", action="store_true",
-                    help="test the finished run's survivors again on today's code and tests (in WORKDIR-retest) "
-                         "and score the run with their new results")
-    args = ap.parse_args()
+    ap.add_argument("--out", type=output_file_arg, help="also write the JSON summary here")
+    again = ap.add_mutually_exclusive_group()
+    again.add_argument("--rescore", action="store_true",
+                       help="score the finished run in the work directory again against the current list of "
+                            "equivalent survivors, without running mutmut")
+    again.add_argument("--retest-survivors", action="store_true",
+                       help="test the finished run's survivors again on today's code and tests (in WORKDIR-retest) "
+                            "and score the run with their new results")
+    args = ap.parse_args(argv)
     if args.list or args.module is None:
         print(json.dumps({name: {"mutate": m["mutate"], "tests": m["tests"]} for name, m in modules.items()},
                          indent=1))
         return 0
     module = modules[args.module]
     workdir = (args.workdir or Path("/tmp/kvmem-mutation") / args.module).resolve()
-    out = args.out.resolve() if args.out else None
+    if (problem := check_workdir(workdir, module, args)) is not None:
+        ap.error(f"argument --workdir: {problem}")
+    out = Path(args.out).resolve() if args.out else None
     load_before = os.getloadavg()[0]
     seconds, codes = None, None
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **module.get("env", {})}

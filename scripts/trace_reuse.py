@@ -23,7 +23,7 @@ import sys
 
 import numpy as np
 
-from kvmem.replay.traces import BLOCK_SIZE, MooncakeTrace, read_trace
+from kvmem.replay.traces import BLOCK_SIZE, MooncakeTrace, TraceError, read_trace
 
 PERCENTILES = (10, 25, 50, 75, 90)
 TURNS = 8  # by_turn's entries: 0 .. TURNS-2, then TURNS-1 and later
@@ -75,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="a Mooncake trace (JSONL with hash_ids)")
     args = p.parse_args(argv)
-    trace = read_trace(args.trace, "mooncake")
+    try:
+        trace = read_trace(args.trace, "mooncake")
+    except TraceError as e:
+        p.error(f"argument trace: {e}")
     print(json.dumps(reuse_facts(trace), indent=1))
     return 0
 

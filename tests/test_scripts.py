@@ -3,6 +3,7 @@
 The SGLang side is pointed at a python that does not exist, so each report must say it was skipped
 rather than fail; timing figures are not checked here (they belong to the scripts' own runs).
 """
+import importlib.util
 import json
 import os
 import runpy
@@ -273,3 +274,87 @@ def test_trace_reuse_reports_reusable_tokens_their_gaps_and_conversation_turns(t
     assert facts["next_turn"] == {"share": 0.5, "by_turn": [{"turn": 0, "prompts": 2, "share": 0.5},
                                                            {"turn": 1, "prompts": 1, "share": 1.0},
                                                            {"turn": 2, "prompts": 1, "share": 0.0}]}
+
+
+
+def usage_error(name: str, argv: list[str], option: str, monkeypatch, capsys) -> None:
+    """A script's main() stops on a bad argument before any work, with argparse's exit status 2 and an error line
+    naming the option. Run in this process: three of the scripts import torch, 1.5 s a subprocess; a traceback
+    would escape pytest.raises and fail the test."""
+    main = load_script(name, monkeypatch)["main"]
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err, err
+    assert ": error: " in err.splitlines()[-1] and option in err.splitlines()[-1], err
+
+
+@pytest.mark.parametrize("trace", ["missing.jsonl", ".", "empty.jsonl", "not_json.jsonl", "jsonl.jsonl",
+                                   "short_hash_ids.jsonl"])
+def test_trace_reuse_refuses_a_bad_trace_as_a_usage_error(trace, tmp_path, monkeypatch, capsys):
+    for name, text in (("empty.jsonl", ""), ("not_json.jsonl", "{\n"),
+                       ("jsonl.jsonl", '{"input_ids": [1, 2], "output_len": 2}\n'),  # not a Mooncake trace
+                       ("short_hash_ids.jsonl",
+                        '{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [1]}\n')):
+        (tmp_path / name).write_text(text)
+    usage_error("trace_reuse.py", [str(tmp_path / trace)], "argument trace", monkeypatch, capsys)
+
+
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="loading a model needs transformers")
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--max-new-tokens", "0"], "--max-new-tokens"), (["--max-new-tokens", "x"], "--max-new-tokens"),
+    (["--capacity-tokens", "-1"], "--capacity-tokens"), (["--page-size", "0"], "--page-size"),
+    (["--page-size", "3"], "--page-size"),  # does not divide the capacity
+    (["--chunked-prefill-size", "0"], "--chunked-prefill-size"),
+    (["--max-running-requests", "-2"], "--max-running-requests"),
+    (["--seed", str(2**64)], "--seed"), (["--device", "nowhere"], "--device"), (["--device", "meta"], "--device"),
+    (["--attention-backend", "flashinfer", "--device", "cpu"], "--attention-backend"),
+    (["--model", "{tmp}/missing"], "--model"),
+    pytest.param(["--model", "{tmp}"], "--model", marks=needs_transformers),  # a folder without a checkpoint
+    # a pool bigger than this machine's memory: only the loaded model tells its bytes
+    pytest.param(["--capacity-tokens", str(2**50)], "--model", marks=needs_transformers),
+    (["--prompts", "{tmp}/missing.jsonl"], "--prompts"), (["--prompts", "{tmp}"], "--prompts"),
+    (["--prompts", "{tmp}/empty.jsonl"], "--prompts"), (["--prompts", "{tmp}/not_json.jsonl"], "--prompts"),
+    (["--prompts", "{tmp}/not_a_prompt.jsonl"], "--prompts"),
+    (["--prompts", "{tmp}/text.jsonl"], "--prompts"),  # a preset has no tokenizer
+])
+def test_generate_refuses_bad_arguments_as_usage_errors(args, option, tmp_path, monkeypatch, capsys):
+    for name, text in (("prompts.jsonl", '{"input_ids": [1, 2, 3]}\n'), ("empty.jsonl", ""), ("not_json.jsonl", "{\n"),
+                       ("not_a_prompt.jsonl", "[1, 2]\n"), ("text.jsonl", '{"text": "hello"}\n')):
+        (tmp_path / name).write_text(text)
+    argv = ["--model", "llama-tiny", "--prompts", str(tmp_path / "prompts.jsonl")]
+    usage_error("generate.py", argv + [a.format(tmp=tmp_path) for a in args], option, monkeypatch, capsys)
+
+
+# Every case names a work directory in tmp_path, and --rescore where it can: a check that let a bad option through
+# then fails on the empty run instead of starting mutmut or replacing a run in /tmp/kvmem-mutation.
+RESCORE_EMPTY = ["--rescore", "--workdir", "{tmp}/empty"]
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--max-children", "0", *RESCORE_EMPTY], "--max-children"),
+    (["--max-children", "-1", *RESCORE_EMPTY], "--max-children"),
+    (["--max-children", "x", *RESCORE_EMPTY], "--max-children"),
+    (RESCORE_EMPTY, "--workdir"), (["--retest-survivors", "--workdir", "{tmp}/empty"], "--workdir"),
+    (["--workdir", "{tmp}/file"], "--workdir"), (["--workdir", "{tmp}/file/under"], "--workdir"),
+    (["--out", "{tmp}/missing/summary.json", *RESCORE_EMPTY], "--out"), (["--out", "{tmp}", *RESCORE_EMPTY], "--out"),
+    (["--retest-survivors", *RESCORE_EMPTY], "--rescore"),
+])
+def test_mutation_refuses_bad_arguments_as_usage_errors(args, option, tmp_path, monkeypatch, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("")
+    usage_error("mutation.py", ["allocator", *(a.format(tmp=tmp_path) for a in args)], option, monkeypatch, capsys)
+
+
+# --quick where it hides no check: a check that let a bad option through then runs the short benchmark and exits 0
+@pytest.mark.parametrize("args, option", [
+    (["--quick", "--pages", "0"], "--pages"), (["--quick", "--pages", "-1"], "--pages"),
+    (["--quick", "--pages", "x"], "--pages"), (["--pages", str(10**9)], "--pages"),  # more than this machine holds
+    (["--quick", "--repeats", "0"], "--repeats"), (["--quick", "--repeats", "-3"], "--repeats"),
+    (["--quick", "--out", "{tmp}/missing/report.json"], "--out"), (["--quick", "--out", "{tmp}"], "--out"),
+])
+def test_bench_storage_refuses_bad_arguments_before_any_store_starts(args, option, tmp_path, monkeypatch, capsys):
+    usage_error("bench_storage.py", [a.format(tmp=tmp_path) for a in args], option, monkeypatch, capsys)

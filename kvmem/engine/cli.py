@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from kvmem._checks import positive_int_arg
 from kvmem.engine.attention import ATTENTION_BACKENDS
 from kvmem.engine.engine import Engine
 from kvmem.engine.presets import PRESETS, build_model
@@ -17,11 +18,12 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--capacity-tokens", type=int, default=4096, help="KV slots in the pool (default 4096)")
-    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--capacity-tokens", type=positive_int_arg, default=4096,
+                        help="KV slots in the pool (default 4096)")
+    parser.add_argument("--page-size", type=positive_int_arg, default=1)
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
-    parser.add_argument("--chunked-prefill-size", type=int, default=None)
-    parser.add_argument("--max-running-requests", type=int, default=None)
+    parser.add_argument("--chunked-prefill-size", type=positive_int_arg, default=None)
+    parser.add_argument("--max-running-requests", type=positive_int_arg, default=None)
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
 
 
@@ -30,11 +32,16 @@ def load_model(name: str, *, dtype: torch.dtype, device: str, seed: int = 0):
     downloaded."""
     if name in PRESETS:
         return build_model(name, seed=seed, dtype=dtype, device=device)
-    if not Path(name).is_dir():
-        raise SystemExit(f"--model {name!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a directory")
+    check_model_name(name)
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True).to(device).eval()
+
+
+def check_model_name(name: str) -> None:
+    """Raises ValueError unless `name` is a preset or a directory (a checkpoint is never downloaded)."""
+    if name not in PRESETS and not Path(name).is_dir():
+        raise ValueError(f"--model {name!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a directory")
 
 
 def make_engine(model, args: argparse.Namespace) -> Engine:
