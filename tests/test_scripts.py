@@ -276,7 +276,6 @@ def test_trace_reuse_reports_reusable_tokens_their_gaps_and_conversation_turns(t
                                                            {"turn": 2, "prompts": 1, "share": 0.0}]}
 
 
-
 def usage_error(name: str, argv: list[str], option: str, monkeypatch, capsys) -> None:
     """A script's main() stops on a bad argument before any work, with argparse's exit status 2 and an error line
     naming the option. Run in this process: three of the scripts import torch, 1.5 s a subprocess; a traceback
