@@ -370,6 +370,39 @@ def test_reset_empties_both_tiers_but_not_under_a_lock():
     w.cache.check_invariants()
 
 
+def test_reset_waits_for_backups_in_flight_however_deep_they_lock_and_refuses_only_a_requests_lock():
+    w = World(device=32, host=64)
+    w.put(tokens((1, 4)))                    # backed up at once
+    w.host.delay = 5                         # the next copies stay in flight, as on CUDA
+    w.put(tokens((1, 4), (9, 4)))            # its backup locks the path down to the child
+    w.put(tokens((1, 4), (9, 4), (30, 4)))   # and another one deeper on the same path
+    m = w.cache.match_prefix(tokens((1, 4), (9, 4)))
+    w.cache.inc_lock_ref(m.last_node)
+    with pytest.raises(RuntimeError, match="requests lock"):
+        w.cache.reset()
+    w.cache.check_invariants()
+    w.cache.dec_lock_ref(m.last_node)
+    w.cache.reset()
+    assert (w.alloc.available_size(), w.host.allocator.available_size()) == (32, 64)
+    w.cache.check_invariants()
+
+
+def test_load_back_that_cannot_fit_evicts_nothing():
+    w = World(device=16, host=64)
+    w.put(tokens((1, 12)))
+    w.cache.evict(12)                        # host-only now
+    w.put(tokens((50, 6)))
+    m = w.cache.match_prefix(tokens((50, 6)))
+    w.cache.inc_lock_ref(m.last_node)        # 6 locked on device, 10 free
+    w.put(tokens((70, 4)))                   # 4 evictable: 6 free + 4 evictable < the 12 to load
+    before = (w.cache.total_size(), w.cache.evictable_size(), w.alloc.available_size())
+    m = w.cache.match_prefix(tokens((1, 12)))
+    assert m.host_hit_length == 12
+    assert w.cache.load_back(m.last_host_node, m.host_hit_length) is None
+    assert (w.cache.total_size(), w.cache.evictable_size(), w.alloc.available_size()) == before
+    w.cache.check_invariants()
+
+
 # ---- any sequence of operations ----------------------------------------------------------------------------
 class TieredCache(RuleBasedStateMachine):
     """Any sequence of operations, under one device eviction policy and one host eviction policy."""

@@ -185,6 +185,20 @@ def test_a_backup_is_reported_on_the_host_only_once_its_copy_completes():
     assert list(event.block_hashes) == page_hashes([1, 2, 3, 4], 1)
 
 
+def test_a_split_during_a_backup_reports_the_parents_host_pages_before_its_childs():
+    cache, alloc, host, sink = make_cache()
+    host.delay = 5
+    put(cache, alloc, [1, 2, 3, 4])
+    sink.take_batch()
+    cache.match_prefix([1, 2, 9])            # splits the node whose backup is in flight
+    while cache.writing_check() == 0:
+        pass
+    hashes = page_hashes([1, 2, 3, 4], 1)
+    # A consumer that indexes each medium in order (Dynamo's radix tree) drops a block whose parent it lacks.
+    assert [(list(e.block_hashes), e.parent_block_hash) for e in sink.take_batch().events] == \
+        [(hashes[:2], None), (hashes[2:], hashes[1])]
+
+
 def test_reset_reports_all_blocks_cleared_for_both_tiers():
     cache, alloc, _, sink = make_cache()
     put(cache, alloc, [1, 2, 3, 4])

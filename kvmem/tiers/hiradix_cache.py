@@ -43,7 +43,7 @@ host copy the tree holds (copies of device nodes, locked or loading host-only no
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -84,8 +84,8 @@ class HiTreeNode(TreeNode):
 
 @dataclass(eq=False)
 class _Backup:
-    """One device -> host copy in flight: the nodes it backs up (root first; a split adds its new head), the
-    node whose lock keeps their device copies alive until it completes, its token count."""
+    """One device -> host copy in flight: the nodes it backs up (root first; a split puts its new head before
+    its tail), the node whose lock keeps their device copies alive until it completes, its token count."""
 
     transfer: Transfer
     nodes: list[HiTreeNode]
@@ -343,8 +343,8 @@ class HiRadixCache(RadixCache):
         head.device_children = 1 if len(child.value) else 0
         head.backup = backup
         head.stored = child.stored
-        if backup is not None:
-            backup.nodes.append(head)
+        if backup is not None:  # root first, as its events report them: a parent's pages before its child's
+            backup.nodes.insert(backup.nodes.index(child), head)
         self._host_policy.split(head, child)
         if child.host_entry is not None:
             self._host_rekey(child)
@@ -708,7 +708,8 @@ class HiRadixCache(RadixCache):
         """Brings the host-only nodes at the end of root..node (`host_hit_length` tokens, as `match_prefix`
         returned them) to the device: allocates device slots (evicting if short), copies, and returns the
         slots of the whole prefix root..node ([prefix_len] int64). None, with nothing changed, when the device
-        is short or the copy fails. Raises if `node` is not in the tree or the length does not match."""
+        is short (free + evictable below `host_hit_length`); None when the copy fails, and then what was evicted
+        to make room stays evicted. Raises if `node` is not in the tree or the length does not match."""
         self._check_node(node)
         host_hit_length = check_int("host_hit_length", host_hit_length, minimum=1)
         device_node, tokens = self._device_ancestor(node)
@@ -724,6 +725,8 @@ class HiRadixCache(RadixCache):
         self.inc_lock_ref(node)  # the device prefix stays, and the host nodes cannot be host-evicted
         try:
             short = tokens - self.token_allocator.available_size()
+            if short > self.evictable_size():
+                return None  # before evicting: a load that cannot happen must not cost other prefixes
             if short > 0:
                 self.evict(short)
             device = self.token_allocator.alloc(tokens)
@@ -749,8 +752,9 @@ class HiRadixCache(RadixCache):
     def reset(self) -> None:
         """Empties both tiers, once the backups in flight have completed. Raises RuntimeError, changing
         nothing, while a request locks any node (on device or host)."""
-        if any(child.lock_ref > (child.backup is not None) for root in self._roots.values()
-               for child in root.children.values()):
+        # A backup in flight locks its path too: only locks beyond those are requests'.
+        backups = Counter(_top_node(record.lock_node) for record in self._pending)
+        if any(child.lock_ref > backups[child] for root in self._roots.values() for child in root.children.values()):
             raise RuntimeError("reset() while requests lock cached tokens; release them (dec_lock_ref) first")
         for record in self._pending:
             record.transfer.wait()
@@ -849,3 +853,10 @@ def _all_reduce_min(values, group):
     tensor = torch.tensor([values] if scalar else [int(v) for v in values], dtype=torch.int64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
     return int(tensor[0]) if scalar else [bool(v) for v in tensor.tolist()]
+
+
+def _top_node(node: TreeNode) -> TreeNode:
+    """The ancestor of `node` just below its root (`node` itself at that depth)."""
+    while node.parent.parent is not None:
+        node = node.parent
+    return node
