@@ -5,6 +5,7 @@ every step, also when it joins late, falls behind its high-water mark, or receiv
 """
 
 import contextlib
+import threading
 
 import msgpack
 import pytest
@@ -230,6 +231,59 @@ def test_a_malformed_batch_clears_the_replica_and_the_stream_goes_on(ctx):
     raw.close(linger=0)
 
 
+def live_subscriber(ctx, index, **kw):
+    """A raw PUB socket and a subscriber of it whose first batch (seq 0, block 1) has arrived."""
+    raw = ctx.socket(zmq.PUB)
+    raw.bind(LOCAL)
+    sub = KVEventSubscriber(raw.getsockopt_string(zmq.LAST_ENDPOINT), index, 0, replay_timeout=0.1, **kw)
+    for _ in range(100):  # until the subscription is live; the repeats are skipped as duplicates
+        raw.send_multipart([b"kv-events", (0).to_bytes(8, "big"), encode_batch(EventBatch(0.0, [stored(1)]))])
+        if sub.poll(0.05):
+            return raw, sub
+    raise AssertionError("the subscription never went live")
+
+
+def test_a_restarted_engine_is_followed_from_zero_and_its_old_blocks_cleared(ctx):
+    index = BlockIndex(1)
+    raw, sub = live_subscriber(ctx, index, replay_endpoint="tcp://127.0.0.1:9")
+    with sub:
+        for seq, block in ((1, 2), (2, 3), (0, 100), (1, 101)):  # the engine restarts after seq 2
+            raw.send_multipart([b"kv-events", seq.to_bytes(8, "big"), encode_batch(EventBatch(0.0, [stored(block)]))])
+        for _ in range(100):
+            if sub.restarts and sub.next_seq == 2:
+                break
+            sub.poll(0.05)
+        # The restarted engine's cache is empty: nothing of the old stream may stay in the index.
+        assert index.blocks(0) == {100, 101}
+        assert (sub.restarts, sub.clears, sub.lost, sub.next_seq) == (1, 1, 0, 2)
+    raw.close(linger=0)
+
+
+def test_an_older_engines_replay_without_the_topic_frame_fills_a_gap(ctx):
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(LOCAL)
+    payloads = [encode_batch(EventBatch(0.0, [stored(b)])) for b in (1, 2, 3)]
+
+    def answer():  # as older vLLM releases reply: (b"", seq, payload), then (b"", END_SEQ, b"")
+        if router.poll(TIMEOUT_MS):
+            client, _, start = router.recv_multipart()
+            for seq in range(int.from_bytes(start, "big"), 3):
+                router.send_multipart([client, b"", seq.to_bytes(8, "big"), payloads[seq]])
+            router.send_multipart([client, b"", END_SEQ, b""])
+
+    index = BlockIndex(1)
+    raw, sub = live_subscriber(ctx, index, replay_endpoint=router.getsockopt_string(zmq.LAST_ENDPOINT))
+    with sub:
+        thread = threading.Thread(target=answer)
+        thread.start()
+        raw.send_multipart([b"kv-events", (3).to_bytes(8, "big"), encode_batch(EventBatch(0.0, [stored(4)]))])
+        assert sub.catch_up(3, timeout=5)
+        thread.join(timeout=TIMEOUT_MS / 1000)
+        assert index.blocks(0) == {1, 2, 3, 4} and (sub.replayed, sub.malformed, sub.lost) == (2, 0, 0)
+    raw.close(linger=0)
+    router.close(linger=0)
+
+
 def test_a_replay_that_never_answers_returns_false_within_its_timeout():
     with KVEventSubscriber("tcp://127.0.0.1:9", BlockIndex(1), 0, replay_timeout=0.05) as sub:
         assert sub.sync() is False
@@ -277,6 +331,8 @@ def test_bad_subscriber_arguments_raise_naming_them():
         KVEventSubscriber("tcp://127.0.0.1:5557", object(), 0)
     with pytest.raises(ValueError, match="replica"):
         KVEventSubscriber("tcp://127.0.0.1:5557", BlockIndex(1), -1)
+    with pytest.raises(ValueError, match=r"replica must be .*at most 1.*got 2"):  # now, not at the first batch
+        KVEventSubscriber("tcp://127.0.0.1:5557", BlockIndex(2), 2)
     with pytest.raises(ValueError, match="replay_timeout"):
         KVEventSubscriber("tcp://127.0.0.1:5557", BlockIndex(1), 0, replay_timeout=0)
 

@@ -9,7 +9,12 @@ cache as of some step, or a subset of it (never a block the replica does not hol
 - batches the replay buffer no longer holds, or a payload that does not decode, cannot be applied: the
   subscriber clears the replica in the index (as an `AllBlocksCleared` would) and goes on from the next
   batch, counting what it lost. From then on the index holds only blocks stored after the loss, which
-  are all still held unless a later event says otherwise.
+  are all still held unless a later event says otherwise;
+- a live batch numbered at or below the last live one is a new stream: the engine restarted (its cache
+  is empty, its publisher numbers from 0 again). The replica is cleared and followed from 0.
+
+Replays are read in both forms engines send: (b"", topic, seq, payload), as vLLM and SGLang now do, and
+the older (b"", seq, payload).
 
 Every wait is bounded by a timeout; nothing blocks forever.
 """
@@ -53,8 +58,8 @@ class KVEventSubscriber:
     stream skipped: dropped at a high-water mark, or sent before this subscriber joined), `applied`
     (batches applied), `replayed` (of which from a replay), `duplicates` (batches skipped, already
     applied), `lost` (batches neither stream delivered), `malformed` (frames or payloads that did not
-    decode), `clears` (times the replica was cleared to resynchronise), `next_seq` (the next sequence
-    number it will apply).
+    decode), `clears` (times the replica was cleared to resynchronise), `restarts` (new streams seen: of
+    those clears, the ones for an engine that restarted), `next_seq` (the next sequence number it will apply).
     """
 
     def __init__(self, endpoint: str, index: EventIndex, replica: int, *, replay_endpoint: str | None = None,
@@ -68,8 +73,11 @@ class KVEventSubscriber:
             raise TypeError(f"topic must be a str, got {type(topic).__name__}")
         if not (callable(getattr(index, "apply", None)) and callable(getattr(index, "clear", None))):
             raise TypeError(f"index must have apply(replica, batch) and clear(replica), got {type(index).__name__}")
+        # An index that knows its replicas refuses this one now, not at the first batch.
+        num_replicas = getattr(index, "num_replicas", None)
+        maximum = None if num_replicas is None else num_replicas - 1
+        self.replica = check_int("replica", replica, minimum=0, maximum=maximum)
         self.index = index
-        self.replica = check_int("replica", replica, minimum=0)
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
@@ -85,7 +93,7 @@ class KVEventSubscriber:
         self.next_seq = 0
         self._last_live: int | None = None
         self.received = self.missed = self.applied = self.replayed = self.duplicates = self.lost = 0
-        self.malformed = self.clears = 0
+        self.malformed = self.clears = self.restarts = 0
         self._closed = False
 
     # ---- receiving --------------------------------------------------------------------------------
@@ -113,12 +121,12 @@ class KVEventSubscriber:
             deadline = time.monotonic() + self.replay_timeout
             while (left := deadline - time.monotonic()) > 0 and dealer.poll(int(left * 1000) + 1):
                 frames = dealer.recv_multipart()
-                if len(frames) == 4 and frames[2] == END_SEQ:
-                    return True
-                if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != 8:
+                if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != 8:
                     self.malformed += 1
                     continue
-                self._receive(int.from_bytes(frames[2], "big"), frames[3], replayed=True)
+                if frames[-2] == END_SEQ:
+                    return True
+                self._receive(int.from_bytes(frames[-2], "big"), frames[-1], replayed=True)
             return False
         finally:
             dealer.close(linger=0)
@@ -129,6 +137,7 @@ class KVEventSubscriber:
         dropped, or published before this subscription took effect) it asks for a replay."""
         seq = check_int("seq", seq, minimum=0)
         deadline = time.monotonic() + check_number("timeout", timeout, 0)
+        self.poll()  # what has arrived first: it may be a restarted engine's stream, numbered from 0 again
         while self.next_seq <= seq:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -169,6 +178,10 @@ class KVEventSubscriber:
             return  # another topic that shares this one's prefix
         seq = int.from_bytes(frames[1], "big")
         self.received += 1
+        if self._last_live is not None and seq <= self._last_live:  # the engine restarted: a new stream
+            self.restarts += 1
+            self._resynchronise(lost=0)
+            self.next_seq, self._last_live = 0, None
         expected = self.next_seq if self._last_live is None else self._last_live + 1
         self.missed += max(0, seq - expected)
         self._last_live = seq
@@ -183,14 +196,15 @@ class KVEventSubscriber:
             return
         if seq > self.next_seq:
             self._resynchronise(lost=seq - self.next_seq)
-        self.next_seq = seq + 1
         try:
             batch = decode_batch(payload)
         except EventDecodeError:
             self.malformed += 1
             self._resynchronise(lost=1)
+            self.next_seq = seq + 1
             return
         self.index.apply(self.replica, batch)
+        self.next_seq = seq + 1  # only once applied: a batch the index refused is not skipped
         self.applied += 1
         self.replayed += replayed
 
