@@ -199,7 +199,8 @@ class _CacheAware:
             return min(replicas, key=running.__getitem__)
         overlaps = router.index._prefix_overlaps(block_hashes)
         best = min(replicas, key=lambda r: (-overlaps[r], running[r]))
-        if block_hashes and overlaps[best] / len(block_hashes) > self.cache_threshold:
+        # The share of the request's tokens, its partial last page included (SGLang: matched chars / request chars).
+        if num_tokens and overlaps[best] * router.block_size / num_tokens > self.cache_threshold:
             return best
         return min(replicas, key=lambda r: (router.index.num_blocks(r), running[r]))
 

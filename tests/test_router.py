@@ -118,6 +118,13 @@ def test_cache_aware_below_the_threshold_takes_the_replica_caching_least():
     assert router.route([1, 2, 3, 4], [IDLE] * 3) == 1                     # 1/4 <= 0.3: smallest tree
 
 
+def test_cache_aware_measures_the_match_against_the_whole_request_its_partial_page_included():
+    # block_size 16, a 60-token request: 3 whole pages and 12 tokens. Replica 0 holds its first page.
+    router = Router("cache-aware", 2, index=index_with([1, 7, 8], []), block_size=16)
+    assert router.route([1, 2, 3], [IDLE, IDLE], 60) == 1                  # 16/60 <= 0.3: smallest tree
+    assert router.route([1, 2, 3], [IDLE, IDLE], 48) == 0                  # 16/48 > 0.3
+
+
 def test_cache_aware_equal_matches_go_to_the_less_loaded_replica():
     router = Router("cache-aware", 2, index=index_with([1, 2], [1, 2]))
     assert router.route([1, 2], [ReplicaLoad(3), ReplicaLoad(1)]) == 1
