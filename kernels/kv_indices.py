@@ -38,18 +38,28 @@ MAX_SPLITS = 32
 # The interpreter runs programs one after another, so on CPU only a token split (to exercise the split
 # path in tests) is worth its cost.
 CPU_PROGRAMS = 4
+INT32_MAX = 2**31 - 1
 
 
 def create_kv_indptr(kv_lens: torch.Tensor, page_size: int = 1) -> torch.Tensor:
     """[bs + 1] int32 CSR offsets: kv_indptr[i+1] - kv_indptr[i] = ceil(kv_lens[i] / page_size) pages."""
     check_index_tensor("kv_lens", kv_lens)
     check_page_size(page_size)
-    if kv_lens.device.type == "cpu":  # on CUDA reading the values back would sync
-        lens = host_values(kv_lens)
-        if (lens < 0).any():
-            i = first_bad(lens < 0)
-            raise ValueError(f"kv_lens[{i}] = {lens[i]} is negative")
+    lens = _checked_lens(kv_lens)
+    if lens is not None and (total := int(pages_for(lens, page_size).sum())) > INT32_MAX:
+        raise ValueError(f"kv_lens: {total} pages in all, more than kv_indptr's int32 offsets hold ({INT32_MAX})")
     return _create_kv_indptr(kv_lens, page_size)
+
+
+def _checked_lens(kv_lens: torch.Tensor) -> np.ndarray | None:
+    """kv_lens' values, refused if any is negative; None on CUDA, where reading them back would sync."""
+    if kv_lens.device.type != "cpu":
+        return None
+    lens = host_values(kv_lens)
+    if (lens < 0).any():
+        i = first_bad(lens < 0)
+        raise ValueError(f"kv_lens[{i}] = {lens[i]} is negative")
+    return lens
 
 
 def _create_kv_indptr(kv_lens: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -67,6 +77,7 @@ def kv_last_page_len(kv_lens: torch.Tensor, page_size: int) -> torch.Tensor:
     """
     check_index_tensor("kv_lens", kv_lens)
     check_page_size(page_size)
+    _checked_lens(kv_lens)
     return _kv_last_page_len(kv_lens, page_size)
 
 
@@ -138,7 +149,7 @@ def _create_kv_indices_kernel(
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
     row = tl.load(req_pool_indices_ptr + req).to(tl.int64)
-    num = (tl.load(kv_lens_ptr + req) + PAGE_SIZE - 1) // PAGE_SIZE
+    num = (tl.load(kv_lens_ptr + req).to(tl.int64) + PAGE_SIZE - 1) // PAGE_SIZE  # int32 lengths would wrap
     src = req_to_token_ptr + row * row_stride
     if HAS_START:
         src += tl.load(kv_start_idx_ptr + req).to(tl.int64) * col_stride

@@ -217,6 +217,9 @@ def test_bad_arguments_raise_naming_the_argument(backend, overrides, error, mess
     (lambda: kv_last_page_len(torch.tensor([[1]]), 4), ValueError, "kv_lens must be 1-D, got shape (1, 1)"),
     (lambda: kv_last_page_len(torch.tensor([1]), 0), ValueError,
      "page_size must be a positive int (at most 2147483647), got 0"),
+    (lambda: kv_last_page_len(torch.tensor([3, -5]), 4), ValueError, "kv_lens[1] = -5 is negative"),
+    (lambda: create_kv_indptr(torch.tensor([2**31 - 1, 2**31 - 1], dtype=torch.int32)), ValueError,
+     "kv_lens: 4294967294 pages in all, more than kv_indptr's int32 offsets hold (2147483647)"),
 ])
 def test_the_page_count_helpers_refuse_bad_arguments_naming_them(call, error, message):
     with pytest.raises(error) as raised:
@@ -250,6 +253,19 @@ def test_a_numpy_integer_page_size_works_on_every_backend(backend):
     table = make_table()
     want = run(table, [0, 2], [5, 33], page_size=2, backend=backend)
     assert torch.equal(run(table, [0, 2], [5, 33], page_size=np.int64(2), backend=backend), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_a_page_size_near_int32s_top_counts_the_page_of_any_length(backend, dtype):
+    # kv_len + page_size - 1 passes 2**31 - 1: computed in int32 it wrapped negative and the kernel wrote nothing.
+    table = torch.zeros(1, 8, dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([5], dtype=dtype, device=DEVICE)
+    kv_indptr = create_kv_indptr(lens, 2**31 - 1)
+    out = torch.full((1,), -1, dtype=torch.int32, device=DEVICE)
+    got = create_kv_indices(table, torch.tensor([0], device=DEVICE), lens, kv_indptr, None, 2**31 - 1, out,
+                            backend=backend)
+    assert got.tolist() == [0]
 
 
 def test_kv_indptr_refuses_negative_lengths():
