@@ -166,6 +166,10 @@ def test_reference_gives_zeros_for_a_request_without_keys():
     (dict(q=torch.randn(2, 3, 8)), "must have a divisor of that many heads"),
     (dict(qo_indptr=torch.tensor([0, 3])), r"qo_indptr\[-1\] = 3 must equal q's 2 rows"),
     (dict(kv_last_page_len=torch.tensor([1])), "causal attention needs qo_len <= kv_len, got 2 > 1"),
+    (dict(kv_last_page_len=torch.tensor([3])), r"kv_last_page_len must lie in \[0, page_size 2\], got 3"),
+    (dict(kv_last_page_len=torch.tensor([-1])), r"kv_last_page_len must lie in \[0, page_size 2\], got -1"),
+    (dict(kv_last_page_len=torch.tensor([5]), k_pages=torch.randn(4, 2, 4, 8), v_pages=torch.randn(4, 2, 4, 8),
+          layout="HND"), r"page_size 4\], got 5"),  # HND: [pages, heads, page_size, dim]
 ])
 def test_reference_rejects_inconsistent_arguments(kwargs, message):
     args = dict(q=torch.randn(2, 2, 8), k_pages=torch.randn(4, 2, 2, 8), v_pages=torch.randn(4, 2, 2, 8),
@@ -174,6 +178,14 @@ def test_reference_rejects_inconsistent_arguments(kwargs, message):
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         reference_paged_attention(**args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_extend_metadata_refuses_prefix_lens_on_another_device():
+    table = torch.zeros(2, 8, dtype=torch.int32, device="cuda")
+    rows, seq_lens = torch.tensor([0], device="cuda"), torch.tensor([3], device="cuda")
+    with pytest.raises(ValueError, match="prefix_lens is on cpu"):
+        build_extend_metadata(table, rows, torch.tensor([1]), seq_lens)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")

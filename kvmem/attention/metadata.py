@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmem.kernels._dispatch import check_index_tensor, check_length, first_bad, host_values
+from kvmem.kernels._dispatch import check_index_tensor, check_length, check_same_device, first_bad, host_values
 from kvmem.kernels.kv_indices import _create_kv_indices, _create_kv_indptr, _kv_last_page_len, check_gather_args
 
 
@@ -47,6 +47,7 @@ def build_extend_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.Te
     """
     check_gather_args(req_to_token, req_pool_indices, seq_lens, None, page_size, lens_name="seq_lens")
     check_index_tensor("prefix_lens", prefix_lens)
+    check_same_device(req_to_token.device, prefix_lens=prefix_lens)
     check_length("prefix_lens", prefix_lens, len(seq_lens), "one per request, len(seq_lens)")
     if seq_lens.device.type == "cpu":
         bad = (host_values(prefix_lens) < 0) | (host_values(seq_lens) < host_values(prefix_lens))

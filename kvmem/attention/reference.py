@@ -150,5 +150,9 @@ def _check_args(q, k_pages, v_pages, qo_indptr, kv_indptr, kv_indices, kv_last_p
     if len(pages) and (pages.min() < 0 or pages.max() >= num_pages):
         raise IndexError(f"kv_indices holds page {pages.min() if pages.min() < 0 else pages.max()}, outside the "
                          f"{num_pages} pages of k_pages")
-    if len(kv_last_page_len) and host_values(kv_last_page_len.cpu()).min() < 0:
-        raise ValueError("kv_last_page_len must be >= 0")
+    if len(kv_last_page_len):
+        last = host_values(kv_last_page_len.cpu())
+        page_size = k_pages.shape[2 if layout == "HND" else 1] if k_pages.dim() == 4 else 0
+        if last.min() < 0 or last.max() > page_size:
+            raise ValueError(f"kv_last_page_len must lie in [0, page_size {page_size}], got "
+                             f"{last.min() if last.min() < 0 else last.max()}")
