@@ -41,12 +41,12 @@ _QUANT_BITS = {"fp8_e4m3": 8, "fp8_e5m2": 8, "int8": 8, "int4": 4}
 
 
 def _check_model_dtype(dtype: str) -> None:
-    if dtype not in MODEL_DTYPE_BYTES:
+    if not isinstance(dtype, str) or dtype not in MODEL_DTYPE_BYTES:  # a list would not even hash
         raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPE_BYTES)}, got {dtype!r}")
 
 
 def _check_kv_cache_dtype(kv_cache_dtype: str) -> None:
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
 
 
@@ -115,6 +115,8 @@ def bytes_per_token(config: ModelConfig, kv_cache_dtype: str = "auto", quant_gro
     sizing usually counts (Llama-3-70B int8: 163840 bytes without scales, 168960 with).
     """
     _check_kv_cache_dtype(kv_cache_dtype)
+    if not isinstance(include_scales, bool):  # "no" would count the scales
+        raise TypeError(f"include_scales must be a bool, got {type(include_scales).__name__}")
     if isinstance(config, MLAConfig):
         if kv_cache_dtype in ("int8", "int4"):
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported for MLA; use auto or fp8")
@@ -189,8 +191,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--quant-group", type=positive_int_arg, default=None)
     parser.add_argument("--gpu-mem-gb", type=positive_float_arg, default=None)
-    parser.add_argument("--page-size", type=positive_int_arg, default=1)
+    parser.add_argument("--page-size", type=positive_int_arg, default=None,
+                        help="rounds --gpu-mem-gb's tokens down to whole pages (default 1)")
     args = parser.parse_args(argv)
+    if args.page_size is not None and args.gpu_mem_gb is None:
+        parser.error("argument --page-size: it rounds --gpu-mem-gb's tokens to whole pages; give --gpu-mem-gb")
     config = get_model_config(args.model)
     try:
         report = {
@@ -203,12 +208,11 @@ def main(argv: list[str] | None = None) -> None:
         if args.gpu_mem_gb is not None:
             report["gpu_mem_gb"] = args.gpu_mem_gb
             report["tokens"] = tokens_for_budget(config, gpu_mem_gb=args.gpu_mem_gb,
-                                                 kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size,
+                                                 kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size or 1,
                                                  quant_group=args.quant_group)
     except (ValueError, TypeError) as e:  # a combination the model or dtype cannot take: the library says why
         parser.error(str(e))
     print(json.dumps(report))
-
 
 
 if __name__ == "__main__":

@@ -82,6 +82,7 @@ def test_configs_are_frozen():
     ({"num_layers": 2, "num_kv_heads": 8, "head_dim": 1.5}, "head_dim"),
     ({"num_layers": 2, "num_kv_heads": 8, "head_dim": 128, "v_head_dim": 0}, "v_head_dim"),
     ({"num_layers": 2, "num_kv_heads": 8, "head_dim": 128, "dtype": "fp8"}, "dtype"),
+    ({"num_layers": 2, "num_kv_heads": 8, "head_dim": 128, "dtype": ["bfloat16"]}, r"dtype must be one of .*\['bf"),
 ])
 def test_bad_mha_config_fields_raise_naming_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -91,6 +92,8 @@ def test_bad_mha_config_fields_raise_naming_the_field(kwargs, match):
 def test_bad_mla_config_fields_raise_naming_the_field():
     with pytest.raises(ValueError, match="kv_lora_rank"):
         MLAConfig(61, 0, 64)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        MLAConfig(61, 512, 64, dtype={"bfloat16"})
 
 
 @pytest.mark.parametrize("config, kwargs, match", [
@@ -104,6 +107,13 @@ def test_bad_mla_config_fields_raise_naming_the_field():
 def test_bad_bytes_per_token_arguments_raise(config, kwargs, match):
     with pytest.raises(ValueError, match=match):
         bytes_per_token(config, **kwargs)
+
+
+def test_bytes_per_token_refuses_what_is_not_a_bool_as_include_scales():
+    with pytest.raises(TypeError, match="include_scales must be a bool, got str"):
+        bytes_per_token(LLAMA_3_70B, "int8", include_scales="no")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        bytes_per_token(LLAMA_3_70B, ["int8"])
 
 
 def test_bytes_per_token_rejects_a_non_config():
@@ -163,6 +173,7 @@ def test_command_line_prints_a_json_report(capsys):
     (["--quant-group", "32"], "quant_group applies to int8/int4 only"),
     (["--page-size", "-3"], "argument --page-size: expected a positive int, got '-3'"),
     (["--page-size", "x"], "argument --page-size: expected a positive int, got 'x'"),
+    (["--page-size", "16"], "argument --page-size: it rounds --gpu-mem-gb's tokens to whole pages; give --gpu-mem-gb"),
 ])
 def test_command_line_refuses_bad_numbers_in_one_line_with_status_2(capsys, argv, message):
     with pytest.raises(SystemExit) as raised:
