@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from itertools import islice
 from time import perf_counter
@@ -234,11 +234,14 @@ class Scheduler:
         self._batch = batch
         return batch
 
-    def process_batch_result(self, batch: ScheduleBatch, next_token_ids) -> list[Req]:
+    def process_batch_result(self, batch: ScheduleBatch, next_token_ids, stopped: Iterable[int] = ()) -> list[Req]:
         """Appends each request's sampled token (ignored for a chunk that is not the prompt's last) and
         returns the requests that finished, already cached in the tree with their memory released.
 
         next_token_ids: [bs] token ids, a list of ints or a 1-D integer tensor/array (read once on the host).
+        stopped: positions in the batch of requests whose sampled token ends them (a stop token, EOS): they
+        finish with it, their max_new_tokens becoming their output's length, and what they would still have
+        generated is no longer reserved.
         """
         if self._batch is None:
             raise RuntimeError("process_batch_result: no batch is pending (call step() first)")
@@ -248,11 +251,35 @@ class Scheduler:
         tokens = _token_ids(next_token_ids)
         if len(tokens) != batch.batch_size():
             raise ValueError(f"next_token_ids has {len(tokens)} tokens for a batch of {batch.batch_size()}")
+        stopped = self._stopped_reqs(batch, stopped)
         self._batch = None
+        for req in stopped:
+            left = req.max_new_tokens - len(req.output_ids) - 1  # beyond this step's token
+            if batch.forward_mode is ForwardMode.DECODE:
+                self._tokens_left -= left  # owed while it decoded; an extend's request is counted after its token
+            req.max_new_tokens -= left
         finished = self._process(batch, tokens)
         if self.timer is not None:
             self.timer.add("process", perf_counter() - t0)
         return finished
+
+    @staticmethod
+    def _stopped_reqs(batch: ScheduleBatch, stopped: Iterable[int]) -> list[Req]:
+        """The requests at positions `stopped`, each one that samples a token in this step."""
+        if isinstance(stopped, (str, bytes)) or not isinstance(stopped, Iterable):
+            raise TypeError(f"stopped must be positions in the batch (ints), got {type(stopped).__name__}")
+        reqs = []
+        extend = batch.forward_mode is ForwardMode.EXTEND
+        for i in stopped:
+            i = check_int("stopped: a position", i, minimum=0, maximum=batch.batch_size() - 1)
+            req = batch.reqs[i]
+            if extend and req.is_chunked():
+                raise ValueError(f"stopped: request {req.rid!r} samples nothing in this step (a middle chunk of its "
+                                 f"prompt)")
+            if req in reqs:
+                raise ValueError(f"stopped: position {i} is given twice")
+            reqs.append(req)
+        return reqs
 
     def _process(self, batch: ScheduleBatch, tokens: array) -> list[Req]:
         finished = []

@@ -140,6 +140,50 @@ def test_stop_token_ends_a_request_as_generate_does_with_eos():
     assert engine.generate(workload(), MAX_NEW) == expected
 
 
+def test_stop_tokens_release_what_their_requests_no_longer_generate():
+    # A stop token used to leave the request's unused output reserved: admission then starved, and the engine
+    # stopped with "no batch while requests are pending" within a few requests.
+    model = model_of("llama-tiny")
+    engine = Engine(model, capacity_tokens=128)
+    prompt = [5, 6, 7, 8]
+    stop = engine.generate([prompt], 4)[0][1]
+    for _ in range(3):
+        assert engine.generate([prompt], 100, stop_token_ids=[stop]) == [hf_generate(model, [prompt], 2)[0]]
+        engine.scheduler.check_invariants()
+    engine.add_request(prompt, 100, stop_token_ids=[stop])
+    engine.add_request([9, 10, 11], 3)
+    while not engine.is_idle():
+        engine.step()
+        engine.scheduler.check_invariants()  # the owed-token count too, after every step
+
+
+@pytest.mark.parametrize("stop_token_ids, error, match", [
+    (7, TypeError, "stop_token_ids must be a sequence of token ids, got int"),
+    ("ab", TypeError, "stop_token_ids must be a sequence of token ids, got str"),
+    (["x"], ValueError, "stop_token_ids: a token id must be a non-negative int"),
+    ([None], ValueError, "stop_token_ids: a token id must be a non-negative int"),
+    ([256], ValueError, r"stop_token_ids: a token id must be .*at most 255"),
+    ([-1], ValueError, "stop_token_ids: a token id must be"),
+])
+def test_bad_stop_token_ids_are_refused_before_anything_is_queued(stop_token_ids, error, match):
+    engine = Engine(model_of("llama-tiny"), capacity_tokens=128)
+    with pytest.raises(error, match=match):
+        engine.add_request([1, 2, 3], 4, stop_token_ids=stop_token_ids)
+    with pytest.raises(error, match=match):
+        engine.generate([[1, 2, 3]], 4, stop_token_ids=stop_token_ids)
+    assert engine.is_idle() and engine.generate([[1, 2, 3]], 2) == [hf_generate(engine.model, [[1, 2, 3]], 2)[0]]
+
+
+def test_engine_arguments_of_the_wrong_kind_are_named():
+    model = model_of("llama-tiny")
+    with pytest.raises(ValueError, match="device 'nowhere' is not a device torch knows"):
+        Engine(model, capacity_tokens=64, device="nowhere")
+    engine = Engine(model, capacity_tokens=64)
+    with pytest.raises(TypeError, match="max_new_tokens must be an int or one per prompt, got float"):
+        engine.generate([[1, 2]], 2.0)
+    assert engine.is_idle()
+
+
 def test_bad_requests_are_rejected_by_name_while_the_others_keep_running():
     model = model_of("llama-tiny")
     prompts = workload()[:4]
@@ -196,7 +240,7 @@ def test_engine_arguments_are_checked():
         Engine(model_of("deepseek-v2-tiny"), capacity_tokens=64, kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="attention_backend"):
         Engine(model, capacity_tokens=64, attention_backend="sdpa")
-    with pytest.raises(ValueError, match="device meta differs from the model's cpu"):
+    with pytest.raises(ValueError, match="device 'meta' holds no memory"):
         Engine(model, capacity_tokens=64, device="meta")
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="needs a CUDA device"):

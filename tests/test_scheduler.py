@@ -1291,3 +1291,48 @@ def test_the_scheduler_s_retraction_follows_its_cache_decode_pages_setting(cache
     sched.process_batch_result(batch, model.forward(batch))
     sched.token_allocator.free(hoard)
     sched.check_invariants()
+
+
+def test_a_stopped_request_finishes_with_its_token_and_frees_its_reservation():
+    sched = make_scheduler(256)
+    a, b, c = Req("a", list(range(1, 9)), 50), Req("b", list(range(20, 28)), 50), Req("c", [40, 41], 50)
+    for req in (a, b, c):
+        sched.add_request(req)
+    batch = sched.step()
+    assert sched.process_batch_result(batch, [7, 8, 9], stopped=[2]) == [c]  # its first token stops it
+    assert c.output_ids == [9] and c.max_new_tokens == 1
+    sched.check_invariants()
+    batch = sched.step()
+    assert [r.rid for r in batch.reqs] == ["a", "b"]
+    assert sched.process_batch_result(batch, [10, 11], stopped=[1]) == [b]
+    assert b.output_ids == [8, 11] and b.req_pool_idx is None
+    sched.check_invariants()  # the tokens b no longer generates are not owed any more
+    assert sched.pure_decode_steps() == 48
+
+
+@pytest.mark.parametrize("stopped, error, match", [
+    ([2], ValueError, r"stopped: a position must be .*at most 1.*got 2"),
+    ([-1], ValueError, "stopped: a position must be"),
+    ([0, 0], ValueError, "stopped: position 0 is given twice"),
+    (0, TypeError, "stopped must be positions in the batch"),
+    ("0", TypeError, "stopped must be positions in the batch"),
+])
+def test_bad_stopped_positions_raise_and_change_nothing(stopped, error, match):
+    sched = make_scheduler(256)
+    for rid in ("a", "b"):
+        sched.add_request(Req(rid, [1, 2, 3], 5))
+    batch = sched.step()
+    with pytest.raises(error, match=match):
+        sched.process_batch_result(batch, [7, 8], stopped=stopped)
+    assert [r.output_ids for r in batch.reqs] == [[], []] and [r.max_new_tokens for r in batch.reqs] == [5, 5]
+    assert len(sched.process_batch_result(batch, [7, 8])) == 0  # the batch is still pending
+    sched.check_invariants()
+
+
+def test_a_middle_chunk_cannot_be_stopped():
+    sched = make_scheduler(256, chunked_prefill_size=4)
+    sched.add_request(Req("a", list(range(1, 11)), 5))
+    batch = sched.step()
+    with pytest.raises(ValueError, match="stopped: request 'a' samples nothing in this step"):
+        sched.process_batch_result(batch, [7], stopped=[0])
+

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kvmem._checks import check_int
+from kvmem._device import check_device
 from kvmem._paging import round_up
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.batch import ForwardMode, Req
@@ -94,7 +95,7 @@ class Engine:
         rows = DEFAULT_MAX_RUNNING_REQUESTS if max_running_requests is None else \
             check_int("max_running_requests", max_running_requests, minimum=1)
         model_device = self.adapter.embed_tokens.weight.device
-        device = model_device if device is None else torch.empty(0, device=device).device
+        device = model_device if device is None else torch.empty(0, device=check_device(device)).device
         if device != model_device:
             raise ValueError(f"device {device} differs from the model's {model_device}: move the model first")
         self.device = device
@@ -133,12 +134,22 @@ class Engine:
         pool; nothing is queued then and running requests are unaffected.
         """
         req = self._new_req(self._next_rid, input_ids, max_new_tokens)
+        stops = self._stop_ids(stop_token_ids)
         self.scheduler.add_request(req)
         self._next_rid += 1
-        stops = self.default_stop_token_ids if stop_token_ids is None else frozenset(map(int, stop_token_ids))
         self._stop[req.rid] = stops
         self._logits[req.rid] = [] if return_logits else None
         return req.rid
+
+    def _stop_ids(self, stop_token_ids: Sequence[int] | None) -> frozenset[int]:
+        """add_request's stop tokens, checked: ids of the vocabulary (the model's EOS ids for None)."""
+        if stop_token_ids is None:
+            return self.default_stop_token_ids
+        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Iterable):
+            raise TypeError(f"stop_token_ids must be a sequence of token ids, got {type(stop_token_ids).__name__}")
+        vocab = self.adapter.vocab_size
+        return frozenset(check_int("stop_token_ids: a token id", t, minimum=0, maximum=vocab - 1)
+                         for t in stop_token_ids)
 
     def _new_req(self, rid, input_ids, max_new_tokens) -> Req:
         """The Req for a prompt, or raises naming `rid`; checks everything Scheduler.add_request would reject,
@@ -178,6 +189,7 @@ class Engine:
             self._count_admissions(batch)
         logits = self.runner.forward(batch)
         tokens = logits.argmax(-1).tolist()
+        stopped = []
         for i, (req, tok) in enumerate(zip(batch.reqs, tokens)):
             if extend and req.is_chunked():  # a middle chunk of a prompt samples nothing
                 continue
@@ -185,9 +197,8 @@ class Engine:
             if kept is not None:
                 kept.append(logits[i].cpu())
             if tok in self._stop[req.rid]:
-                # The scheduler finishes a request at max_new_tokens; a stop token brings that to this token.
-                req.max_new_tokens = len(req.output_ids) + 1
-        finished = sched.process_batch_result(batch, tokens)
+                stopped.append(i)
+        finished = sched.process_batch_result(batch, tokens, stopped)
         stats = self.stats
         stats.prefill_batches += extend
         stats.decode_batches += not extend
@@ -221,13 +232,18 @@ class Engine:
         """
         if not self.is_idle():
             raise RuntimeError("generate() needs an idle engine; finish the requests added with add_request first")
-        counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, (int, np.integer)) \
-            else list(max_new_tokens)
+        if isinstance(max_new_tokens, (int, np.integer)):
+            counts = [max_new_tokens] * len(prompts)
+        elif isinstance(max_new_tokens, Iterable):
+            counts = list(max_new_tokens)
+        else:
+            raise TypeError(f"max_new_tokens must be an int or one per prompt, got {type(max_new_tokens).__name__}")
+        stops = self._stop_ids(stop_token_ids)
         if len(counts) != len(prompts):
             raise ValueError(f"max_new_tokens has {len(counts)} counts for {len(prompts)} prompts")
         for i, (prompt, n) in enumerate(zip(prompts, counts)):
             self._new_req(f"prompts[{i}]", prompt, n)
-        rids = [self.add_request(p, n, stop_token_ids=stop_token_ids) for p, n in zip(prompts, counts)]
+        rids = [self.add_request(p, n, stop_token_ids=stops) for p, n in zip(prompts, counts)]
         outputs: dict[int, list[int]] = {}
         while not self.is_idle():
             for out in self.step():
