@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import subprocess
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -27,6 +28,62 @@ def parser(doc: str | None, quick_help: str) -> argparse.ArgumentParser:
     ap.add_argument("--out", help="also write the JSON report here")
     ap.add_argument("--peer", choices=["sglang"], help=argparse.SUPPRESS)
     return ap
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The kvmem side's checks of the shared options, as usage errors before its first row: a --sglang-python that
+    is there but cannot run, the --sglang-driver that python would run missing, an --out that could not be written
+    at the end, and a negative --seed where the script has one (numpy's generators refuse it). A --sglang-python
+    that does not exist still skips the SGLang side. Not argparse types: the SGLang side parses the same command
+    line under a python without kvmem, and is handed one the kvmem side checked."""
+    from kvmem._checks import non_negative_int_arg, output_file_arg
+
+    check_python(ap, "--sglang-python", args.sglang_python)
+    if os.path.exists(args.sglang_python) and not os.path.isfile(args.sglang_driver):
+        ap.error(f"argument --sglang-driver: {args.sglang_driver} not found (the SGLang side at --sglang-python "
+                 f"{args.sglang_python} runs it)")
+    check_value(ap, "--out", args.out, output_file_arg)
+    check_value(ap, "--seed", getattr(args, "seed", None), non_negative_int_arg)
+
+
+def check_value(ap: argparse.ArgumentParser, option: str, value, arg_type: Callable[[str], object]) -> None:
+    """A usage error unless `value` (an option's parsed value; None when not given) passes the argparse type
+    `arg_type`: a kvmem._checks type applied after parsing, where the peer's side parses without kvmem."""
+    if value is not None:
+        try:
+            arg_type(str(value))
+        except argparse.ArgumentTypeError as e:
+            ap.error(f"argument {option}: {e}")
+
+
+def check_python(ap: argparse.ArgumentParser, option: str, python: str) -> None:
+    """A peer's python that is there but is not an executable file is a usage error (one that is not there skips
+    that peer): running it would fail only after the kvmem side's work."""
+    if os.path.exists(python) and not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        ap.error(f"argument {option}: {python} is not an executable file")
+
+
+def list_arg(item: Callable[[str], object]) -> Callable[[str], list]:
+    """An argparse type: a comma-separated list, one item at least, each parsed by the argparse type `item`."""
+    def parse(text: str) -> list:
+        parts = text.split(",")
+        if not all(part.strip() for part in parts):
+            what = "a comma-separated list" + (" without empty items" if text.strip() else "")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        try:
+            return [item(part) for part in parts]
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{e} (in {text!r})" if len(parts) > 1 else str(e)) from None
+    return parse
+
+
+def choice_arg(choices: Sequence[str]) -> Callable[[str], str]:
+    """An argparse type: one of `choices`, as given (for the items of a `list_arg`)."""
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return text
+    return parse
 
 
 def load_driver(path: str) -> ModuleType:

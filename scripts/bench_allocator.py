@@ -225,6 +225,8 @@ class KvmemSide:
             import importlib.util
 
             spec = importlib.util.spec_from_file_location("allocator_under_test", module_path)
+            if spec is None:
+                raise ImportError(f"{module_path} is not a Python file")
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
         self.make_token = module.TokenAllocator
@@ -321,21 +323,26 @@ def report(kv: dict, sg: dict) -> dict:
             "raw": {"kvmem": kv, "sglang": sg}}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = _peer.parser(__doc__, "a short run (fewer repeats per row)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--allocator-module", metavar="PATH",
                     help="time this copy of kvmem/allocator.py instead of the installed one (to try a change)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.peer == "sglang":
         sglang_main(args)
         return
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    _peer.check_args(ap, args)
+    try:  # loaded before any row: a path that is no module with the allocators is a usage error, not a traceback
+        side = KvmemSide(args.allocator_module)
+    except (OSError, ImportError, SyntaxError, AttributeError) as e:
+        ap.error(f"argument --allocator-module: {type(e).__name__}: {e}")
     import torch
 
     t0 = time.perf_counter()
     gc.disable()  # a collection would land inside some timed call
-    kv = run_rows(KvmemSide(args.allocator_module), torch, args.seed, args.quick)
+    kv = run_rows(side, torch, args.seed, args.quick)
     gc.enable()
     sg = _peer.run_peer(__file__, args, "--seed", str(args.seed))
     out = report(kv, sg)

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvmem._checks import non_negative_int_arg, output_file_arg, positive_float_arg, positive_int_arg
 from kvmem.attention import (
     CascadeMetadata,
     PagedKVMetadata,
@@ -55,8 +56,10 @@ from kvmem.batch import ForwardMode, Req
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.simulator import StepCost, build_scheduler, requests_arrival
 from kvmem.replay.synthetic import GENERATORS
-from kvmem.replay.traces import read_trace
+from kvmem.replay.traces import TraceError, read_trace
 from kvmem.sizing import bytes_per_token, get_model_config
+
+import _peer  # scripts/_peer.py: the script's own folder is on sys.path
 
 # ../shared beside the main checkout (or beside a worktree's parent folder).
 TRACES = next((p / "shared" / "traces" / "mooncake" for p in Path(__file__).resolve().parents[1:4]
@@ -64,6 +67,18 @@ TRACES = next((p / "shared" / "traces" / "mooncake" for p in Path(__file__).reso
               Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake")
 WORKLOADS = ("mooncake-conversation", "mooncake-synthetic", "synthetic-system", "synthetic-chat", "synthetic-agent")
 MAX_LEVELS_SWEEP = (2, 3, 4, 6)
+
+
+def workload_list(text: str) -> str:
+    """--workloads: every name checked, the text kept as given (the report repeats the arguments)."""
+    _peer.list_arg(_peer.choice_arg(WORKLOADS))(text)
+    return text
+
+
+def folder_arg(text: str) -> str:
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder")
+    return text
 
 
 def trace_file(name: str, args: argparse.Namespace) -> Path:
@@ -76,12 +91,15 @@ def load_workload(name: str, args: argparse.Namespace):
     return GENERATORS[name](num_requests=args.limit, arrival_rate=args.arrival_rate, seed=args.seed)
 
 
+def replay_config(trace, args: argparse.Namespace) -> ReplayConfig:
+    return ReplayConfig(capacity_tokens=args.capacity_tokens, max_context_len=trace.max_context_len,
+                        page_size=args.page_size, max_running=args.max_running)
+
+
 def decode_snapshots(trace, args: argparse.Namespace):
     """Replays `trace` and yields (scheduler, decode batch) for the snapshots, before each batch's result is
     processed; stops after `args.snapshots` of them or at the trace's end."""
-    config = ReplayConfig(capacity_tokens=args.capacity_tokens, max_context_len=trace.max_context_len,
-                          page_size=args.page_size, max_running=args.max_running)
-    sched = build_scheduler(config)
+    sched = build_scheduler(replay_config(trace, args))
     cost = StepCost()
     order = np.argsort(np.array([requests_arrival(trace, i) for i in range(len(trace))]), kind="stable")
     outputs: dict[int, np.ndarray] = {}
@@ -186,10 +204,28 @@ class GpuAttention:
         return statistics.median(samples)
 
 
-def bench_workload(name: str, args: argparse.Namespace, model) -> dict:
+def load_workloads(ap: argparse.ArgumentParser, args: argparse.Namespace, workloads: list[str]) -> dict:
+    """Each workload's trace, read (or drawn) and its replay sized before any replay runs: a trace that cannot be
+    read, or a replay past this machine's memory, is a usage error rather than a traceback between workloads. A
+    Mooncake trace missing from --traces is left out (its row says it was skipped)."""
+    traces = {}
+    for name in workloads:
+        if name.startswith("mooncake-") and not trace_file(name, args).exists():
+            continue
+        try:
+            traces[name] = load_workload(name, args)
+        except TraceError as e:
+            ap.error(f"argument --traces: {e}")
+        try:
+            replay_config(traces[name], args).check_host_memory()
+        except ValueError as e:
+            ap.error(f"argument --capacity-tokens: {e}")
+    return traces
+
+
+def bench_workload(name: str, args: argparse.Namespace, model, trace) -> dict:
     if name.startswith("mooncake-") and not trace_file(name, args).exists():
         return {"workload": name, "error": f"{trace_file(name, args)} not found: skipped"}
-    trace = load_workload(name, args)
     token_bytes = bytes_per_token(model)
     snapshots = []
     sums = {"flat": 0, "cascade": 0, **{m: 0 for m in MAX_LEVELS_SWEEP}}
@@ -252,29 +288,32 @@ def bench_workload(name: str, args: argparse.Namespace, model) -> dict:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, from: " + ", ".join(WORKLOADS))
+    ap.add_argument("--workloads", type=workload_list, default=",".join(WORKLOADS),
+                    help="comma-separated, from: " + ", ".join(WORKLOADS))
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--quick", action="store_true", help="synthetic workloads only, small, 2 snapshots each")
-    ap.add_argument("--traces", default=str(TRACES), help="folder of Mooncake's *_trace.jsonl")
-    ap.add_argument("--limit", type=int, default=3000, help="requests per workload")
-    ap.add_argument("--time-scale", type=float, default=0.25, help="Mooncake arrival times x this")
-    ap.add_argument("--arrival-rate", type=float, default=20.0, help="synthetic arrivals per second")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--capacity-tokens", type=int, default=2_000_000)
-    ap.add_argument("--max-running", type=int, default=256)
-    ap.add_argument("--min-shared-tokens", type=int, default=256)
-    ap.add_argument("--max-levels", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=200, help="decode steps before the first snapshot")
-    ap.add_argument("--every", type=int, default=50, help="decode steps between snapshots")
-    ap.add_argument("--min-batch", type=int, default=16, help="smallest batch worth a snapshot")
-    ap.add_argument("--snapshots", type=int, default=8, help="per workload")
-    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--traces", type=folder_arg, help="folder of Mooncake's *_trace.jsonl")
+    ap.add_argument("--limit", type=positive_int_arg, default=3000, help="requests per workload")
+    ap.add_argument("--time-scale", type=positive_float_arg, default=0.25, help="Mooncake arrival times x this")
+    ap.add_argument("--arrival-rate", type=positive_float_arg, default=20.0, help="synthetic arrivals per second")
+    ap.add_argument("--page-size", type=positive_int_arg, default=16)
+    ap.add_argument("--capacity-tokens", type=positive_int_arg, default=2_000_000)
+    ap.add_argument("--max-running", type=positive_int_arg, default=256)
+    ap.add_argument("--min-shared-tokens", type=non_negative_int_arg, default=256)
+    ap.add_argument("--max-levels", type=positive_int_arg, default=3)
+    ap.add_argument("--warmup", type=non_negative_int_arg, default=200, help="decode steps before the first snapshot")
+    ap.add_argument("--every", type=positive_int_arg, default=50, help="decode steps between snapshots")
+    ap.add_argument("--min-batch", type=positive_int_arg, default=16, help="smallest batch worth a snapshot")
+    ap.add_argument("--snapshots", type=positive_int_arg, default=8, help="per workload")
+    ap.add_argument("--repeats", type=positive_int_arg, default=20)
     ap.add_argument("--model", default="llama-3-8b", help="KV shape for bytes (and the GPU run): kvmem.sizing")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", help="also write the JSON report here")
-    args = ap.parse_args()
+    ap.add_argument("--seed", type=non_negative_int_arg, default=0)
+    ap.add_argument("--out", type=output_file_arg, help="also write the JSON report here")
+    args = ap.parse_args(argv)
+    if args.traces is None:  # the default is not checked: a checkout without ../shared skips the Mooncake traces
+        args.traces = str(TRACES)
     workloads = args.workloads.split(",")
     if args.quick:
         workloads = [w for w in workloads if w.startswith("synthetic-")]
@@ -282,8 +321,12 @@ def main() -> None:
         args.min_batch, args.capacity_tokens = 4, 400_000
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda needs a CUDA device")
+    try:
+        model = get_model_config(args.model)
+    except ValueError as e:
+        ap.error(f"argument --model: {e}")
     torch.set_num_threads(1)  # small host tensors: a thread pool only adds noise on a shared machine
-    model = get_model_config(args.model)
+    traces = load_workloads(ap, args, workloads)
     report = {
         "machine": platform.node(),
         "cpu": platform.processor() or platform.machine(),
@@ -291,7 +334,7 @@ def main() -> None:
         "torch": torch.__version__,
         "args": {k: v for k, v in vars(args).items() if k != "out"},
         "bytes_per_token": bytes_per_token(model),
-        "workloads": [bench_workload(w, args, model) for w in workloads],
+        "workloads": [bench_workload(w, args, model, traces.get(w)) for w in workloads],
     }
     text = json.dumps(report, indent=1)
     if args.out:

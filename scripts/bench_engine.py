@@ -23,7 +23,9 @@ import time
 
 import torch
 
+from kvmem._checks import positive_int_arg
 from kvmem.engine import Engine, build_model
+from kvmem.engine.presets import PRESETS
 
 CPU_PRESETS = ("llama-tiny", "qwen2-tiny", "deepseek-v2-tiny")
 
@@ -49,9 +51,21 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def cpu_sizes(quick: bool) -> tuple[int, int, int, int]:
+    """The CPU rows' requests, prefix, suffix and new tokens."""
+    return (8, 32, 4, 4) if quick else (32, 192, 16, 16)
+
+
+def cpu_engine(model, args) -> Engine:
+    # A quarter of the requests run at a time, so later waves find earlier prompts cached (requests admitted in
+    # one batch never share: none of them is cached yet).
+    return Engine(model, capacity_tokens=args.capacity_tokens, page_size=args.page_size,
+                  chunked_prefill_size=args.chunked_prefill_size, max_running_requests=cpu_sizes(args.quick)[0] // 4)
+
+
 def bench_cpu(args) -> dict:
     rows = []
-    n, prefix, suffix, new = (8, 32, 4, 4) if args.quick else (32, 192, 16, 16)
+    n, prefix, suffix, new = cpu_sizes(args.quick)
     for preset in CPU_PRESETS:
         model = build_model(preset)
         vocab = model.config.vocab_size
@@ -59,10 +73,7 @@ def bench_cpu(args) -> dict:
             prompts = shared_prefix_prompts(n, prefix, suffix, vocab, seed=1, unique=mode == "no_reuse")
             best = None
             for _ in range(args.repeats):
-                # A quarter of the requests run at a time, so later waves find earlier prompts cached (requests
-                # admitted in one batch never share: none of them is cached yet).
-                engine = Engine(model, capacity_tokens=args.capacity_tokens, page_size=args.page_size,
-                                chunked_prefill_size=args.chunked_prefill_size, max_running_requests=n // 4)
+                engine = cpu_engine(model, args)
                 seconds = timed(lambda: engine.generate(prompts, new), engine.device)
                 best = seconds if best is None else min(best, seconds)
             s = engine.stats
@@ -73,14 +84,19 @@ def bench_cpu(args) -> dict:
     return {"rows": rows}
 
 
+def cuda_sizes(args) -> tuple[int, int, int, int]:
+    """The CUDA rows' batch, prompt and new tokens, and the KV capacity they need."""
+    batch, prompt_len, new = (4, 64, 16) if args.quick else (args.batch, args.prompt_len, args.new_tokens)
+    return batch, prompt_len, new, batch * (prompt_len + new + 16)
+
+
 def bench_cuda(args) -> dict:
     device = torch.device("cuda")
     model = build_model(args.model, dtype=torch.float16, device=device)
     vocab = model.config.vocab_size
-    batch, prompt_len, new = (4, 64, 16) if args.quick else (args.batch, args.prompt_len, args.new_tokens)
+    batch, prompt_len, new, capacity = cuda_sizes(args)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g)
-    capacity = batch * (prompt_len + new + 16)
     engine_kwargs = dict(capacity_tokens=capacity - capacity % args.page_size, page_size=args.page_size,
                          attention_backend="flashinfer")
 
@@ -106,26 +122,48 @@ def bench_cuda(args) -> dict:
     return result
 
 
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses, as usage errors before the first row, what the engine or the timing would refuse later."""
+    if args.model not in PRESETS:
+        parser.error(f"argument --model: expected a preset ({', '.join(sorted(PRESETS))}), got {args.model!r}")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("argument --device: cuda needs a CUDA GPU")
+        if not args.quick and args.new_tokens < 2:  # decode tokens/s: the time of N new tokens less that of 1
+            parser.error(f"argument --new-tokens: expected at least 2, got {args.new_tokens}")
+        capacity = cuda_sizes(args)[3]
+        if args.page_size > capacity:
+            parser.error(f"argument --page-size: {args.page_size} is more than the {capacity} tokens of KV the CUDA "
+                         "rows hold")
+        return
+    if args.capacity_tokens % args.page_size:
+        parser.error(f"argument --page-size: {args.page_size} does not divide --capacity-tokens {args.capacity_tokens}")
+    for preset in CPU_PRESETS:  # an engine of each preset, as the rows build it: its pools past this machine's memory
+        try:
+            cpu_engine(build_model(preset), args)
+        except ValueError as e:
+            parser.error(f"argument --capacity-tokens: {e}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (CPU runs; default 1)")
-    parser.add_argument("--capacity-tokens", type=int, default=4096, help="CPU runs")
-    parser.add_argument("--page-size", type=int, default=1)
-    parser.add_argument("--chunked-prefill-size", type=int, default=None, help="CPU runs")
+    parser.add_argument("--repeats", type=positive_int_arg, default=3)
+    parser.add_argument("--threads", type=positive_int_arg, default=1, help="torch CPU threads (CPU runs; default 1)")
+    parser.add_argument("--capacity-tokens", type=positive_int_arg, default=4096, help="CPU runs")
+    parser.add_argument("--page-size", type=positive_int_arg, default=1)
+    parser.add_argument("--chunked-prefill-size", type=positive_int_arg, default=None, help="CPU runs")
     parser.add_argument("--model", default="qwen2-0.5b", help="CUDA runs: a preset")
-    parser.add_argument("--batch", type=int, default=32, help="CUDA runs")
-    parser.add_argument("--prompt-len", type=int, default=128, help="CUDA runs")
-    parser.add_argument("--new-tokens", type=int, default=128, help="CUDA runs")
+    parser.add_argument("--batch", type=positive_int_arg, default=32, help="CUDA runs")
+    parser.add_argument("--prompt-len", type=positive_int_arg, default=128, help="CUDA runs")
+    parser.add_argument("--new-tokens", type=positive_int_arg, default=128, help="CUDA runs")
     args = parser.parse_args(argv)
+    check_args(parser, args)
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
         report = bench_cpu(args)
     else:
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda needs a CUDA GPU")
         report = bench_cuda(args)
     report["machine"] = {"platform": platform.platform(), "torch": torch.__version__,
                          "threads": torch.get_num_threads()}

@@ -211,13 +211,23 @@ def drain(endpoint: str, expect: int) -> None:
     ctx.term()
 
 
-def main() -> None:
+def output_file(text: str) -> str:
+    """kvmem._checks.output_file_arg, imported only when --out is given: the --drain subprocess parses this command
+    line too, and starts without importing kvmem (and torch)."""
+    from kvmem._checks import output_file_arg
+
+    return output_file_arg(text)
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a small workload; throughput of the map form only")
-    ap.add_argument("--out", help="also write the JSON report here")
+    ap.add_argument("--out", type=output_file, help="also write the JSON report here")
     ap.add_argument("--drain", help=argparse.SUPPRESS)
     ap.add_argument("--expect", type=int, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.drain and args.expect is None:
+        ap.error("argument --drain: needs --expect")
     if args.drain:
         drain(args.drain, args.expect)
         return

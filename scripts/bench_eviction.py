@@ -91,11 +91,13 @@ def run(policy: str, cached: list, keys: list, leaves: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kvmem, before any import of it
+    from kvmem._checks import output_file_arg
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a small tree and few rounds (a smoke test)")
-    ap.add_argument("--out", help="also write the JSON report here")
+    ap.add_argument("--out", type=output_file_arg, help="also write the JSON report here")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from kvmem.eviction import ONLINE_POLICIES
 
     leaves, requests, rounds = (500, 300, 2) if args.quick else (20000, 4000, 7)

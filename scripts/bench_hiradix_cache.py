@@ -35,6 +35,8 @@ from pathlib import Path
 
 from bench_radix_cache import EVICT_AMOUNT, EVICT_LEAVES, SHARED_PREFIX, kvmem_side_factory, run_rows, summary, timed
 
+from kvmem._checks import output_file_arg
+
 
 def side_factory(tiered: str | None):
     """bench_radix_cache's kvmem side over RadixCache (tiered None) or HiRadixCache with that write policy."""
@@ -86,11 +88,11 @@ def evict_host_row(leaves: int, leaf_tokens: int) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller rows only (no 256k keys, no 200k leaves)")
-    ap.add_argument("--out", help="also write the JSON report here")
-    args = ap.parse_args()
+    ap.add_argument("--out", type=output_file_arg, help="also write the JSON report here")
+    args = ap.parse_args(argv)
     gc.disable()  # a collection of a 200k-node tree would land inside some timed call
     sides = {}
     for name, tiered in (("radix", None), ("hi_write_back", "write_back"), ("hi_write_through", "write_through")):

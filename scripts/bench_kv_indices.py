@@ -143,11 +143,13 @@ def bench_cuda(batch_sizes, tokens_list) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="batches of 1 and 64 x 1k and 8k tokens only")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("argument --device: cuda needs a CUDA device")
     batch_sizes = BATCH_SIZES[:2] if args.quick else BATCH_SIZES
     tokens_list = TOKENS_PER_REQUEST[:2] if args.quick else TOKENS_PER_REQUEST
     report = {"device": args.device, "page_size": 1, "torch": torch.__version__, "python": platform.python_version()}

@@ -394,12 +394,14 @@ def goals(rows: list[dict]) -> dict:
     }
 
 
-def main() -> None:
-    args = _peer.parser(__doc__, "smaller rows only (no 256k keys, no 200k leaves)").parse_args()
+def main(argv: list[str] | None = None) -> None:
+    ap = _peer.parser(__doc__, "smaller rows only (no 256k keys, no 200k leaves)")
+    args = ap.parse_args(argv)
     if args.peer == "sglang":
         sglang_main(args)
         return
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    _peer.check_args(ap, args)
     gc.disable()  # both sides: a collection of a 200k-node tree would land inside some timed call
     kv = run_rows(kvmem_side_factory(), args.quick, with_list_key=True)
     gc.enable()

@@ -36,27 +36,55 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvmem._checks import output_file_arg, positive_int_arg
+
 import _peer  # scripts/_peer.py: the script's own folder is on sys.path
 
 PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
 MODES = {"vllm": (True, True), "decode_pages": (True, False), "in_batch": (False, True), "sglang": (False, False)}
+# sglang_driver.py --impl's choices but "all", whose runs it reports in another form
+SGLANG_IMPLS = ("radix", "unified-python", "unified-rust")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="2000,10000", help="requests per workload, comma-separated")
-    ap.add_argument("--page-sizes", default="1,16", help="page (block) sizes, comma-separated")
-    ap.add_argument("--token-budget", type=int, default=65536, help="KV slots (tokens) for every side")
-    ap.add_argument("--max-running", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=1, help="runs per side; timings are the minimum")
+    ap.add_argument("--sizes", type=_peer.list_arg(positive_int_arg), default="2000,10000",
+                    help="requests per workload, comma-separated")
+    ap.add_argument("--page-sizes", type=_peer.list_arg(positive_int_arg), default="1,16",
+                    help="page (block) sizes, comma-separated")
+    ap.add_argument("--token-budget", type=positive_int_arg, default=65536, help="KV slots (tokens) for every side")
+    ap.add_argument("--max-running", type=positive_int_arg, default=16)
+    ap.add_argument("--repeats", type=positive_int_arg, default=1, help="runs per side; timings are the minimum")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-python", default="/tmp/vllm-peer/bin/python")
     ap.add_argument("--sglang-python", default="/tmp/sglang-peer/bin/python")
-    ap.add_argument("--sglang-impls", default="radix,unified-rust",
+    ap.add_argument("--sglang-impls", type=_peer.list_arg(_peer.choice_arg(SGLANG_IMPLS)), default="radix,unified-rust",
                     help="sglang_driver.py --impl values, comma-separated")
     ap.add_argument("--peers", default=str(PEERS), help="the folder with vllm_driver.py and sglang_driver.py")
-    ap.add_argument("--out", help="also write the JSON report here")
-    return ap.parse_args()
+    ap.add_argument("--out", type=output_file_arg, help="also write the JSON report here")
+    args = ap.parse_args(argv)
+    # A peer's python that does not exist skips that side (the report says so); the drivers it would run must be
+    # there, and sglang_driver.py always: it writes and reads the workloads.
+    _peer.check_python(ap, "--vllm-python", args.vllm_python)
+    _peer.check_python(ap, "--sglang-python", args.sglang_python)
+    drivers = ["sglang_driver.py"] + (["vllm_driver.py"] if os.path.exists(args.vllm_python) else [])
+    for driver in drivers:
+        if not (Path(args.peers) / driver).is_file():
+            ap.error(f"argument --peers: {args.peers} has no {driver}")
+    return ap, args
+
+
+def check_budget(ap: argparse.ArgumentParser, args: argparse.Namespace, workloads: list) -> None:
+    """Every request of every workload must fit the token budget at every page size, as the drivers check it (2
+    pages spare): a usage error before any side runs, rather than a traceback or a failed side after some rows."""
+    for workload in workloads:
+        longest = max(len(ids) + len(outs) for ids, outs in workload)
+        for ps in args.page_sizes:
+            size = args.token_budget // ps * ps
+            if longest + 2 * ps > size:
+                ap.error(f"argument --token-budget: {args.token_budget} tokens (in pages of {ps}) hold fewer than the "
+                         f"{longest + 2 * ps} the longest request of the {len(workload)}-request workload needs "
+                         f"(2 pages spare, as the drivers count)")
 
 
 def generate(peers: Path, n: int, seed: int, folder: str) -> Path:
@@ -187,7 +215,7 @@ def row(args, workload: list, path: Path, ps: int) -> dict:
     kvmem = {mode: min((kvmem_run(workload, ps, mode, args.token_budget, args.max_running)
                         for _ in range(args.repeats)), key=lambda r: r["cache_s"]) for mode in MODES}
     vllm = vllm_side(args, path, ps)
-    sglang = {impl: sglang_side(args, path, ps, impl) for impl in args.sglang_impls.split(",")}
+    sglang = {impl: sglang_side(args, path, ps, impl) for impl in args.sglang_impls}
     mine = kvmem["vllm"]["cache_s"]
     ratios = {"vllm_cache_ops_plus_hash": ratio(vllm, "cache_ops_plus_hash_s", mine),
               "vllm_cache_ops": ratio(vllm, "cache_ops_s", mine),
@@ -200,18 +228,19 @@ def row(args, workload: list, path: Path, ps: int) -> dict:
             "kvmem": kvmem, "vllm": vllm, "sglang": sglang}
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    ap, args = parse_args(argv)
     import torch
 
     torch.set_num_threads(1)  # as the peers' drivers run: the cache's tensors are small
     t0 = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        for n in (int(x) for x in args.sizes.split(",")):
-            path = generate(Path(args.peers), n, args.seed, folder)
-            workload = load(Path(args.peers), path)
-            for ps in (int(x) for x in args.page_sizes.split(",")):
+        paths = [generate(Path(args.peers), n, args.seed, folder) for n in args.sizes]
+        workloads = [load(Path(args.peers), path) for path in paths]
+        check_budget(ap, args, workloads)
+        for path, workload in zip(paths, workloads):
+            for ps in args.page_sizes:
                 rows.append(row(args, workload, path, ps))
                 print(json.dumps({k: rows[-1][k] for k in ("requests", "page_size", "ratios", "hit_rates")}),
                       file=sys.stderr)

@@ -445,13 +445,14 @@ def report(kv: dict, sg: dict) -> dict:
             "raw": {"kvmem": kv, "sglang": sg}}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = _peer.parser(__doc__, f"{REPEATS[True]} repeats instead of {REPEATS[False]}")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.peer == "sglang":
         sglang_main(args)
         return
+    _peer.check_args(ap, args)
     import torch
 
     torch.set_num_threads(TORCH_THREADS)

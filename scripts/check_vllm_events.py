@@ -31,6 +31,8 @@ import os
 import subprocess
 import sys
 
+import _peer  # scripts/_peer.py: the script's own folder is on sys.path
+
 FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
                           "lora_name"),
           "BlockRemoved": ("block_hashes", "medium"), "AllBlocksCleared": ()}
@@ -115,21 +117,28 @@ def run_peer(python: str, mode: str, request: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", default="/tmp/vllm-peer/bin/python")
     ap.add_argument("--sglang-python", default=None, help="also decode with SGLang's classes (e.g. "
                     "/tmp/sglang-peer/bin/python)")
     ap.add_argument("--out", help="also write the JSON report here")
     ap.add_argument("--peer", choices=["vllm", "sglang"], help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.peer:
         print(json.dumps(PEERS[args.peer](json.loads(sys.stdin.read()))))
         return 0
 
     import msgpack
 
+    from kvmem._checks import output_file_arg
     from kvmem.events import decode_batch, encode_batch
+
+    # Checked here, on kvmem's side: the peers run this file under pythons without kvmem.
+    for option, python in (("--vllm-python", args.vllm_python), ("--sglang-python", args.sglang_python)):
+        if python is not None:
+            _peer.check_python(ap, option, python)  # one that is not there is skipped, as the report says
+    _peer.check_value(ap, "--out", args.out, output_file_arg)
 
     batches = sample_batches()
     expected = [as_json(b) for b in batches]

@@ -3,4 +3,5 @@ import sys
 
 from kvmem.replay.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not in the worker processes --compare-policies and --sweep start: "spawn" runs this file
+    sys.exit(main())

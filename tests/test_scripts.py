@@ -282,7 +282,7 @@ def usage_error(name: str, argv: list[str], option: str, monkeypatch, capsys) ->
     would escape pytest.raises and fail the test."""
     main = load_script(name, monkeypatch)["main"]
     with pytest.raises(SystemExit) as stop:
-        main(argv)
+        sys.exit(main(argv))  # kvmem-replay's main returns its status
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "Traceback" not in err, err
     assert ": error: " in err.splitlines()[-1] and option in err.splitlines()[-1], err
@@ -357,3 +357,163 @@ def test_mutation_refuses_bad_arguments_as_usage_errors(args, option, tmp_path, 
 ])
 def test_bench_storage_refuses_bad_arguments_before_any_store_starts(args, option, tmp_path, monkeypatch, capsys):
     usage_error("bench_storage.py", [a.format(tmp=tmp_path) for a in args], option, monkeypatch, capsys)
+
+
+# The peer benchmarks' cases skip the SGLang side (NO_PEER) unless they are about it. Their options are checked in
+# turn (--sglang-python, --sglang-driver, --out, --seed, then bench_allocator's --allocator-module): a case adds a
+# bad option checked after its own where there is one, so that a check that let its option through fails the test
+# at once by naming another, instead of starting the rows; --quick where there is none.
+BAD_OUT = ["--out", "{tmp}/missing/report.json"]
+BAD_DRIVER = ["--sglang-python", sys.executable, "--sglang-driver", "{tmp}/missing.py"]
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--seed", "-1", *NO_PEER], "--seed"),  # numpy's generators refuse it, at the first row
+    (["--seed", "x", *NO_PEER], "--seed"),
+    ([*BAD_OUT, *NO_PEER, "--allocator-module", "{tmp}/missing.py"], "--out"),
+    (["--out", "{tmp}", *NO_PEER, "--allocator-module", "{tmp}/missing.py"], "--out"),
+    (["--allocator-module", "{tmp}/missing.py", *NO_PEER], "--allocator-module"),
+    (["--allocator-module", "{tmp}/notes.txt", *NO_PEER], "--allocator-module"),  # no Python file
+    (["--allocator-module", "{tmp}/empty.py", *NO_PEER], "--allocator-module"),  # no allocators in it
+    (["--sglang-python", "{tmp}", *BAD_OUT], "--sglang-python"),  # there, but no executable file
+    ([*BAD_DRIVER, *BAD_OUT], "--sglang-driver"),
+])
+def test_bench_allocator_refuses_bad_arguments_before_any_row(args, option, tmp_path, monkeypatch, capsys):
+    (tmp_path / "notes.txt").write_text("")
+    (tmp_path / "empty.py").write_text("")
+    usage_error("bench_allocator.py", ["--quick", *(a.format(tmp=tmp_path) for a in args)], option, monkeypatch,
+                capsys)
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--sglang-python", "{tmp}", *BAD_OUT], "--sglang-python"), ([*BAD_DRIVER, *BAD_OUT], "--sglang-driver"),
+    ([*BAD_OUT, *NO_PEER], "--out"), (["--out", "{tmp}", *NO_PEER], "--out"),
+])
+def test_bench_radix_cache_refuses_bad_arguments_before_any_row(args, option, tmp_path, monkeypatch, capsys):
+    usage_error("bench_radix_cache.py", ["--quick", *(a.format(tmp=tmp_path) for a in args)], option, monkeypatch,
+                capsys)
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--seed", "-1", *NO_PEER], "--seed"),  # numpy's generators refuse it, at the first row
+    ([*BAD_OUT, "--seed", "-1", *NO_PEER], "--out"), (["--out", "{tmp}", "--seed", "-1", *NO_PEER], "--out"),
+    (["--sglang-python", "{tmp}", *BAD_OUT], "--sglang-python"), ([*BAD_DRIVER, *BAD_OUT], "--sglang-driver"),
+])
+def test_bench_scheduler_refuses_bad_arguments_before_any_row(args, option, tmp_path, monkeypatch, capsys):
+    usage_error("bench_scheduler.py", ["--quick", *(a.format(tmp=tmp_path) for a in args)], option, monkeypatch,
+                capsys)
+
+
+@pytest.mark.parametrize("name", ["bench_hiradix_cache.py", "bench_eviction.py", "bench_events.py"])
+@pytest.mark.parametrize("out", ["{tmp}/missing/report.json", "{tmp}"])
+def test_benchmarks_refuse_an_out_they_could_not_write_before_any_row(name, out, tmp_path, monkeypatch, capsys):
+    usage_error(name, ["--quick", "--out", out.format(tmp=tmp_path)], "--out", monkeypatch, capsys)
+
+
+def test_event_benchmark_refuses_a_drain_without_an_expected_count(monkeypatch, capsys):
+    # not an endpoint: a check that let it through fails at once in ZeroMQ rather than waiting for batches
+    usage_error("bench_events.py", ["--drain", "not-an-endpoint"], "--drain", monkeypatch, capsys)
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(cuda_available(), reason="--device cuda is refused only where there is no CUDA device")
+@pytest.mark.parametrize("name, argv", [("bench_kv_indices.py", ["--device", "cuda", "--quick"]),
+                                        ("bench_engine.py", ["--device", "cuda", "--quick"]),
+                                        ("bench_cascade.py", ["--device", "cuda", "--quick"])])
+def test_gpu_benchmarks_refuse_cuda_without_a_cuda_device(name, argv, monkeypatch, capsys):
+    usage_error(name, argv, "--device", monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--vllm-python", "{tmp}", *BAD_OUT], "--vllm-python"),  # there, but no executable file
+    (["--sglang-python", "{tmp}", *BAD_OUT], "--sglang-python"),
+    (BAD_OUT, "--out"), (["--out", "{tmp}"], "--out"),
+])
+def test_check_vllm_events_refuses_bad_arguments_before_any_check(args, option, tmp_path, monkeypatch, capsys):
+    argv = ["--vllm-python", "/nonexistent/python", *(a.format(tmp=tmp_path) for a in args)]  # the last one counts
+    usage_error("check_vllm_events.py", argv, option, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--repeats", "0"], "--repeats"), (["--threads", "0"], "--threads"), (["--threads", "x"], "--threads"),
+    (["--capacity-tokens", "-1"], "--capacity-tokens"), (["--page-size", "0"], "--page-size"),
+    (["--page-size", "3"], "--page-size"),  # does not divide the capacity
+    (["--chunked-prefill-size", "0"], "--chunked-prefill-size"), (["--batch", "0"], "--batch"),
+    (["--prompt-len", "-1"], "--prompt-len"), (["--new-tokens", "x"], "--new-tokens"),
+    (["--model", "bogus"], "--model"),
+    # a pool past this machine's memory: only a preset's model tells its bytes
+    pytest.param(["--capacity-tokens", str(2**50)], "--capacity-tokens", marks=needs_transformers),
+])
+def test_bench_engine_refuses_bad_arguments_before_any_row(args, option, monkeypatch, capsys):
+    usage_error("bench_engine.py", ["--device", "cpu", "--quick", "--repeats", "1", *args], option, monkeypatch,
+                capsys)
+
+
+# --quick on one workload, or, for the settings --quick replaces, that workload made small.
+QUICK_CASCADE = ["--quick", "--workloads", "synthetic-system"]
+SMALL_CASCADE = ["--workloads", "synthetic-system", "--limit", "20", "--snapshots", "1", "--warmup", "0"]
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--quick", "--workloads", ""], "--workloads"), (["--quick", "--workloads", "bogus"], "--workloads"),
+    (["--quick", "--workloads", "synthetic-system,,synthetic-chat"], "--workloads"),
+    ([*SMALL_CASCADE, "--limit", "0"], "--limit"), ([*SMALL_CASCADE, "--every", "0"], "--every"),
+    ([*SMALL_CASCADE, "--repeats", "0"], "--repeats"), ([*SMALL_CASCADE, "--snapshots", "0"], "--snapshots"),
+    ([*SMALL_CASCADE, "--min-batch", "0"], "--min-batch"), ([*SMALL_CASCADE, "--warmup", "-1"], "--warmup"),
+    ([*SMALL_CASCADE, "--capacity-tokens", "0"], "--capacity-tokens"),
+    ([*SMALL_CASCADE, "--capacity-tokens", str(2**50)], "--capacity-tokens"),  # past this machine's memory
+    ([*QUICK_CASCADE, "--time-scale", "0"], "--time-scale"), ([*QUICK_CASCADE, "--time-scale", "nan"], "--time-scale"),
+    ([*QUICK_CASCADE, "--arrival-rate", "-1"], "--arrival-rate"),
+    ([*QUICK_CASCADE, "--arrival-rate", "inf"], "--arrival-rate"),
+    ([*QUICK_CASCADE, "--page-size", "0"], "--page-size"), ([*QUICK_CASCADE, "--max-running", "0"], "--max-running"),
+    ([*QUICK_CASCADE, "--min-shared-tokens", "-1"], "--min-shared-tokens"),
+    ([*QUICK_CASCADE, "--max-levels", "0"], "--max-levels"),
+    ([*QUICK_CASCADE, "--seed", "-1"], "--seed"), ([*QUICK_CASCADE, "--model", "bogus"], "--model"),
+    ([*QUICK_CASCADE, *BAD_OUT], "--out"), ([*QUICK_CASCADE, "--out", "{tmp}"], "--out"),
+    ([*QUICK_CASCADE, "--traces", "{tmp}/missing"], "--traces"),
+    (["--workloads", "mooncake-conversation", "--traces", "{tmp}", "--limit", "20"], "--traces"),  # a bad trace
+])
+def test_bench_cascade_refuses_bad_arguments_before_any_replay(args, option, tmp_path, monkeypatch, capsys):
+    (tmp_path / "conversation_trace.jsonl").write_text("{\n")
+    usage_error("bench_cascade.py", [a.format(tmp=tmp_path) for a in args], option, monkeypatch, capsys)
+
+
+SHARED_PEERS = SCRIPTS.parents[1] / "shared" / "peers"
+needs_peers = pytest.mark.skipif(not (SHARED_PEERS / "sglang_driver.py").exists(),
+                                 reason="../shared/peers is not beside the checkout")
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--sizes", ""], "--sizes"), (["--sizes", "1,,2"], "--sizes"), (["--sizes", "0"], "--sizes"),
+    (["--sizes", "x"], "--sizes"), (["--page-sizes", ""], "--page-sizes"), (["--page-sizes", "16,-1"], "--page-sizes"),
+    (["--token-budget", "0"], "--token-budget"), (["--max-running", "0"], "--max-running"),
+    (["--repeats", "0"], "--repeats"), (["--sglang-impls", "bogus"], "--sglang-impls"),
+    (["--sglang-impls", "radix,"], "--sglang-impls"),
+    (["--sglang-impls", "radix,all"], "--sglang-impls"),  # the driver reports "all" in a form this script does not read
+    ([*BAD_OUT], "--out"), (["--out", "{tmp}"], "--out"),
+    (["--vllm-python", "{tmp}"], "--vllm-python"), (["--sglang-python", "{tmp}"], "--sglang-python"),
+    (["--peers", "{tmp}"], "--peers"),  # no sglang_driver.py in it
+    # the longest request does not fit: known once the workload is written, before any side runs
+    pytest.param(["--token-budget", "100"], "--token-budget", marks=needs_peers),
+])
+def test_bench_replay_refuses_bad_arguments_before_any_side_runs(args, option, tmp_path, monkeypatch, capsys):
+    argv = ["--sizes", "1", "--page-sizes", "16", "--peers", str(SHARED_PEERS), "--vllm-python", "/nonexistent/python",
+            "--sglang-python", "/nonexistent/python", *(a.format(tmp=tmp_path) for a in args)]  # the last one counts
+    usage_error("bench_replay.py", argv, option, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("args, option", [
+    (["{tmp}/missing.jsonl"], "cannot open trace"), (["{tmp}"], "cannot open trace"),
+    (["{trace}", "--capacity-tokens", "0"], "--capacity-tokens"), (["{trace}", "--page-size", "x"], "--page-size"),
+    (["{trace}", "--sweep", "1,,2"], "--sweep"), (["{trace}", "--compare-policies", ""], "--compare-policies"),
+    (["{trace}", "--limit", "0"], "--limit"), (["{trace}", "--replicas", "0"], "--replicas"),
+])
+def test_replay_script_refuses_bad_arguments_as_kvmem_replay_does(args, option, tmp_path, monkeypatch, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"input_ids": [1, 2, 3, 4], "output_len": 2}\n')
+    usage_error("replay.py", [a.format(tmp=tmp_path, trace=trace) for a in args], option, monkeypatch, capsys)
