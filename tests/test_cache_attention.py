@@ -171,7 +171,10 @@ def test_bad_inputs_raise_by_name_and_write_nothing():
             (dict(scale=scale.half()), TypeError, "scale must be float32"),
             (dict(scale=None), ValueError, "scale is required"),
             (dict(cache=cache[:, :, :1]), ValueError, "cache has shape"),
-            (dict(start_pos=[1]), TypeError, "start_pos must be a 1-D int32/int64 tensor")]:
+            (dict(start_pos=[1]), TypeError, "start_pos must be a 1-D int32/int64 tensor"),
+            (dict(attn_mask=torch.zeros(7, 2, 3)), ValueError, r"attn_mask has shape \(7, 2, 3\), needs \[2, 2, 3\]"),
+            (dict(attn_mask=torch.zeros(1, 2, 2, 3)), ValueError, "attn_mask has shape"),
+            (dict(attn_mask=torch.ones(2, 3, dtype=torch.bool)), TypeError, "additive floating-point tensor")]:
         with pytest.raises(error, match=match):
             op(x, x, x, **{**good, **change})
     assert not cache.any() and not scale.any()

@@ -171,9 +171,9 @@ class MultiHeadCacheAttention:
         head_dim]; seqstarts, kvstarts [B + 1], start_pos [B], cachestarts [B] or [kvstarts[B]] (int64 or
         int32, read on the host). The first `decoding_batches` sequences get no causal mask; the others, when
         is_causal, see keys up to their own position (query t of sequence b sits at start_pos[b] + t).
-        attn_mask: additive, [num_heads, seqstarts[B], kvstarts[B]] or [seqstarts[B], kvstarts[B]], applied
-        per sequence block on top of the causal mask. Raises ValueError/TypeError naming the argument for
-        inconsistent inputs, before anything is written.
+        attn_mask: additive (floating point), [num_heads, seqstarts[B], kvstarts[B]] or [seqstarts[B],
+        kvstarts[B]], applied per sequence block on top of the causal mask. Raises ValueError/TypeError naming
+        the argument for inconsistent inputs, before anything is written.
         """
         pool = self._pool(cache, scale, query.dtype)
         seq, kv, start = _host("seqstarts", seqstarts), _host("kvstarts", kvstarts), _host("start_pos", start_pos)
@@ -189,8 +189,14 @@ class MultiHeadCacheAttention:
                                ("current_value", current_value, self.num_kv_heads)):
             if tuple(t.shape) != (n, heads, self.head_dim):
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, needs ({n}, {heads}, {self.head_dim})")
-        if attn_mask is not None and tuple(attn_mask.shape[-2:]) != (n, sum_kv):
-            raise ValueError(f"attn_mask has shape {tuple(attn_mask.shape)}, needs [..., {n}, {sum_kv}]")
+        if attn_mask is not None:
+            if not isinstance(attn_mask, torch.Tensor) or not attn_mask.dtype.is_floating_point:
+                # A bool mask means keep/drop in SDPA; added here it would shift scores by 0/1.
+                got = attn_mask.dtype if isinstance(attn_mask, torch.Tensor) else type(attn_mask).__name__
+                raise TypeError(f"attn_mask must be an additive floating-point tensor, got {got}")
+            if tuple(attn_mask.shape) not in ((self.num_heads, n, sum_kv), (n, sum_kv)):
+                raise ValueError(f"attn_mask has shape {tuple(attn_mask.shape)}, needs [{self.num_heads}, {n}, "
+                                 f"{sum_kv}] or [{n}, {sum_kv}]")
         pool.set_kv_buffer(self.layer_idx, out_cache_loc.to(pool.device), current_key.to(pool.dtype),
                            current_value.to(pool.dtype))
         keys, values = pool.read_kv(self.layer_idx, kv_indices.to(pool.device))
