@@ -434,6 +434,19 @@ def test_one_step_takes_a_whole_run_of_decode_steps_and_run_until_none_starting_
     assert list(report.ttft_s) == [0.5] and report.output_tokens == 20
 
 
+def test_a_runs_steps_after_its_first_end_by_the_time_given():
+    # A run's KV events are published when it ends: a cluster's router, reading them at the next arrival, must
+    # see every step that ended by then, as it would from an engine publishing each step.
+    sim = ReplicaSim(ReplayConfig(capacity_tokens=4096, max_context_len=512), RecordingCost())
+    sim.add_request(0, TraceRequest(list(range(1, 65)), output_len=20))
+    sim.step()
+    assert sim.clock == 0.5
+    sim.step(until=1.1)  # steps end at 0.75, 1.0; the one ending at 1.25 would pass 1.1
+    assert sim.clock == 1.0
+    sim.step(until=1.1)  # the first step of a run is taken whatever its end
+    assert sim.clock == 1.25
+
+
 def test_times_to_first_token_count_from_each_arrival():
     sim = ReplicaSim(ReplayConfig(capacity_tokens=4096, max_context_len=512), RecordingCost())
     sim.add_request("a", TraceRequest(list(range(1, 65)), output_len=2))

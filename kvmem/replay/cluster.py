@@ -89,7 +89,7 @@ class _Replica:
         return True
 
     def step(self, until: float) -> int:
-        """Runs the replica's next step (or run of decode steps that start before `until`) from its clock,
+        """Runs the replica's next step (or a run of decode steps: see ReplicaSim.step) from its clock,
         queues the results for the router; returns the requests it finished."""
         sim = self.sim
         start = sim.clock

@@ -161,8 +161,8 @@ class ReplicaSim:
             self.step(t)
 
     def step(self, until: float = math.inf) -> StepOutcome:
-        """Takes the next scheduler step, or every step of a run of pure decode steps (see
-        Scheduler.pure_decode_steps) that starts before `until`; returns what ended in it."""
+        """Takes the next scheduler step, or a run of pure decode steps (see Scheduler.pure_decode_steps): the
+        first, and those after it that end by `until`; returns what ended in it."""
         t0 = time.perf_counter()
         steps = self.sched.pure_decode_steps()  # it may rank the waiting window: cache time, as a step's ranking
         self._cache_s += time.perf_counter() - t0
@@ -237,7 +237,9 @@ class ReplicaSim:
             self._progress.update(len(finished))
 
     def _decode_run(self, steps: int, until: float) -> StepOutcome:
-        """Up to `steps` pure decode steps at once: each that starts before `until` is priced as its own step."""
+        """Up to `steps` pure decode steps at once, each priced as its own step: the first, and those after it
+        that end by `until`. A run's KV events are published when it ends, so its steps after the first end by
+        the next arrival, when a cluster's router reads them, as a real engine's would have."""
         sched, cost = self.sched, self.cost
         running = sched.running
         bs = len(running)
@@ -245,10 +247,11 @@ class ReplicaSim:
         times = []
         clock = self.clock
         for j in range(steps):
-            if j and clock >= until:
-                break
             kv_tokens += bs  # every request attends to its kv_len tokens and the one it decodes
-            clock += cost.decode_seconds(bs, kv_tokens)
+            end = clock + cost.decode_seconds(bs, kv_tokens)
+            if j and end > until:
+                break
+            clock = end
             times.append(clock)
         t0 = time.perf_counter()
         run = sched.run_decode(len(times), self._outputs)
