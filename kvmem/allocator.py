@@ -151,8 +151,9 @@ class _SlotAllocator:
         if size % page_size:
             raise ValueError(f"size {size} must be a multiple of page_size {page_size}")
         self.device = check_device(device)
-        # The host bookkeeping per page: the free ring (2 x 8 bytes), the flag, the scratch and arange arrays.
-        check_host_bytes(f"an allocator of size {size}", (size // page_size + 2) * 33)
+        # The host bookkeeping per page: the free ring (2 x 8 bytes), the flag, the scratch and arange arrays;
+        # and the paged allocator's offsets within a page.
+        check_host_bytes(f"an allocator of size {size}", (size // page_size + 2) * 33 + 8 * page_size)
         self.size = size
         self.page_size = page_size
         self._on_cpu = self.device.type == "cpu"  # cached: reading torch.device.type costs 0.2 us per alloc
@@ -191,7 +192,7 @@ class _SlotAllocator:
         if self._group is None:
             self._pages.push(pages)
         else:
-            self._group.append(pages)
+            self._group.append(pages.copy())  # the caller's array: it may reuse it before the group ends
 
     def _pages_of(self, name: str, slots: np.ndarray) -> np.ndarray:
         return slots

@@ -286,8 +286,10 @@ class MHAKVPool(_KVPool):
 
         loc: [n] int64 (or int32) slots in [0, num_slots). cache_k: [n, head_num, head_dim], cache_v:
         [n, head_num, v_head_dim], both in the model dtype. Raises before writing anything if an argument
-        is bad (slot values are range-checked on CPU pools only; on CUDA that would sync every layer);
-        a slot repeated in loc ends up holding one of its rows.
+        is bad (slot values are range-checked on CPU pools only; on CUDA that would sync every layer).
+        loc must not repeat a slot: which row a repeated slot ends up holding is undefined, and an int8/int4
+        pool may pair one row's codes with another's scale (the two writes resolve repeats independently).
+        Inputs that require grad are written detached: the pool keeps no autograd graph.
         """
         self._check_layer(layer_id)
         loc = self._check_loc(loc)
@@ -297,7 +299,7 @@ class MHAKVPool(_KVPool):
         index = self._slot_index(loc)
         for cache, bufs, scales, group in ((cache_k, self.k_buffer, self.k_scale_buffer, self._k_group),
                                            (cache_v, self.v_buffer, self.v_scale_buffer, self._v_group)):
-            stored, scale = self._encode(cache, group)
+            stored, scale = self._encode(cache.detach(), group)
             self._token_major(bufs[layer_id]).index_put_(index, stored)
             if scale is not None:
                 self._token_major(scales[layer_id]).index_put_(index, scale)
@@ -407,6 +409,7 @@ class MLAKVPool(_KVPool):
         self._write(layer_id, loc, torch.cat((cache_k_nope, cache_k_rope), dim=-1))
 
     def _write(self, layer_id: int, loc: torch.Tensor, rows: torch.Tensor) -> None:
+        rows = rows.detach()  # the pool keeps values, not an autograd graph
         stored = rows if self._fp8 is None else self._encode_fp8(rows)
         self.kv_buffer[layer_id].index_put_((loc,), stored)
 

@@ -480,9 +480,11 @@ def test_bad_allocator_sizes_raise_naming_the_argument(make, message):
 
 
 def test_the_host_memory_check_counts_33_bytes_a_page(monkeypatch):
-    # Two pages of slack for page 0 and the sentinel; the ring (16), flag (1), scratch (8) and arange (8).
-    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": (100 + 2) * 33}[name])
-    PagedTokenAllocator(400, 4)  # 100 pages: (100 + 2) * 33 bytes, exactly what the machine has
+    # Two pages of slack for page 0 and the sentinel; the ring (16), flag (1), scratch (8) and arange (8); and
+    # the offsets within a page (8 bytes a slot of one page).
+    memory = (100 + 2) * 33 + 8 * 4
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": memory}[name])
+    PagedTokenAllocator(400, 4)  # 100 pages: exactly what the machine has
     with pytest.raises(ValueError) as raised:
         PagedTokenAllocator(404, 4)
     assert str(raised.value).startswith("an allocator of size 404 needs 0.0 GiB of host memory; this machine has ")
@@ -551,3 +553,22 @@ def test_two_requests_continuing_one_partial_page_are_refused_naming_that_page()
 def test_extends_whose_page_count_would_overflow_are_a_shortage():
     a = PagedTokenAllocator(64, 1)
     assert a.alloc_extend([0, 0], [2**62, 2**62], [-1, -1]) is None and a.available_size() == 64
+
+
+@pytest.mark.parametrize("as_numpy", [False, True])
+def test_a_free_group_frees_the_slots_given_even_if_the_caller_reuses_its_array(as_numpy):
+    alloc = TokenAllocator(8)
+    buf = alloc.alloc(4).clone()
+    if as_numpy:
+        buf = buf.numpy()
+    with alloc.free_group():
+        alloc.free(torch.from_numpy(buf) if as_numpy else buf)
+        taken = alloc.alloc(4)
+        buf[:] = taken.numpy() if as_numpy else taken  # a persistent out_cache_loc buffer, refilled
+    assert sorted(alloc.alloc(4).tolist()) == [1, 2, 3, 4]
+    assert alloc.is_allocated(torch.arange(1, 9)).all()
+
+
+def test_a_page_size_too_large_for_this_machine_is_refused_by_name():
+    with pytest.raises(ValueError, match="an allocator of size"):
+        PagedTokenAllocator(2**40, 2**40)

@@ -105,6 +105,21 @@ def test_copies_refuse_slots_the_host_has_not_handed_out_or_mismatched_lengths()
     assert host.allocator.available_size() == 30
 
 
+def test_copies_refuse_every_slot_of_the_padding_page():
+    device = MHAKVPool(16, 4, torch.float32, 1, 4, 1)
+    host = HostKVPool(device, size=32)
+    held = host.allocator.alloc(4)
+    with pytest.raises(ValueError, match="device_slots holds slot 1, in the padding page 0"):
+        host.load(torch.tensor([1, 2, 3, 4]), held)
+    assert host.load(torch.tensor([4, 5, 6, 7]), held).error is None
+
+
+def test_the_storage_format_tells_mla_pools_of_different_rank_splits_apart():
+    a = HostKVPool(MLAKVPool(8, 1, torch.float16, 6, 2, 1), ratio=2)
+    b = HostKVPool(MLAKVPool(8, 1, torch.float16, 4, 4, 1), ratio=2)
+    assert a.page_payload_bytes() == b.page_payload_bytes() and a.storage_format() != b.storage_format()
+
+
 def test_a_copy_that_fails_is_reported_and_writes_nothing():
     device = MHAKVPool(16, 1, torch.float32, 1, 4, 2)
     host = HostKVPool(device, size=32)

@@ -567,3 +567,17 @@ def test_stored_rows_of_the_wrong_count_shape_or_dtype_are_refused_and_write_not
     with pytest.raises(IndexError):
         pool.slot_rows(0, torch.tensor([99]))
     assert_unchanged(pool, before)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_writes_keep_no_autograd_graph(kind):
+    x = torch.randn(1, 1, 4, requires_grad=True)
+    if kind == "mha":
+        pool = MHAKVPool(8, 1, torch.float32, 1, 4, 1)
+        pool.set_kv_buffer(0, torch.tensor([1]), x * 2, x * 3)
+        buffers = (pool.k_buffer[0], pool.v_buffer[0])
+    else:
+        pool = MLAKVPool(8, 1, torch.float32, 2, 2, 1)
+        pool.set_kv_buffer(0, torch.tensor([1]), x * 2)
+        buffers = (pool.kv_buffer[0],)
+    assert all(not b.requires_grad and b.grad_fn is None for b in buffers)

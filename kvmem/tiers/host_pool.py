@@ -215,8 +215,9 @@ class HostKVPool:
         device = self.device_pool._check_loc(device_slots.to(self.device_pool.device), "device_slots")
         if len(device) != len(host):
             raise ValueError(f"device_slots has {len(device)} slots and host_slots {len(host)}: one for one")
-        if len(device) and device.device.type == "cpu" and int(device.min()) < 1:
-            raise ValueError("device_slots holds slot 0, the padding slot")
+        if len(device) and device.device.type == "cpu" and int(device.min()) < self.page_size:
+            raise ValueError(f"device_slots holds slot {int(device.min())}, "
+                             + ("the padding slot" if self.page_size == 1 else "in the padding page 0"))
         return host, device
 
     def _check_host(self, host_slots) -> np.ndarray:
@@ -239,7 +240,9 @@ class HostKVPool:
         parts = ";".join(f"{'x'.join(map(str, shape))}:{str(dtype).removeprefix('torch.')}"
                          for shape, dtype in self._formats)
         dtype = str(dev.dtype).removeprefix("torch.")
-        return (f"kvmem-kv-page-v1|{type(dev).__name__}|model={self.model_id}|dtype={dtype}"
+        # An MLA row is one [kv_lora_rank + qk_rope_head_dim] vector: its split is not in the row's shape.
+        mla = f"|kv_lora_rank={dev.kv_lora_rank}" if isinstance(dev, MLAKVPool) else ""
+        return (f"kvmem-kv-page-v1|{type(dev).__name__}{mla}|model={self.model_id}|dtype={dtype}"
                 f"|kv_cache_dtype={dev.kv_cache_dtype}|layers={self.layer_num}|page_size={self.page_size}|parts={parts}")
 
     def page_payload_bytes(self) -> int:
