@@ -1,5 +1,6 @@
 """HostKVPool: the host tier's buffers mirror the device pool's storage, and copies round-trip bit for bit."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -145,3 +146,12 @@ def test_a_slot_pool_accounts_for_slots_without_bytes():
     assert pool.backup(slots, torch.arange(16, 48)).done() and pool.load(torch.arange(16, 48), slots).done()
     with pytest.raises(ValueError, match="multiple"):
         HostSlotPool(40, page_size=16)
+
+
+def test_write_pages_names_a_payload_that_is_not_contiguous():
+    host = HostKVPool(MHAKVPool(16, 1, torch.float32, 1, 4, 1), size=32)
+    slots = host.allocator.alloc(1)
+    page = np.zeros(2 * host.page_payload_bytes(), dtype=np.uint8)[::2]  # strided
+    with pytest.raises(ValueError, match=r"payloads\[0\] must be contiguous bytes"):
+        host.write_pages(slots, [page])
+    host.write_pages(slots, [page.copy()])

@@ -368,6 +368,9 @@ def _page_bytes(payloads, num_pages: int, page_bytes: int) -> np.ndarray:
         raise ValueError(f"payloads must be {num_pages} pages of {page_bytes} bytes, got {len(payloads)} of "
                          f"{sorted(sizes)} bytes")
     out = np.empty((num_pages, page_bytes), dtype=np.uint8)
-    for row, payload in zip(out, payloads):
-        row[:] = np.frombuffer(payload, dtype=np.uint8)
+    for i, (row, payload) in enumerate(zip(out, payloads)):
+        try:
+            row[:] = np.frombuffer(payload, dtype=np.uint8)
+        except ValueError:  # a strided array or memoryview has no single buffer to read
+            raise ValueError(f"payloads[{i}] must be contiguous bytes") from None
     return out
