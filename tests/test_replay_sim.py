@@ -161,9 +161,24 @@ def test_the_kv_capacity_of_a_gpu_server_is_what_its_memory_leaves_beside_the_we
         RooflineCost("H100", "deepseek-v3", tp=1).kv_capacity_tokens()
 
 
+def test_kv_that_tensor_parallelism_cannot_split_is_counted_on_every_gpu_that_keeps_it():
+    # MLA's latent is whole on every GPU; 8 KV heads on 16 GPUs are each kept twice (as vLLM and SGLang do).
+    mla = RooflineCost("H200", "deepseek-v3", tp=8)
+    assert mla.kv_capacity_tokens() == int((8 * 141e9 * 0.9 - 671e9 * 1) // (70272 * 8))
+    wide, split = RooflineCost("H100", "llama-3-8b", tp=16), RooflineCost("H100", "llama-3-8b", tp=8)
+    assert wide.kv_capacity_tokens() == int((16 * 80e9 * 0.9 - 8.03e9 * 2) // (131072 * 2))
+    assert split.kv_capacity_tokens() == int((8 * 80e9 * 0.9 - 8.03e9 * 2) // 131072)
+    for cost, copies in ((wide, 2), (split, 1)):
+        kv_read = cost.decode_seconds(64, 10**6) - cost.decode_seconds(64, 0)
+        assert kv_read == pytest.approx(copies * 131072 * 10**6 / (cost.tp * 3.35e12 * 0.8))
+
+
 @pytest.mark.parametrize("kwargs, match", [({"gpu": "B200"}, "gpu must be one of"),
                                            ({"model": "gpt-5"}, "model must be one of"),
-                                           ({"tp": 0}, "tp"), ({"mfu": 1.5}, "mfu")])
+                                           ({"tp": 0}, "tp"), ({"mfu": 1.5}, "mfu"),
+                                           ({"tp": 3}, "tp 3 must divide llama-3-8b's 32 attention heads"),
+                                           ({"model": "qwen2.5-7b", "tp": 14},
+                                            "tp 14 must divide qwen2.5-7b's 4 KV heads, or be a multiple of them")])
 def test_a_bad_roofline_is_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RooflineCost(**{"gpu": "H100", "model": "llama-3-8b", **kwargs})

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvmem._checks import check_host_bytes, check_int, check_number
 from kvmem.eviction import EVICTION_POLICIES as _POLICY_KEYS
-from kvmem.replay.cost import GPUS, MODEL_COMPUTE
+from kvmem.replay.cost import DEFAULT_MODEL, GPUS, MODEL_COMPUTE, kv_copies
 from kvmem.scheduler import SCHEDULE_POLICIES
 from kvmem.storage import parse_store_spec
 
@@ -129,6 +129,8 @@ class ReplayConfig:
         if self.model is not None and self.model not in MODEL_COMPUTE:
             raise ValueError(f"model must be one of {', '.join(MODEL_COMPUTE)}, got {self.model!r}")
         check_int("tp", self.tp, minimum=1)
+        if self.gpu is not None:
+            kv_copies(self.model or DEFAULT_MODEL, self.tp)  # a tp that cannot split the model's heads
         check_int("pin_prefix_tokens", self.pin_prefix_tokens, minimum=0)
         if not 0 <= check_number("pin_budget", self.pin_budget, 0) <= 1:
             raise ValueError(f"pin_budget must lie in [0, 1], got {self.pin_budget!r}")

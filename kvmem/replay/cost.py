@@ -12,6 +12,10 @@ overlap in time and what a time to first token (TTFT) is. Two models, both torch
   host (and read from a storage tier) for a prefill moves layer by layer while earlier layers compute, as
   HiCache's layer-wise loads do, so the step takes the longer of the two, not their sum.
 
+KV under tensor parallelism: each GPU keeps its share of the KV heads, and a whole head where there are fewer
+KV heads than GPUs (vLLM and SGLang replicate them); an MLA model's latent has no heads to split, so every GPU
+keeps all of it. The cache's capacity, the KV bytes a step reads and the bytes a load moves count each copy.
+
 FLOPs per step: 2 x active parameters per token through the weights, and 2 x (qk_head_dim + v_head_dim) x
 query heads x layers per (query, key) pair in attention (QK^T and PV; a causal prefill of tokens p..s-1
 attends to p+1..s keys). It is an upper bound on speed: tensor-parallel communication, kernel launches and
@@ -147,6 +151,7 @@ class RooflineCost:
         if self.model not in MODEL_COMPUTE:
             raise ValueError(f"model must be one of {', '.join(MODEL_COMPUTE)}, got {self.model!r}")
         check_int("tp", self.tp, minimum=1)
+        copies = kv_copies(self.model, self.tp)
         for name in ("mfu", "mbu"):
             if not 0 < check_number(name, getattr(self, name)) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
@@ -167,6 +172,7 @@ class RooflineCost:
         object.__setattr__(self, "_pair_flops", 2.0 * (compute.qk_head_dim + compute.v_head_dim)
                            * compute.num_attention_heads * kv.num_layers)
         object.__setattr__(self, "_token_flops", 2.0 * compute.active_params_b * 1e9)
+        object.__setattr__(self, "_kv_bytes", self.kv_bytes_per_token * copies)  # a token's KV on all the GPUs
 
     @property
     def name(self) -> str:
@@ -181,11 +187,11 @@ class RooflineCost:
         ValueError when the weights alone do not fit."""
         total = self.tp * GPUS[self.gpu].memory_gb * 1e9 * MEMORY_FRACTION
         left = total - self._weight_bytes
-        if left < self.kv_bytes_per_token * page_size:
+        if left < self._kv_bytes * page_size:
             raise ValueError(f"{self.model}'s weights ({self._weight_bytes / 1e9:,.0f} GB) leave no room for a KV "
                              f"cache in {MEMORY_FRACTION:.0%} of {self.tp} x {self.gpu} "
                              f"({total / 1e9:,.0f} GB): raise --tp, or give --capacity-tokens")
-        return int(left // (self.kv_bytes_per_token * page_size)) * page_size
+        return int(left // (self._kv_bytes * page_size)) * page_size
 
     def extend_seconds(self, prefix_lens: np.ndarray, seq_lens: np.ndarray, loaded_tokens: int = 0,
                        storage_tokens: int = 0) -> float:
@@ -194,9 +200,9 @@ class RooflineCost:
         from the storage tier)."""
         new_tokens = int((seq_lens - prefix_lens).sum())
         flops = self._token_flops * new_tokens + self._pair_flops * float(_causal_pairs(prefix_lens, seq_lens))
-        moved = self._weight_bytes + self.kv_bytes_per_token * float(seq_lens.sum())
+        moved = self._weight_bytes + self._kv_bytes * float(seq_lens.sum())
         compute = max(flops / self._flops_per_s, moved / self._bytes_per_s)
-        load = self.kv_bytes_per_token * (loaded_tokens / (self.tp * self.h2d_gbps * 1e9)
+        load = self._kv_bytes * (loaded_tokens / (self.tp * self.h2d_gbps * 1e9)
                                           + storage_tokens / (self.storage_gbps * 1e9))
         return max(compute, load)
 
@@ -204,7 +210,7 @@ class RooflineCost:
         """A decode step of `batch_size` requests attending to `kv_tokens` tokens in all: it reads the weights
         (every one: a batch of tens of requests routes through nearly every expert of a mixture) and the KV."""
         flops = self._token_flops * batch_size + self._pair_flops * kv_tokens
-        moved = self._weight_bytes + self.kv_bytes_per_token * kv_tokens
+        moved = self._weight_bytes + self._kv_bytes * kv_tokens
         return max(flops / self._flops_per_s, moved / self._bytes_per_s)
 
     def prefill_seconds_saved(self, cached_tokens: int) -> float:
@@ -213,6 +219,20 @@ class RooflineCost:
         to them), at `mfu` of the GPUs' peak."""
         c = cached_tokens
         return (self._token_flops * c + self._pair_flops * c * (c + 1) / 2) / self._flops_per_s
+
+
+def kv_copies(model: str, tp: int) -> int:
+    """How many copies of a token's KV `tp` tensor-parallel GPUs keep in all (1 when they split its heads);
+    ValueError when `tp` cannot split the model's heads."""
+    config, heads = sizing.get_model_config(model), MODEL_COMPUTE[model].num_attention_heads
+    if heads % tp:
+        raise ValueError(f"tp {tp} must divide {model}'s {heads} attention heads")
+    if isinstance(config, sizing.MLAConfig):
+        return tp  # one latent per token and layer, whole on every GPU
+    kv_heads = config.num_kv_heads
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"tp {tp} must divide {model}'s {kv_heads} KV heads, or be a multiple of them")
+    return max(1, tp // kv_heads)
 
 
 def _causal_pairs(prefix_lens: np.ndarray, seq_lens: np.ndarray) -> int:
