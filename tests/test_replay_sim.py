@@ -462,6 +462,17 @@ def test_a_runs_steps_after_its_first_end_by_the_time_given():
     assert sim.clock == 1.25
 
 
+def test_a_request_arriving_during_a_step_waits_from_its_arrival():
+    # B arrives at 0.1 s while A's long prefill runs until 0.5 s: its time to first token counts from 0.1 s.
+    trace = [TraceRequest(list(range(1, 65)), output_len=1, arrival_s=0.0),
+             TraceRequest(list(range(100, 164)), output_len=1, arrival_s=0.1)]
+    report = replay(trace, ReplayConfig(capacity_tokens=4096, max_context_len=512), cost=RecordingCost())
+    assert list(report.ttft_s) == [0.5, 0.9]  # B's prefill runs from 0.5 to 1.0
+    sim = ReplicaSim(ReplayConfig(capacity_tokens=4096, max_context_len=512))
+    with pytest.raises(ValueError, match="arrival 1.0 is after the replica's clock 0.0"):
+        sim.add_request("a", trace[0], 1.0)
+
+
 def test_times_to_first_token_count_from_each_arrival():
     sim = ReplicaSim(ReplayConfig(capacity_tokens=4096, max_context_len=512), RecordingCost())
     sim.add_request("a", TraceRequest(list(range(1, 65)), output_len=2))
@@ -491,9 +502,9 @@ def test_requests_arriving_together_are_served_in_trace_order(monkeypatch):
                 for i in range(40)]
     sim_order, original = [], ReplicaSim.add_request
 
-    def spy(self, rid, request):
+    def spy(self, rid, request, arrival=None):
         sim_order.append(rid)
-        return original(self, rid, request)
+        return original(self, rid, request, arrival)
 
     monkeypatch.setattr(ReplicaSim, "add_request", spy)
     report = replay(requests, ReplayConfig(capacity_tokens=4096, max_context_len=64), cost=RecordingCost())

@@ -83,7 +83,7 @@ class _Replica:
         """Queues a routed request; False (counted as rejected) when it can never run here."""
         sim = self.sim
         sim.clock = max(sim.clock, arrival_s)  # a replica that was idle starts when the request arrives
-        if not sim.add_request(rid, request):
+        if not sim.add_request(rid, request, arrival_s):
             return False
         self.routed += 1
         return True

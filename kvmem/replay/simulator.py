@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvmem._checks import check_number
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.batch import ForwardMode, Req
 from kvmem.events.schema import KVCacheEvent
@@ -138,9 +139,12 @@ class ReplicaSim:
     def is_idle(self) -> bool:
         return self.sched.is_idle()
 
-    def add_request(self, rid, request: TraceRequest) -> bool:
-        """Queues `request` as arriving now; False (counted in the report's `rejected`, with a note on stderr)
-        when it can never run here (longer than max_context_len or the KV capacity)."""
+    def add_request(self, rid, request: TraceRequest, arrival: float | None = None) -> bool:
+        """Queues `request`, arrived at `arrival` (default: now; it may be earlier, during the step that just
+        ended, and its time to first token counts from then); False (counted in the report's `rejected`, with a
+        note on stderr) when it can never run here (longer than max_context_len or the KV capacity)."""
+        if arrival is not None and not check_number("arrival", arrival) <= self.clock:
+            raise ValueError(f"arrival {arrival} is after the replica's clock {self.clock}: run_until it first")
         try:
             self.sched.add_request(Req(rid, request.input_ids, request.output_len))
         except ValueError as e:
@@ -151,7 +155,7 @@ class ReplicaSim:
                 self._progress.update(1)
             return False
         self._outputs[rid] = request.output_tokens().tolist()
-        self._arrival[rid] = self.clock
+        self._arrival[rid] = self.clock if arrival is None else arrival
         return True
 
     def run_until(self, t: float) -> None:
@@ -297,7 +301,7 @@ def replay(requests: Sequence[TraceRequest], config: ReplayConfig, progress: boo
         arrival = requests_arrival(requests, i) if config.honour_arrivals else 0.0
         sim.run_until(arrival)
         sim.clock = max(sim.clock, arrival)  # idle until it arrives
-        sim.add_request(i, requests[i])
+        sim.add_request(i, requests[i], arrival)  # it waits from its arrival, if a step was running then
     sim.run_until(math.inf)
     if bar is not None:
         bar.close()
