@@ -448,6 +448,14 @@ def test_compare_policies_reports_the_share_of_the_gap_each_policy_closes(capsys
     assert code == 0 and json.loads(out)["compare"]["hit_rate"] == hit and "policy" not in err  # no table
 
 
+def test_compare_policies_prints_its_table_at_a_capacity_that_is_not_whole_pages(capsys):
+    # The reports' capacity is rounded down to whole pages; the table looked lru's runs up by the one asked for.
+    code, out, err = run(capsys, "--format", "synthetic-system", "--limit", "30", "--capacity-tokens", "20001",
+                         "--page-size", "16", "--compare-policies", "lru", "--jobs", "1", "--no-progress")
+    assert code == 0 and "Traceback" not in err and "lru: evictable" in err
+    assert json.loads(out)["compare"]["capacities"] == [20001]
+
+
 def test_compare_table_shows_each_policy_then_how_much_lru_could_choose_among_and_its_ttft():
     from kvmem.replay.compare import format_table
 

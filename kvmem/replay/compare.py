@@ -90,7 +90,9 @@ def format_table(result: dict) -> str:
             cells.append(f"{h:.4f}" + ("" if g is None or p in (BASELINE, CEILING) else f" ({g:+.0%} of gap)"))
         lines.append(f"{p:<{width}}" + "".join(f"{cell:>24}" for cell in cells))
     lines.append("-" * len(head))
-    baseline = {r["capacity_tokens"]: r for r in result["runs"] if r["eviction_policy"] == BASELINE}
+    # A report's capacity_tokens is the one asked for rounded down to whole pages: match them in sorted order.
+    runs = sorted((r for r in result["runs"] if r["eviction_policy"] == BASELINE), key=lambda r: r["capacity_tokens"])
+    baseline = dict(zip(sorted(caps), runs))
     for label, cell in _CONTEXT_ROWS.items():
         lines.append(f"{label:<{width}}" + "".join(f"{cell(baseline[c]):>24}" for c in caps))
     return "\n".join(lines)
