@@ -473,6 +473,17 @@ def test_a_request_arriving_during_a_step_waits_from_its_arrival():
         sim.add_request("a", trace[0], 1.0)
 
 
+def test_throughput_is_over_the_time_from_the_first_arrival():
+    # A trace of epoch timestamps: its clock starts at 1.7e9 s, and nothing was served before.
+    trace = [TraceRequest(list(range(first, first + 64)), output_len=4, arrival_s=t)
+             for first, t in ((1, 0.0), (100, 2.0))]
+    late = [TraceRequest(r.input_ids, output_len=4, arrival_s=r.arrival_s + 1.7e9) for r in trace]
+    config = ReplayConfig(capacity_tokens=4096, max_context_len=512)
+    early, shifted = (replay(t, config, cost=RecordingCost()).to_json() for t in (trace, late))
+    assert early["simulated_seconds"] == shifted["simulated_seconds"] == 2.0 + 0.5 + 3 * 0.25
+    assert early["output_tokens_per_s"] == shifted["output_tokens_per_s"] == pytest.approx(8 / 3.25, abs=1e-3)
+
+
 def test_times_to_first_token_count_from_each_arrival():
     sim = ReplicaSim(ReplayConfig(capacity_tokens=4096, max_context_len=512), RecordingCost())
     sim.add_request("a", TraceRequest(list(range(1, 65)), output_len=2))

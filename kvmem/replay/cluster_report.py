@@ -89,8 +89,9 @@ class ClusterReport:
 
     @property
     def simulated_seconds(self) -> float:
-        """The latest replica's clock at its last step."""
-        return max(r.simulated_seconds for r in self.reports)
+        """From the first arrival at any replica to the latest replica's last step."""
+        ran = [r for r in self.reports if r.time_s]
+        return max(r.time_s[-1] for r in ran) - min(r.start_s or 0.0 for r in ran) if ran else 0.0
 
     @property
     def hit_rate(self) -> float:

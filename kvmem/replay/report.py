@@ -49,6 +49,7 @@ class ReplayReport:
     rejected: int = 0
     cache_op_seconds: float = 0.0
     replay_seconds: float = 0.0
+    start_s: float | None = None  # the simulated time the first request arrived
     time_s: array = field(default_factory=lambda: array("d"), repr=False)
     tokens_used: array = field(default_factory=lambda: array("q"), repr=False)
     evictable_tokens: array = field(default_factory=lambda: array("q"), repr=False)
@@ -141,8 +142,9 @@ class ReplayReport:
 
     @property
     def simulated_seconds(self) -> float:
-        """The simulated clock at the last step."""
-        return self.time_s[-1] if self.time_s else 0.0
+        """Simulated time from the first arrival to the end of the last step (a trace's clock may start
+        anywhere: epoch timestamps are not hours of serving)."""
+        return self.time_s[-1] - (self.start_s or 0.0) if self.time_s else 0.0
 
     @property
     def hit_rate(self) -> float:

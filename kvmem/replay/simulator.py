@@ -145,6 +145,8 @@ class ReplicaSim:
         note on stderr) when it can never run here (longer than max_context_len or the KV capacity)."""
         if arrival is not None and not check_number("arrival", arrival) <= self.clock:
             raise ValueError(f"arrival {arrival} is after the replica's clock {self.clock}: run_until it first")
+        if self.report.start_s is None:
+            self.report.start_s = self.clock if arrival is None else arrival
         try:
             self.sched.add_request(Req(rid, request.input_ids, request.output_len))
         except ValueError as e:
