@@ -387,12 +387,17 @@ def test_copies_between_tiers_are_priced_in_bytes_over_gigabytes_per_second():
     stats = NS(loaded_tokens=10**9, backed_up_tokens=4 * 10**9, host_evicted_tokens=7)
     link = NS(stats=NS(prefetched_tokens=3 * 10**9, stored_tokens=5 * 10**9),
               storage=NS(stats=NS(corrupt=1, failed_ops=2)))
-    config = NS(h2d_gbps=1.0, d2h_gbps=2.0, storage_gbps=4.0, kv_bytes_per_token=2, storage="file:/x")
+    config = NS(h2d_gbps=1.0, d2h_gbps=2.0, storage_gbps=4.0, kv_bytes_per_token=2, storage="file:/x", gpu=None,
+                model=None, tp=1)
     report = ReplayReport(100, host_capacity_tokens=10)
     report.record_tiers(NS(stats=stats, storage_link=None), config)
     assert report.transfer_seconds == 2 * (1.0 + 2.0) and report.storage is None
     report.record_tiers(NS(stats=stats, storage_link=link), config)
     assert report.transfer_seconds == 2 * (1.0 + 2.0 + 2.0)
+    # On 16 GPUs each has its own host link, and llama-3-8b's 8 KV heads are kept twice: as the clock prices loads.
+    report.record_tiers(NS(stats=stats, storage_link=link), NS(**{**vars(config), "gpu": "H100",
+                                                                 "model": "llama-3-8b", "tp": 16}))
+    assert report.transfer_seconds == pytest.approx(2 * 2 * ((1.0 + 2.0) / 16 + 2.0))
     assert (report.storage, report.prefetched_tokens, report.stored_tokens, report.storage_misses_corrupt,
             report.storage_failed_ops, report.host_evicted_tokens) == ("file:/x", 3 * 10**9, 5 * 10**9, 1, 2, 7)
 

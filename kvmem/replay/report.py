@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvmem.replay.cost import DEFAULT_MODEL, kv_copies
 from kvmem.timing import LOOP_PHASES
 
 
@@ -92,7 +93,10 @@ class ReplayReport:
         self.loaded_tokens = stats.loaded_tokens
         self.backed_up_tokens = stats.backed_up_tokens
         self.host_evicted_tokens = stats.host_evicted_tokens
-        moved = stats.loaded_tokens / (config.h2d_gbps * 1e9) + stats.backed_up_tokens / (config.d2h_gbps * 1e9)
+        # Priced as the clock prices loads (RooflineCost): every GPU's KV copy, each GPU over its own host link.
+        gpus = config.tp if config.gpu is not None else 1
+        copies = kv_copies(config.model or DEFAULT_MODEL, gpus) if config.gpu is not None else 1
+        moved = (stats.loaded_tokens / config.h2d_gbps + stats.backed_up_tokens / config.d2h_gbps) / (gpus * 1e9)
         if link is not None:
             self.storage = config.storage
             self.prefetched_tokens = link.stats.prefetched_tokens
@@ -100,7 +104,7 @@ class ReplayReport:
             self.storage_misses_corrupt = link.storage.stats.corrupt
             self.storage_failed_ops = link.storage.stats.failed_ops
             moved += (link.stats.prefetched_tokens + link.stats.stored_tokens) / (config.storage_gbps * 1e9)
-        self.transfer_seconds = config.kv_bytes_per_token * moved
+        self.transfer_seconds = config.kv_bytes_per_token * copies * moved
 
     def record_step(self, time_s: float, tokens_used: int, evictable_tokens: int, running: int) -> None:
         """Samples memory after a scheduler step; the cumulative hit rate is taken from the counters."""
