@@ -478,6 +478,15 @@ def test_a_request_arriving_during_a_step_waits_from_its_arrival():
         sim.add_request("a", trace[0], 1.0)
 
 
+def test_a_config_naming_a_model_and_gpu_prices_with_their_bytes_and_link():
+    config = ReplayConfig(capacity_tokens=4096, max_context_len=512, gpu="A100", model="llama-3-70b", tp=8)
+    assert (config.kv_bytes_per_token, config.h2d_gbps, config.d2h_gbps) == (327680, 25.0, 25.0)
+    preset = RooflineCost("A100", "llama-3-70b", tp=8)
+    assert cost_model(config).decode_seconds(64, 10**6) == preset.decode_seconds(64, 10**6)
+    plain = ReplayConfig(capacity_tokens=4096, max_context_len=512, h2d_gbps=12.5)
+    assert (plain.kv_bytes_per_token, plain.h2d_gbps, plain.d2h_gbps) == (131072, 12.5, 12.5)
+
+
 def test_throughput_is_over_the_time_from_the_first_arrival():
     # A trace of epoch timestamps: its clock starts at 1.7e9 s, and nothing was served before.
     trace = [TraceRequest(list(range(first, first + 64)), output_len=4, arrival_s=t)

@@ -5,9 +5,10 @@ Source: L. A. Belady, "A study of replacement algorithms for a virtual-storage c
 of one size, each hit worth one page; here a leaf holds any number of pages and a hit is a matched prefix, so
 the rule is a near-optimal reference, not a proven bound: on the Mooncake traces no online policy comes near
 it, but on tiny hand-made traces (a few requests, one running) an online policy can beat it, and gap_closed
-is then negative or None. No cache can run it, since it needs the future; a replay
-has the whole trace, so it gives the reference that every practical policy is measured against. Hence `kvmem.RadixCache(eviction_policy="belady")` refuses, and only the replay builds
-a `BeladyPolicy`, over a `FutureIndex` of its trace.
+is then negative or None. No cache can run it, since it needs the future; a replay has the whole trace, so it
+gives the reference that every practical policy is measured against. Hence
+`kvmem.RadixCache(eviction_policy="belady")` refuses, and only the replay builds a `BeladyPolicy`, over a
+`FutureIndex` of its trace.
 
 A node's next use is the first request, in arrival order, that has not been admitted yet (a queued request
 counts: it is future use, and so does a retracted one queued again) and whose match key covers the node's

@@ -8,6 +8,7 @@ from kvmem._checks import check_host_bytes, check_int, check_number
 from kvmem.eviction import EVICTION_POLICIES as _POLICY_KEYS
 from kvmem.replay.cost import DEFAULT_MODEL, GPUS, MODEL_COMPUTE, kv_copies
 from kvmem.scheduler import SCHEDULE_POLICIES
+from kvmem.sizing import bytes_per_token, get_model_config
 from kvmem.storage import parse_store_spec
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # kvmem.tiers.WRITE_POLICIES
@@ -46,8 +47,10 @@ class ReplayConfig:
         device's capacity (rounded down to pages).
     write_policy: when the host tier copies a device node: "write_through", "write_through_selective" or
         "write_back" (see kvmem.tiers).
-    kv_bytes_per_token: KV bytes a token weighs, to price copies between tiers.
-    h2d_gbps / d2h_gbps: host-to-device and device-to-host copy bandwidth, GB/s (1e9 bytes).
+    kv_bytes_per_token: KV bytes a token weighs, to price copies between tiers (None: `model`'s, in its own
+        dtype; llama-3-8b's without a model).
+    h2d_gbps / d2h_gbps: host-to-device and device-to-host copy bandwidth, GB/s (1e9 bytes; None: the `gpu`'s
+        host link, 50 GB/s without a gpu; d2h as h2d).
     storage: a storage tier under the host tier, "file:DIR" (a FileStore) or "mooncake:HOST:PORT" (a Mooncake
         master); None: none. storage_metadata: the Mooncake metadata server ("P2PHANDSHAKE" or a URL).
     storage_capacity_tokens: what the file store may hold (None: unbounded). storage_gbps: storage bandwidth.
@@ -73,9 +76,9 @@ class ReplayConfig:
     seed: int = 0
     host_capacity_tokens: int | None = None
     write_policy: str = "write_through"
-    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
-    h2d_gbps: float = DEFAULT_PCIE_GBPS
-    d2h_gbps: float = DEFAULT_PCIE_GBPS
+    kv_bytes_per_token: int | None = None
+    h2d_gbps: float | None = None
+    d2h_gbps: float | None = None
     storage: str | None = None
     storage_metadata: str = "P2PHANDSHAKE"
     storage_capacity_tokens: int | None = None
@@ -89,6 +92,19 @@ class ReplayConfig:
     pin_budget: float = 0.2
 
     def __post_init__(self) -> None:
+        if self.model is not None and self.model not in MODEL_COMPUTE:
+            raise ValueError(f"model must be one of {', '.join(MODEL_COMPUTE)}, got {self.model!r}")
+        if self.gpu is not None and self.gpu not in GPUS:
+            raise ValueError(f"gpu must be one of {', '.join(GPUS)}, got {self.gpu!r}")
+        # What is left out is the model's and the GPU's (frozen: set once, here).
+        if self.kv_bytes_per_token is None:
+            object.__setattr__(self, "kv_bytes_per_token", DEFAULT_KV_BYTES_PER_TOKEN if self.model is None else
+                               bytes_per_token(get_model_config(self.model)))
+        if self.h2d_gbps is None:
+            object.__setattr__(self, "h2d_gbps", DEFAULT_PCIE_GBPS if self.gpu is None else
+                               GPUS[self.gpu].host_link_gbps)
+        if self.d2h_gbps is None:
+            object.__setattr__(self, "d2h_gbps", self.h2d_gbps)
         for name in ("capacity_tokens", "max_context_len", "page_size", "max_running"):
             check_int(name, getattr(self, name), minimum=1)
         if self.chunked_prefill_size is not None:
@@ -124,10 +140,6 @@ class ReplayConfig:
         for name in ("cache_decode_pages", "in_batch_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.gpu is not None and self.gpu not in GPUS:
-            raise ValueError(f"gpu must be one of {', '.join(GPUS)}, got {self.gpu!r}")
-        if self.model is not None and self.model not in MODEL_COMPUTE:
-            raise ValueError(f"model must be one of {', '.join(MODEL_COMPUTE)}, got {self.model!r}")
         check_int("tp", self.tp, minimum=1)
         if self.gpu is not None:
             kv_copies(self.model or DEFAULT_MODEL, self.tp)  # a tp that cannot split the model's heads
