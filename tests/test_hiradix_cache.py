@@ -360,14 +360,7 @@ def test_reset_empties_both_tiers_but_not_under_a_lock():
     w.put(tokens((1, 8)))
     w.put(tokens((20, 8)))
     w.cache.evict(8)
-    m = w.cache.match_prefix(tokens((20, 8)))
-    w.cache.inc_lock_ref(m.last_node)
-    with pytest.raises(RuntimeError, match="lock"):
-        w.cache.reset()
-    w.cache.dec_lock_ref(m.last_node)
-    w.cache.reset()
-    assert (w.alloc.available_size(), w.host.allocator.available_size()) == (16, 64)
-    w.cache.check_invariants()
+    assert_reset_refused_under_a_lock_then_empties_both_tiers(w, tokens((20, 8)))
 
 
 def test_reset_waits_for_backups_in_flight_however_deep_they_lock_and_refuses_only_a_requests_lock():
@@ -376,14 +369,18 @@ def test_reset_waits_for_backups_in_flight_however_deep_they_lock_and_refuses_on
     w.host.delay = 5                         # the next copies stay in flight, as on CUDA
     w.put(tokens((1, 4), (9, 4)))            # its backup locks the path down to the child
     w.put(tokens((1, 4), (9, 4), (30, 4)))   # and another one deeper on the same path
-    m = w.cache.match_prefix(tokens((1, 4), (9, 4)))
+    assert_reset_refused_under_a_lock_then_empties_both_tiers(w, tokens((1, 4), (9, 4)))
+
+
+def assert_reset_refused_under_a_lock_then_empties_both_tiers(w, key):
+    m = w.cache.match_prefix(key)
     w.cache.inc_lock_ref(m.last_node)
     with pytest.raises(RuntimeError, match="requests lock"):
         w.cache.reset()
     w.cache.check_invariants()
     w.cache.dec_lock_ref(m.last_node)
     w.cache.reset()
-    assert (w.alloc.available_size(), w.host.allocator.available_size()) == (32, 64)
+    assert (w.alloc.available_size(), w.host.allocator.available_size()) == (w.alloc.size, w.host.allocator.size)
     w.cache.check_invariants()
 
 
