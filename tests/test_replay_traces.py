@@ -190,6 +190,8 @@ BAD_MOONCAKE_LINES = [
     ('{"timestamp": 1e999, "input_length": 1, "output_length": 1, "hash_ids": [0]}', "timestamp must be"),
     ('{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [-1]}', "non-negative"),
     ('{"timestamp": 0, "input_length": 1, "output_length": 99999999999999999999, "hash_ids": [0]}', "int"),
+    ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, true]}',
+     "hash_ids must be a list of ints, got a bool"),  # numpy would read it as [1, 1]
 ]
 
 
@@ -212,6 +214,8 @@ BAD_JSONL_LINES = [
     ('{"input_ids": [1], "output_len": 2, "output_ids": [3]}', "output_ids has 1 tokens"),
     ('{"input_ids": [4294967296], "output_len": 1}', "2**31"),
     ('{"input_ids": [1], "output_len": 1, "timestamp": 1, "arrival_s": 1}', "not both"),
+    ('{"input_ids": [5, false], "output_len": 1}', "input_ids must be a list of ints, got a bool"),
+    ('{"input_ids": [5], "output_len": 1, "output_ids": [true]}', "output_ids must be a list of ints, got a bool"),
 ]
 
 
