@@ -373,3 +373,11 @@ def test_poisson_arrivals_are_increasing_and_default_arrivals_are_zero():
 def test_generators_reject_bad_parameters(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         shared_system_prompts(10, **kwargs)
+
+
+def test_a_trace_whose_lines_end_in_a_bare_cr_is_refused_saying_so(tmp_path):
+    path = tmp_path / "cr.jsonl"
+    path.write_bytes(b'{"input_ids": [1], "output_len": 1}\r{"input_ids": [2], "output_len": 1}\r')
+    for fmt in ("auto", "jsonl"):
+        with pytest.raises(TraceError, match="its lines end in a bare CR: convert them to LF"):
+            read_trace(path, fmt)

@@ -374,14 +374,16 @@ def read_trace(path: str | os.PathLike, format: str = "auto", *, limit: int | No
 
 def detect_format(path: str | os.PathLike) -> str:
     """ "mooncake" or "jsonl", from the first non-blank line that is a JSON object; raises TraceError."""
-    for line_no, record in _json_lines(path, "skip", []):
+    skipped: list[TraceError] = []
+    for line_no, record in _json_lines(path, "skip", skipped):
         if "hash_ids" in record:
             return "mooncake"
         if "input_ids" in record:
             return "jsonl"
         raise TraceError(path, line_no, "unknown trace format: expected a 'hash_ids' (Mooncake) "
                                         "or 'input_ids' (kvmem JSONL) field")
-    raise TraceError(path, None, "unknown trace format: no line is a JSON object")
+    first = f" (line {skipped[0].line}: {skipped[0].reason})" if skipped else ""
+    raise TraceError(path, None, f"unknown trace format: no line is a JSON object{first}")
 
 
 def _json_lines(path, on_error: str, skipped: list[TraceError]) -> Iterator[tuple[int, dict]]:
@@ -397,7 +399,9 @@ def _json_lines(path, on_error: str, skipped: list[TraceError]) -> Iterator[tupl
             try:
                 record = json.loads(line)
             except ValueError as e:
-                _fail(TraceError(path, line_no, f"not JSON ({_reason(e)})"), on_error, skipped)
+                # A file whose lines end in a bare CR reads as one line.
+                cr = "; its lines end in a bare CR: convert them to LF" if b"\r" in line.rstrip(b"\r\n") else ""
+                _fail(TraceError(path, line_no, f"not JSON ({_reason(e)}{cr})"), on_error, skipped)
                 continue
             if not isinstance(record, dict):
                 _fail(TraceError(path, line_no, f"expected a JSON object, got {type(record).__name__}"),
