@@ -88,6 +88,7 @@ class Req:
         self.extend_end = 0
         self.num_retractions = 0
         self.turn: int | None = None  # its conversation turn, once a policy that tracks turns has inferred it
+        self._run_outputs: list | None = None  # the outputs list Scheduler.run_decode checked for it
 
     @property
     def fill_ids(self) -> array:

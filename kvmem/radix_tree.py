@@ -294,6 +294,8 @@ class RadixTree:
         if node.parent is None:
             return 0
         tokens = node.depth + node.num_tokens
+        if tokens > self._pin_budget:  # alone past the budget: it pins nothing, and must cost the other pins nothing
+            return 0
         self._pins[name] = (node, tokens)
         self._pins_per_node[node] = self._pins_per_node.get(node, 0) + 1
         self._pinned_tokens += tokens
@@ -301,7 +303,7 @@ class RadixTree:
         self._set_pin(node, self._pin_seq)
         while self._pinned_tokens > self._pin_budget:
             self._drop_pin(*self._pins.popitem(last=False)[1])
-        return tokens if name in self._pins else 0
+        return tokens
 
     def unpin(self, key, namespace: str | None = None) -> int:
         """Releases the pin of `key` (as given to `pin`); returns the tokens it pinned (0 if it had none:

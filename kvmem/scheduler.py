@@ -459,13 +459,13 @@ class Scheduler:
             raise ValueError(f"num_steps {num_steps} exceeds pure_decode_steps(): at most {self._fewest_left}, "
                              f"the fewest output tokens a running request lacks")
         for req in self.running:
-            out = outputs[req.rid]
-            if type(out) is not list:
-                raise TypeError(f"outputs[{req.rid!r}] must be a list of ints (as process_batch_result stores "
-                                f"them), got {type(out).__name__}")
-            if len(out) < req.max_new_tokens:
-                raise ValueError(f"request {req.rid!r}: its output has {len(out)} of its "
-                                 f"{req.max_new_tokens} tokens")
+            try:
+                out = outputs[req.rid]
+            except KeyError:
+                raise KeyError(f"outputs has no entry for running request {req.rid!r}") from None
+            if out is not req._run_outputs:  # once per request: a simulator passes the same list at every run
+                _check_run_outputs(req, out)
+                req._run_outputs = out
         timer = self.timer
         if timer is not None:
             t0, admission = perf_counter(), timer.seconds.get("rank", 0.0) + timer.seconds.get("match", 0.0)
@@ -620,8 +620,8 @@ class Scheduler:
         if len(req.fill_ids) - 1 < end:  # the match key leaves the last token out
             return False
         head = memoryview(req.fill_ids)[:end]
-        for other in batch:
-            if other.extend_end >= end and request_token_ids(other, end) == head:
+        for other in batch:  # only its own namespace's pages can be its hit
+            if other.namespace == req.namespace and other.extend_end >= end and request_token_ids(other, end) == head:
                 return True
         return False
 
@@ -820,6 +820,21 @@ class Scheduler:
             raise AssertionError(f"running requests owe {left} output tokens, the count says {self._tokens_left}")
 
 
+def _check_run_outputs(req: Req, out) -> None:
+    """Raises unless `out` is a list of at least max_new_tokens int token ids, as process_batch_result stores them."""
+    if type(out) is not list:
+        raise TypeError(f"outputs[{req.rid!r}] must be a list of ints (as process_batch_result stores them), got "
+                        f"{type(out).__name__}")
+    if len(out) < req.max_new_tokens:
+        raise ValueError(f"request {req.rid!r}: its output has {len(out)} of its {req.max_new_tokens} tokens")
+    try:
+        array("q", out)
+    except (TypeError, OverflowError):
+        raise TypeError(f"outputs[{req.rid!r}] must hold int token ids") from None
+    if any(type(t) is bool for t in out):
+        raise TypeError(f"outputs[{req.rid!r}] must hold int token ids, got a bool")
+
+
 def _kv_lens(reqs: list[Req]) -> np.ndarray:
     return np.fromiter((r.kv_len for r in reqs), dtype=np.int64, count=len(reqs))
 
@@ -833,7 +848,11 @@ def _token_ids(next_token_ids) -> array:
     if isinstance(next_token_ids, (torch.Tensor, np.ndarray)):
         if next_token_ids.ndim != 1:
             raise ValueError(f"next_token_ids must be 1-D, got shape {tuple(next_token_ids.shape)}")
+        if next_token_ids.dtype in (torch.bool, np.bool_):
+            raise TypeError(f"next_token_ids must hold int token ids, got dtype {next_token_ids.dtype}")
         next_token_ids = next_token_ids.tolist()
+    elif isinstance(next_token_ids, (list, tuple)) and any(type(t) is bool for t in next_token_ids):
+        raise TypeError("next_token_ids must hold int token ids, got a bool")  # array("q") would store 1
     try:
         return array("q", next_token_ids)
     except TypeError as e:

@@ -193,6 +193,15 @@ def test_a_pin_alone_past_the_budget_pins_nothing():
     assert cache.pin(seq(0, 8)) == 8 and cache.pinned_size() == 8
 
 
+def test_a_pin_alone_past_the_budget_leaves_the_other_pins_alone():
+    cache = RadixCache(ReqToTokenPool(4, 64), TokenAllocator(40), eviction_policy="lru", pin_budget=0.2)  # 8
+    put(cache, seq(0, 4))
+    put(cache, seq(20, 12))
+    assert cache.pin(seq(0, 4)) == 4
+    assert cache.pin(seq(20, 12)) == 0 and cache.pinned_size() == 4  # it used to drop every older pin first
+    assert cache.unpin(seq(0, 4)) == 4
+
+
 def test_lookahead_composes_with_a_base_policy():
     policy = Lookahead(S3FIFO())
     cache, _ = make_cache(policy=policy)

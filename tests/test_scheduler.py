@@ -1336,3 +1336,43 @@ def test_a_middle_chunk_cannot_be_stopped():
     with pytest.raises(ValueError, match="stopped: request 'a' samples nothing in this step"):
         sched.process_batch_result(batch, [7], stopped=[0])
 
+
+def test_in_batch_prefix_caching_waits_only_for_pages_of_its_own_namespace():
+    prompt = list(range(100, 164))
+    for namespace, waits in (("tenant", False), (None, True)):
+        sched = make_scheduler(512, chunked_prefill_size=None, in_batch_prefix_caching=True)
+        sched.add_request(Req("A", prompt, 2))
+        sched.add_request(Req("B", prompt[:10] + [1, 2], 2, namespace=namespace))
+        batch = sched.step()
+        # Another tenant's pages can never be B's hit: waiting for them delays it for nothing, and would let it
+        # time another tenant's prompt.
+        assert [r.rid for r in batch.reqs] == (["A"] if waits else ["A", "B"])
+        sched.process_batch_result(batch, [7] * batch.batch_size())
+
+
+def test_run_decode_refuses_outputs_that_are_not_int_tokens_and_changes_nothing():
+    for bad, error in (([5, 6.5, 7, 8], "must hold int token ids"), ([5, True, 7, 8], "got a bool")):
+        sched = make_scheduler(128)
+        sched.add_request(Req("a", [1, 2, 3], 4))
+        sched.process_batch_result(sched.step(), [5])
+        req, free = sched.running[0], sched.token_allocator.available_size()
+        with pytest.raises(TypeError, match=error):
+            sched.run_decode(3, {"a": bad})
+        assert (req.output_ids, req.kv_len, sched.token_allocator.available_size()) == ([5], 3, free)
+        with pytest.raises(KeyError, match="outputs has no entry for running request 'a'"):
+            sched.run_decode(3, {})
+        sched.check_invariants()
+        assert sched.run_decode(3, {"a": [5, 6, 7, 8]}).steps == 3
+
+
+@pytest.mark.parametrize("tokens", [[True, 7], torch.tensor([True, False]), np.array([True, False])])
+def test_process_batch_result_refuses_bool_tokens(tokens):
+    sched = make_scheduler(128)
+    for rid in ("a", "b"):
+        sched.add_request(Req(rid, [1, 2, 3], 4))
+    batch = sched.step()
+    with pytest.raises(TypeError, match="next_token_ids must hold int token ids"):
+        sched.process_batch_result(batch, tokens)
+    assert [r.output_ids for r in batch.reqs] == [[], []]
+    sched.process_batch_result(batch, [7, 8])
+
