@@ -80,8 +80,8 @@ def test_options_reach_the_replay_config(capsys, fake_replay, tmp_path):
     config = fake_replay[0][1]
     assert config == ReplayConfig(capacity_tokens=4096, max_context_len=11, page_size=16, eviction_policy="lfu",
                                   schedule_policy="fcfs", max_running=8, chunked_prefill_size=None,
-                                  honour_arrivals=False, seed=7)
-    assert json.loads(out)["config"]["eviction_policy"] == "lfu"
+                                  honour_arrivals=False, seed=7, h2d_gbps=50.0, d2h_gbps=50.0)
+    assert json.loads(out)["config"]["eviction_policy"] == "lfu"  # the report names the links it priced
 
 
 def test_gpu_memory_and_model_size_the_capacity(capsys, fake_replay):

@@ -387,7 +387,7 @@ def test_copies_between_tiers_are_priced_in_bytes_over_gigabytes_per_second():
     stats = NS(loaded_tokens=10**9, backed_up_tokens=4 * 10**9, host_evicted_tokens=7)
     link = NS(stats=NS(prefetched_tokens=3 * 10**9, stored_tokens=5 * 10**9),
               storage=NS(stats=NS(corrupt=1, failed_ops=2)))
-    config = NS(h2d_gbps=1.0, d2h_gbps=2.0, storage_gbps=4.0, kv_bytes_per_token=2, storage="file:/x", gpu=None,
+    config = NS(host_links_gbps=(1.0, 2.0), storage_gbps=4.0, token_kv_bytes=2, storage="file:/x", gpu=None,
                 model=None, tp=1)
     report = ReplayReport(100, host_capacity_tokens=10)
     report.record_tiers(NS(stats=stats, storage_link=None), config)
@@ -480,11 +480,15 @@ def test_a_request_arriving_during_a_step_waits_from_its_arrival():
 
 def test_a_config_naming_a_model_and_gpu_prices_with_their_bytes_and_link():
     config = ReplayConfig(capacity_tokens=4096, max_context_len=512, gpu="A100", model="llama-3-70b", tp=8)
-    assert (config.kv_bytes_per_token, config.h2d_gbps, config.d2h_gbps) == (327680, 25.0, 25.0)
+    assert (config.token_kv_bytes, config.host_links_gbps) == (327680, (25.0, 25.0))
     preset = RooflineCost("A100", "llama-3-70b", tp=8)
     assert cost_model(config).decode_seconds(64, 10**6) == preset.decode_seconds(64, 10**6)
     plain = ReplayConfig(capacity_tokens=4096, max_context_len=512, h2d_gbps=12.5)
-    assert (plain.kv_bytes_per_token, plain.h2d_gbps, plain.d2h_gbps) == (131072, 12.5, 12.5)
+    assert (plain.token_kv_bytes, plain.host_links_gbps) == (131072, (12.5, 12.5))
+    # Derived, not stored: another model or GPU by dataclasses.replace derives them again.
+    other = dataclasses.replace(config, model="llama-3-8b", gpu="H100")
+    assert (other.token_kv_bytes, other.host_links_gbps) == (131072, (50.0, 50.0))
+    assert dataclasses.replace(plain, h2d_gbps=40.0).host_links_gbps == (40.0, 40.0)
 
 
 def test_throughput_is_over_the_time_from_the_first_arrival():

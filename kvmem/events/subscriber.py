@@ -6,12 +6,16 @@ cache as of some step, or a subset of it (never a block the replica does not hol
 - a batch numbered below the next expected one is a duplicate (a replay and the live stream overlap): skipped;
 - a batch numbered above it reveals a gap (the high-water mark dropped batches, or the subscriber joined
   late): the missing ones are asked for on the replay socket and applied in order;
+- a batch the index refuses (raises in `apply`) is not skipped: the error reaches the caller, and the
+  batch is applied again at the next gap's replay;
 - batches the replay buffer no longer holds, or a payload that does not decode, cannot be applied: the
   subscriber clears the replica in the index (as an `AllBlocksCleared` would) and goes on from the next
   batch, counting what it lost. From then on the index holds only blocks stored after the loss, which
   are all still held unless a later event says otherwise;
 - a live batch numbered at or below the last live one is a new stream: the engine restarted (its cache
-  is empty, its publisher numbers from 0 again). The replica is cleared and followed from 0.
+  is empty, its publisher numbers from 0 again). The replica is cleared and followed from 0. The stream
+  carries no epoch, so a restart is seen only so: one whose first batch seen here is numbered above the
+  old stream's last looks like a gap, and one before any live batch was seen, like duplicates.
 
 Replays are read in both forms engines send: (b"", topic, seq, payload), as vLLM and SGLang now do, and
 the older (b"", seq, payload).

@@ -96,15 +96,6 @@ class ReplayConfig:
             raise ValueError(f"model must be one of {', '.join(MODEL_COMPUTE)}, got {self.model!r}")
         if self.gpu is not None and self.gpu not in GPUS:
             raise ValueError(f"gpu must be one of {', '.join(GPUS)}, got {self.gpu!r}")
-        # What is left out is the model's and the GPU's (frozen: set once, here).
-        if self.kv_bytes_per_token is None:
-            object.__setattr__(self, "kv_bytes_per_token", DEFAULT_KV_BYTES_PER_TOKEN if self.model is None else
-                               bytes_per_token(get_model_config(self.model)))
-        if self.h2d_gbps is None:
-            object.__setattr__(self, "h2d_gbps", DEFAULT_PCIE_GBPS if self.gpu is None else
-                               GPUS[self.gpu].host_link_gbps)
-        if self.d2h_gbps is None:
-            object.__setattr__(self, "d2h_gbps", self.h2d_gbps)
         for name in ("capacity_tokens", "max_context_len", "page_size", "max_running"):
             check_int(name, getattr(self, name), minimum=1)
         if self.chunked_prefill_size is not None:
@@ -126,9 +117,11 @@ class ReplayConfig:
                                  f"{self.capacity_tokens} (a host tier holds a copy of every cached device page)")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
-        check_int("kv_bytes_per_token", self.kv_bytes_per_token, minimum=1)
-        check_number("h2d_gbps", self.h2d_gbps, 0, allow_minimum=False)
-        check_number("d2h_gbps", self.d2h_gbps, 0, allow_minimum=False)
+        if self.kv_bytes_per_token is not None:
+            check_int("kv_bytes_per_token", self.kv_bytes_per_token, minimum=1)
+        for name in ("h2d_gbps", "d2h_gbps"):
+            if getattr(self, name) is not None:
+                check_number(name, getattr(self, name), 0, allow_minimum=False)
         check_number("storage_gbps", self.storage_gbps, 0, allow_minimum=False)
         if self.storage is not None:
             parse_store_spec(self.storage)
@@ -147,6 +140,21 @@ class ReplayConfig:
         if not 0 <= check_number("pin_budget", self.pin_budget, 0) <= 1:
             raise ValueError(f"pin_budget must lie in [0, 1], got {self.pin_budget!r}")
 
+
+    @property
+    def token_kv_bytes(self) -> int:
+        """kv_bytes_per_token, or the model's (llama-3-8b's without one). Left None in the field, so that
+        dataclasses.replace with another model derives it again."""
+        if self.kv_bytes_per_token is not None:
+            return self.kv_bytes_per_token
+        return DEFAULT_KV_BYTES_PER_TOKEN if self.model is None else bytes_per_token(get_model_config(self.model))
+
+    @property
+    def host_links_gbps(self) -> tuple[float, float]:
+        """(h2d, d2h) GB/s: as given, else the GPU's host link (50 GB/s without a GPU); d2h as h2d."""
+        h2d = self.h2d_gbps if self.h2d_gbps is not None else (
+            DEFAULT_PCIE_GBPS if self.gpu is None else GPUS[self.gpu].host_link_gbps)
+        return h2d, self.d2h_gbps if self.d2h_gbps is not None else h2d
 
     @property
     def context_len(self) -> int:

@@ -96,7 +96,8 @@ class ReplayReport:
         # Priced as the clock prices loads (RooflineCost): every GPU's KV copy, each GPU over its own host link.
         gpus = config.tp if config.gpu is not None else 1
         copies = kv_copies(config.model or DEFAULT_MODEL, gpus) if config.gpu is not None else 1
-        moved = (stats.loaded_tokens / config.h2d_gbps + stats.backed_up_tokens / config.d2h_gbps) / (gpus * 1e9)
+        h2d, d2h = config.host_links_gbps
+        moved = (stats.loaded_tokens / h2d + stats.backed_up_tokens / d2h) / (gpus * 1e9)
         if link is not None:
             self.storage = config.storage
             self.prefetched_tokens = link.stats.prefetched_tokens
@@ -104,7 +105,7 @@ class ReplayReport:
             self.storage_misses_corrupt = link.storage.stats.corrupt
             self.storage_failed_ops = link.storage.stats.failed_ops
             moved += (link.stats.prefetched_tokens + link.stats.stored_tokens) / (config.storage_gbps * 1e9)
-        self.transfer_seconds = config.kv_bytes_per_token * copies * moved
+        self.transfer_seconds = config.token_kv_bytes * copies * moved
 
     def record_step(self, time_s: float, tokens_used: int, evictable_tokens: int, running: int) -> None:
         """Samples memory after a scheduler step; the cumulative hit rate is taken from the counters."""
