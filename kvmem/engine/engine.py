@@ -131,7 +131,8 @@ class Engine:
 
         Raises ValueError (TypeError for non-integer ids) naming the request when the prompt is empty, holds
         a token outside the vocabulary, or when prompt + max_new_tokens exceed the model's context or the
-        pool; nothing is queued then and running requests are unaffected.
+        pool, and naming stop_token_ids when one is not a token of the vocabulary; nothing is queued then and
+        running requests are unaffected.
         """
         req = self._new_req(self._next_rid, input_ids, max_new_tokens)
         stops = self._stop_ids(stop_token_ids)
