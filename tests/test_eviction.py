@@ -96,6 +96,36 @@ def test_arc_grows_its_recency_target_when_a_prefix_evicted_from_t1_comes_back()
     assert cache._policy.target >= 4
 
 
+def test_arc_moves_its_target_by_the_ghost_lists_ratio_with_the_returning_prefix_counted():
+    alloc = TokenAllocator(8192)
+    arc = ARC()
+    cache = RadixCache(ReqToTokenPool(2, 4096), alloc, eviction_policy=arc)
+    x, y, z = ([k] + list(range(1000 * k, 1000 * k + n - 1)) for k, n in ((1, 100), (2, 500), (3, 2000)))
+    for key in (x, y, z):
+        cache.insert(key, alloc.alloc(len(key)))
+    cache.match_prefix(y)
+    cache.match_prefix(z)  # y and z in T2
+    cache.evict(100)       # x to B1
+    cache.evict(500)       # y to B2
+    cache.insert(x, alloc.alloc(len(x)))
+    # FAST'03: p += max(|B2| / |B1|, 1) * |x| with x still in B1: 500 / 100 * 100. It was 2600, all the cache.
+    assert arc.target == 500
+
+
+@pytest.mark.parametrize("name", ["s3fifo", "arc", "2q", "lookahead+s3fifo"])
+def test_a_pinned_leaf_let_go_leaves_no_state_behind_in_the_policy(name):
+    alloc = TokenAllocator(4096)
+    policy = make_policy(name)
+    cache = RadixCache(ReqToTokenPool(2, 64), alloc, eviction_policy=policy, pin_budget=0.5)
+    for i in range(20):
+        key = [10000 + i] + list(range(7))
+        cache.insert(key, alloc.alloc(8))
+        cache.pin(key)
+        cache.evict(8)  # nothing unpinned to evict: the pinned leaf goes
+    base = policy.base if isinstance(policy, Lookahead) else policy
+    assert cache.total_size() == 0 and not base._state  # held each evicted node, its key and slots, for good
+
+
 # ---- 2Q -------------------------------------------------------------------------------------------------------
 def test_2q_ignores_hits_on_probation_and_promotes_what_comes_back_from_the_ghost_queue():
     cache, _ = make_cache(policy="2q")

@@ -44,11 +44,12 @@ class ARC(QueuedPolicy):
         name = self._page_key(node)
         b1, b2 = self._ghosts
         c = self._queues.peak
+        # The ratio of the ghost lists as they were with the returning prefix in them (FAST'03's delta).
         if b1_tokens := b1.take(name):
-            self.target = min(c, self.target + max(1.0, b2.tokens / max(b1.tokens, 1)) * b1_tokens)
+            self.target = min(c, self.target + max(1.0, b2.tokens / (b1.tokens + b1_tokens)) * b1_tokens)
             return True
         if b2_tokens := b2.take(name):
-            self.target = max(0.0, self.target - max(1.0, b1.tokens / max(b2.tokens, 1)) * b2_tokens)
+            self.target = max(0.0, self.target - max(1.0, b1.tokens / (b2.tokens + b2_tokens)) * b2_tokens)
             return True
         return False
 

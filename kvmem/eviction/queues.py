@@ -105,6 +105,10 @@ class QueuedPolicy(EvictionPolicy):
     def remove(self, node: TreeNode, entry: list) -> None:
         self._queues.remove(entry)
 
+    def evicted(self, node: TreeNode) -> None:
+        # A pinned leaf the tier let go once the queues were empty: it never was this policy's victim.
+        self._state.pop(node, None)
+
     def split(self, head: TreeNode, child: TreeNode) -> None:
         state = self._state.get(child)
         if state is not None:
