@@ -106,6 +106,24 @@ def test_a_capped_file_store_deletes_its_least_recently_used_pages(tmp_path):
     assert FileStore(tmp_path, capacity_bytes=3 * page).used_bytes() == 3 * page  # reopened: it knows its pages
 
 
+def test_a_capped_file_store_drops_a_chains_deepest_pages_first(tmp_path):
+    # A lookup stops at the first missing page: dropping a chain's root first left the rest unreachable.
+    pool = HostSlotPool(256, PS)
+    slots = pool.allocator.alloc(12 * PS)
+    page = len(encode_page(bytes(32), fingerprint(pool.storage_format()), PS, b""))
+    store = FileStore(tmp_path, capacity_bytes=8 * page)
+    a, b = keys_of(list(range(8 * PS))), keys_of(list(range(1000, 1000 + PS)))
+    assert store.batch_set(a, pool, slots[:8 * PS]) == 8 and store.batch_exists(a) == 8
+    store.batch_set(b, pool, slots[8 * PS:9 * PS])
+    assert store.batch_exists(a) == 7 and store.batch_exists(b) == 1
+    store.batch_get(a[:7], pool, slots[:7 * PS])     # read again, root first: b's page is now the oldest
+    store.batch_set(keys_of(list(range(2000, 2000 + PS))), pool, slots[8 * PS:9 * PS])
+    assert store.batch_exists(a) == 7 and store.batch_exists(b) == 0
+    store.batch_set(keys_of(list(range(3000, 3000 + PS))), pool, slots[8 * PS:9 * PS])
+    assert store.batch_exists(a) == 6                # then a's deepest page
+    assert FileStore(tmp_path, capacity_bytes=8 * page).batch_exists(a) == 6
+
+
 def test_bad_arguments_to_a_store_are_refused(tmp_path):
     pool = HostSlotPool(64, PS)
     store = FileStore(tmp_path)

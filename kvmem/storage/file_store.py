@@ -58,20 +58,18 @@ class FileStore(PageStore):
     def _read(self, keys: list[str], value_bytes: int) -> list[bytes | None]:
         values = []
         for key in keys:
-            file = self._file(key)
             try:
-                values.append(file.read_bytes())
-                os.utime(file)
+                values.append(self._file(key).read_bytes())
             except FileNotFoundError:
                 break
             except OSError:
                 self.stats.failed_ops += 1
                 break
-            self._touch(key, len(values[-1]))
+        self._refresh(keys[:len(values)], [len(v) for v in values])
         return values
 
     def _write(self, keys: list[str], values: list[bytes]) -> int:
-        stored = 0
+        stored, written = 0, []
         for key, value in zip(keys, values):
             file = self._file(key)
             try:
@@ -95,6 +93,8 @@ class FileStore(PageStore):
                 continue
             stored += 1
             self._touch(key, len(value))
+            written.append(key)
+        self._refresh(written, [self._lru.get(key, 0) for key in written])
         return stored
 
     def _discard(self, key: str) -> None:
@@ -105,6 +105,17 @@ class FileStore(PageStore):
         self._bytes -= self._lru.pop(key, 0)
 
     # ---- the size cap -------------------------------------------------------------------------------
+    def _refresh(self, keys: list[str], sizes: list[int]) -> None:
+        """Marks `keys` (a prefix chain, root first) used now, the root last: a lookup stops at the first
+        missing page, so the cap must take a chain's deepest pages first, never its root before the rest (which
+        would leave them unreachable, holding space). The files' times follow, for other processes' indexes."""
+        for key, size in zip(reversed(keys), reversed(sizes)):
+            try:
+                os.utime(self._file(key))
+            except OSError:
+                self.stats.failed_ops += 1
+            self._touch(key, size)
+
     def _touch(self, key: str, size: int) -> None:
         if self.capacity_bytes is None:
             return

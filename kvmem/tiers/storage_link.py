@@ -10,9 +10,11 @@ for a slow store unless its prefetch policy says so. Two rules keep them safe an
   policies, whose admission must not wait for the store, it counts the pages of queued writes as present (their
   read runs after them) and never waits, not even for a slow read queued before those writes.
 
-Prefetch policies (when admission takes a prefetch's pages): "best_effort" takes the pages that have arrived,
-"wait_complete" waits for all of them, "timeout" waits at most `prefetch_timeout_s`. A prefetch still running
-when it is taken keeps its host slots until the read ends (`reap`), and is then released.
+Prefetch policies (when admission takes a prefetch's pages): "best_effort" takes them if the read has ended,
+"wait_complete" waits for it, "timeout" waits at most `prefetch_timeout_s`. A read is one `batch_get`, so it
+arrives whole or not at all: SGLang's HiCache keeps the pages a late prefetch has already fetched, while here a
+prefetch still running when it is taken gives none; it keeps its host slots until the read ends (`reap`), and
+they are then released.
 """
 
 from __future__ import annotations
