@@ -192,11 +192,14 @@ def test_a_subscriber_past_its_high_water_mark_counts_the_drops_and_resyncs_thro
             assert index.blocks(0) == expected
 
 
-def test_batches_gone_from_the_replay_buffer_clear_the_replica_and_leave_no_stale_block():
+def test_batches_gone_from_the_replay_buffer_clear_the_replica_and_leave_no_stale_block(ctx):
     with publisher(buffer_steps=2) as pub:
         for i in range(4):
             pub.publish(EventBatch(float(i), [stored(i)]))
         last = pub.publish(EventBatch(4.0, [BlockRemoved([3]), stored(9)]))
+        # A barrier: every batch is sent before the subscriber connects (publish only queues it; on a loaded
+        # machine the sending thread could otherwise send them live to the new subscriber).
+        replay(ctx, pub, 0)
         index = BlockIndex(1)
         index.apply_event(0, stored(100))  # stale: the replica dropped it while nobody listened
         with KVEventSubscriber(pub.endpoint, index, 0, replay_endpoint=pub.replay_endpoint) as sub:
