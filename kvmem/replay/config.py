@@ -140,7 +140,6 @@ class ReplayConfig:
         if not 0 <= check_number("pin_budget", self.pin_budget, 0) <= 1:
             raise ValueError(f"pin_budget must lie in [0, 1], got {self.pin_budget!r}")
 
-
     @property
     def token_kv_bytes(self) -> int:
         """kv_bytes_per_token, or the model's (llama-3-8b's without one). Left None in the field, so that
