@@ -226,10 +226,76 @@ def test_admission_does_not_wait_for_a_slow_store_and_its_slots_come_back(tmp_pa
     assert second.host_allocator.available_size() == free - len(PROMPT)
     second.check_invariants()                                     # its slots are held by the read, counted
     store.gate.set()
-    prefetch.future.result(timeout=10)
+    assert prefetch.wait(timeout=10)
     second.writing_check()                                        # the read ended: its slots are released
     assert second.host_allocator.available_size() == free
     second.check_invariants()
+
+
+class ChunkGatedStore(GatedStore):
+    """A store whose reads after the first `open_reads` wait for the gate: a read that lands part of the way."""
+
+    def __init__(self, inner, open_reads=1):
+        super().__init__(inner)
+        self.open_reads, self.reads = open_reads, 0
+
+    def batch_get(self, keys, host_pool, host_slots):
+        self.reads += 1
+        if self.reads > self.open_reads:
+            self.gate.wait(timeout=10)
+        return self.inner.batch_get(keys, host_pool, host_slots)
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "timeout"])
+def test_a_late_prefetch_gives_the_chunks_that_landed_and_the_right_kv(tmp_path, policy):
+    store_prompt(tmp_path)
+    store = ChunkGatedStore(FileStore(tmp_path))
+    second, device2, _ = cache_over(store, policy)
+    second.storage_link.read_chunk_pages = 2                   # 8 pages: 4 reads; the second waits at the gate
+    free = second.host_allocator.available_size()
+    prefetch = second.prefetch(PROMPT + [1])
+    assert len(prefetch.futures) == 4 and prefetch.futures[0].result(timeout=10) == 2
+    assert second.finish_prefetch(prefetch) == 2 * PS            # the first chunk, as SGLang keeps fetched pages
+    assert prefetch.futures[2].cancelled() and prefetch.futures[3].cancelled()   # never read
+    assert second.host_allocator.available_size() == free - 4 * PS   # 2 pages the tree's, 2 the running read's
+    second.check_invariants()
+    m = second.match_prefix(PROMPT + [1])
+    assert (m.indices.numel(), m.host_hit_length) == (0, 2 * PS)
+    indices = second.load_back(m.last_host_node, m.host_hit_length)
+    assert device2.read_kv(0, indices)[0].flatten().long().tolist() == PROMPT[:2 * PS]
+    store.gate.set()
+    assert prefetch.wait(timeout=10) and prefetch.futures[1].result() == 2   # the running read ends
+    second.writing_check()
+    assert second.host_allocator.available_size() + second.host_total_size() == free
+    second.check_invariants()
+    assert second.storage_link.stats.dropped_prefetch_tokens == 2 * PS
+
+
+def test_a_prefetch_takes_nothing_past_a_chunk_that_failed_or_came_short(tmp_path):
+    store_prompt(tmp_path)
+    inner = FileStore(tmp_path)
+
+    class ShortSecondRead(GatedStore):
+        reads = 0
+
+        def batch_get(self, keys, host_pool, host_slots):
+            self.reads += 1
+            if self.reads == 2:
+                return self.inner.batch_get(keys[:1], host_pool, host_slots[:PS])  # one page of two
+            if self.reads == 3:
+                raise OSError("disk gone")
+            return self.inner.batch_get(keys, host_pool, host_slots)
+
+    store = ShortSecondRead(inner)
+    second, device2, _ = cache_over(store, "wait_complete")
+    second.storage_link.read_chunk_pages = 2
+    free = second.host_allocator.available_size()
+    assert second.finish_prefetch(second.prefetch(PROMPT + [1])) == 3 * PS   # chunk 1 whole, then one page
+    assert second.host_allocator.available_size() + second.host_total_size() == free
+    second.check_invariants()
+    m = second.match_prefix(PROMPT + [1])
+    indices = second.load_back(m.last_host_node, m.host_hit_length)
+    assert device2.read_kv(0, indices)[0].flatten().long().tolist() == PROMPT[:3 * PS]
 
 
 def test_wait_complete_waits_for_the_read(tmp_path):
@@ -520,7 +586,7 @@ def test_reset_keeps_count_of_the_slots_a_prefetch_still_reads_into(tmp_path, la
     second.reset()
     second.check_invariants()                            # its slots are still the read's
     store.gate.set()
-    prefetch.future.result(timeout=10)
+    assert prefetch.wait(timeout=10)
     if not late:  # read from the root: its pages are still the right ones, and hang there
         assert second.finish_prefetch(prefetch) == len(PROMPT)
     second.writing_check()
@@ -553,9 +619,9 @@ def test_a_lookup_waits_neither_for_a_slow_read_nor_for_the_writes_queued_behind
     digests = b"".join(bytes.fromhex(k) for k in keys_of(other + [1]))
     t0 = time.monotonic()
     assert second.storage_link.lookup(digests) == len(other) // PS   # counted, not waited for
-    assert time.monotonic() - t0 < 5 and not slow.future.done() and store.batch_exists(keys_of(other)) == 0
+    assert time.monotonic() - t0 < 5 and not slow.wait(0) and store.batch_exists(keys_of(other)) == 0
     store.gate.set()
-    slow.future.result(timeout=10)
+    assert slow.wait(timeout=10)
     second.storage_link.drain_writes()
     assert store.batch_exists(keys_of(other)) == len(other) // PS
     assert second.finish_prefetch(slow) == len(PROMPT)

@@ -628,18 +628,17 @@ class HiRadixCache(RadixCache):
         if self._prefetches.get(id(prefetch)) is not prefetch:
             raise ValueError("prefetch was not started by this cache's prefetch(), or was finished already")
         del self._prefetches[id(prefetch)]
-        got = self.storage_link.arrived(prefetch)
-        if got is None:  # still reading: its slots stay held until the read ends (writing_check reaps them)
-            return 0
+        got, reading = self.storage_link.arrived(prefetch)
         if self.tp_group is not None:
             got = _all_reduce_min(got, self.tp_group)
-        slots = prefetch.host_slots
-        self._prefetch_held -= len(slots)
-        attached = self._attach(prefetch, got)
         ps = self.page_size
-        unused = np.concatenate((slots[:attached[0] * ps], slots[attached[1] * ps:])) if got else slots
-        if len(unused):
-            self.host_allocator.free(torch.from_numpy(unused))
+        # The pages of a chunk still being read stay held until the read ends (writing_check reaps them).
+        self._prefetch_held -= (prefetch.pages - int(reading.sum())) * ps
+        attached = self._attach(prefetch, got)
+        unused = ~reading
+        unused[attached[0]:attached[1]] = False
+        if unused.any():
+            self.host_allocator.free(torch.from_numpy(prefetch.host_slots.reshape(-1, ps)[unused].ravel()))
         tokens = (attached[1] - attached[0]) * ps
         self.storage_link.stats.prefetched_tokens += tokens
         self.storage_link.stats.dropped_prefetch_tokens += got * ps - tokens
@@ -777,7 +776,7 @@ class HiRadixCache(RadixCache):
         """RadixCache's checks over the device tier, then the host tier's: every node on device or host, both
         tiers prefix-closed, device-child counts, the host-evictable set (exactly the unlocked, childless
         host-only nodes, each under its current key), the host counters, and the host slots (distinct,
-        allocated, and with the free ones summing to the host pool's size)."""
+        allocated, and with the free ones and those prefetches read into summing to the host pool's size)."""
         super().check_invariants()
         nodes = self._all_nodes()
         host_evictable = host_protected = leaves = 0
@@ -823,6 +822,10 @@ class HiRadixCache(RadixCache):
         if len(slots) and not self.host_allocator.is_allocated(torch.from_numpy(slots)).all():
             _fail("the tree holds a host slot that the host allocator considers free")
         free = self.host_allocator.available_size()
+        if self.storage_link is not None:
+            reading = sum(p.host_slots.size for p in self._prefetches.values()) + self.storage_link.late_tokens()
+            if reading != self._prefetch_held:
+                _fail(f"{self._prefetch_held} host slots counted as prefetching, {reading} held by reads")
         if free + len(slots) + self._prefetch_held != self.host_allocator.size:
             _fail(f"host: free {free} + held by the tree {len(slots)} + prefetching {self._prefetch_held} != "
                   f"{self.host_allocator.size}")

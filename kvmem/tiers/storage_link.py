@@ -10,11 +10,12 @@ for a slow store unless its prefetch policy says so. Two rules keep them safe an
   policies, whose admission must not wait for the store, it counts the pages of queued writes as present (their
   read runs after them) and never waits, not even for a slow read queued before those writes.
 
-Prefetch policies (when admission takes a prefetch's pages): "best_effort" takes them if the read has ended,
-"wait_complete" waits for it, "timeout" waits at most `prefetch_timeout_s`. A read is one `batch_get`, so it
-arrives whole or not at all: SGLang's HiCache keeps the pages a late prefetch has already fetched, while here a
-prefetch still running when it is taken gives none; it keeps its host slots until the read ends (`reap`), and
-they are then released.
+Prefetch policies (when admission takes a prefetch's pages): "best_effort" takes what has arrived, "wait_complete"
+waits for the whole read, "timeout" waits at most `prefetch_timeout_s` for it. A read is issued in chunks of
+`read_chunk_pages` pages (one `batch_get` each, in order), so a prefetch taken while its read is still running gives
+the leading chunks that have landed whole, as SGLang's HiCache keeps the pages a terminated prefetch has fetched.
+The chunks not yet started are cancelled; the one being read keeps its host slots until its read ends (`reap`),
+and they are then released.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvmem._checks import check_number
+from kvmem._checks import check_int, check_number
 from kvmem.page_hash import DIGEST_BYTES
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -38,7 +39,8 @@ class Prefetch:
 
     namespace / key: where they go (`key`: the token bytes up to the end of the last page read); start: the
     tokens the tree held when the prefetch began; digests: the pages' digests; host_slots: where they are read
-    into (held by the prefetch, not the tree, until attached); pages: how many the store said it had."""
+    into (held by the prefetch, not the tree, until attached); pages: how many the store said it had; chunk_pages
+    and futures: the reads, one per chunk of pages, in order (each returns how many of its pages it loaded)."""
 
     namespace: str | None
     key: bytes
@@ -46,7 +48,12 @@ class Prefetch:
     digests: bytes
     host_slots: np.ndarray
     pages: int
-    future: concurrent.futures.Future = field(repr=False)
+    chunk_pages: int
+    futures: list[concurrent.futures.Future] = field(repr=False)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits until every chunk's read has ended, at most `timeout` seconds; True when they all have."""
+        return not concurrent.futures.wait(self.futures, timeout).not_done
 
 
 @dataclass
@@ -82,7 +89,7 @@ class StorageLink:
     """A store, its worker thread, and the writes and reads a hierarchical cache issues to it."""
 
     def __init__(self, storage, host_pool, prefetch_policy: str = "best_effort",
-                 prefetch_timeout_s: float = 0.05) -> None:
+                 prefetch_timeout_s: float = 0.05, read_chunk_pages: int = 64) -> None:
         for method in ("batch_exists", "batch_get", "batch_set"):
             if not callable(getattr(storage, method, None)):
                 raise TypeError(f"storage must implement batch_exists, batch_get and batch_set "
@@ -93,10 +100,11 @@ class StorageLink:
         self.host_pool = host_pool
         self.prefetch_policy = prefetch_policy
         self.prefetch_timeout_s = check_number("prefetch_timeout_s", prefetch_timeout_s, 0)
+        self.read_chunk_pages = check_int("read_chunk_pages", read_chunk_pages, 1)
         self.stats = StorageTierStats()
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-storage")
         self._writes: list[concurrent.futures.Future] = []
-        self._late: list[Prefetch] = []  # taken before their read ended: their slots wait for it
+        self._late: list[tuple[concurrent.futures.Future, np.ndarray]] = []  # chunk reads taken before they ended
         self._queued_keys: Counter[str] = Counter()  # keys of writes not yet done (the worker takes them off)
         self._queued_lock = threading.Lock()
 
@@ -155,36 +163,52 @@ class StorageLink:
             return 0
 
     def read(self, namespace, key: bytes, start: int, digests: bytes, host_slots: np.ndarray) -> Prefetch:
-        """Starts reading the pages `digests` into `host_slots` on the worker."""
+        """Starts reading the pages `digests` into `host_slots` on the worker, a chunk at a time."""
         keys = [digests[i:i + DIGEST_BYTES].hex() for i in range(0, len(digests), DIGEST_BYTES)]
-        future = self._worker.submit(self.storage.batch_get, keys, self.host_pool, host_slots)
-        return Prefetch(namespace, key, start, digests, host_slots, len(keys), future)
+        step, ps = self.read_chunk_pages, self.host_pool.page_size
+        futures = [self._worker.submit(self.storage.batch_get, keys[i:i + step], self.host_pool,
+                                       host_slots[i * ps:(i + step) * ps]) for i in range(0, len(keys), step)]
+        return Prefetch(namespace, key, start, digests, host_slots, len(keys), step, futures)
 
-    def arrived(self, prefetch: Prefetch) -> int | None:
-        """Pages of `prefetch` to attach now, by the prefetch policy: None when it is still running (its slots
-        must wait for it: see `reap`)."""
+    def arrived(self, prefetch: Prefetch) -> tuple[int, np.ndarray]:
+        """The leading pages of `prefetch` to attach now, by the prefetch policy, and a mask of its pages whose
+        chunk is still being read (their slots stay held until the read ends: see `reap`). The chunks after the
+        first one that is unfinished, short or failed are cancelled if not yet started."""
+        futures = prefetch.futures
         if self.prefetch_policy == "wait_complete":
-            concurrent.futures.wait([prefetch.future])
+            concurrent.futures.wait(futures)
         elif self.prefetch_policy == "timeout":
-            concurrent.futures.wait([prefetch.future], timeout=self.prefetch_timeout_s)
-        if not prefetch.future.done():
-            self._late.append(prefetch)
-            return None
-        try:
-            return int(prefetch.future.result())
-        except Exception:  # noqa: BLE001 - a store that raises is a store that failed: a miss
-            return 0
+            concurrent.futures.wait(futures, timeout=self.prefetch_timeout_s)
+        step, pages, taken = prefetch.chunk_pages, 0, 0
+        for i, future in enumerate(futures):
+            if not future.done():
+                break
+            taken = i + 1
+            try:
+                loaded = int(future.result())
+            except Exception:  # noqa: BLE001 - a store that raises is a store that failed: a miss
+                loaded = 0
+            pages += loaded
+            if loaded < min(step, prefetch.pages - i * step):  # the pages after a gap hang from nothing
+                break
+        reading = np.zeros(prefetch.pages, dtype=bool)
+        ps = self.host_pool.page_size
+        for i in range(taken, len(futures)):
+            if not futures[i].cancel() and not futures[i].done():
+                reading[i * step:(i + 1) * step] = True
+                self._late.append((futures[i], prefetch.host_slots[i * step * ps:(i + 1) * step * ps]))
+        return pages, reading
 
     def reap(self) -> list[np.ndarray]:
-        """The host slots of late prefetches whose reads have ended (for the cache to free)."""
-        done = [p for p in self._late if p.future.done()]
-        self._late = [p for p in self._late if not p.future.done()]
-        for p in done:
-            self.stats.dropped_prefetch_tokens += len(p.host_slots)
-        return [p.host_slots for p in done]
+        """The host slots of late chunk reads that have ended (for the cache to free)."""
+        done = [slots for future, slots in self._late if future.done()]
+        self._late = [(future, slots) for future, slots in self._late if not future.done()]
+        for slots in done:
+            self.stats.dropped_prefetch_tokens += len(slots)
+        return done
 
     def late_tokens(self) -> int:
-        return sum(len(p.host_slots) for p in self._late)
+        return sum(len(slots) for _, slots in self._late)
 
     def drain_writes(self) -> None:
         concurrent.futures.wait(self._writes)
