@@ -237,11 +237,12 @@ class ChunkGatedStore(GatedStore):
 
     def __init__(self, inner, open_reads=1):
         super().__init__(inner)
-        self.open_reads, self.reads = open_reads, 0
+        self.open_reads, self.reads, self.waiting = open_reads, 0, threading.Event()
 
     def batch_get(self, keys, host_pool, host_slots):
         self.reads += 1
         if self.reads > self.open_reads:
+            self.waiting.set()
             self.gate.wait(timeout=10)
         return self.inner.batch_get(keys, host_pool, host_slots)
 
@@ -255,6 +256,7 @@ def test_a_late_prefetch_gives_the_chunks_that_landed_and_the_right_kv(tmp_path,
     free = second.host_allocator.available_size()
     prefetch = second.prefetch(PROMPT + [1])
     assert len(prefetch.futures) == 4 and prefetch.futures[0].result(timeout=10) == 2
+    assert store.waiting.wait(timeout=10)                        # the second read has started
     assert second.finish_prefetch(prefetch) == 2 * PS            # the first chunk, as SGLang keeps fetched pages
     assert prefetch.futures[2].cancelled() and prefetch.futures[3].cancelled()   # never read
     assert second.host_allocator.available_size() == free - 4 * PS   # 2 pages the tree's, 2 the running read's
