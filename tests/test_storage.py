@@ -2,6 +2,7 @@
 host backups, read back by another cache (another replica, or the same one after a restart), and never loaded
 unless they are the page asked for."""
 
+import os
 import threading
 import time
 
@@ -11,7 +12,7 @@ import torch
 
 from kvmem import HiRadixCache, HostKVPool, MHAKVPool, PagedTokenAllocator, ReqToTokenPool
 from kvmem.page_hash import page_digests, storage_key
-from kvmem.storage import FileStore, PageStore
+from kvmem.storage import FileStore, PageStore, parse_store_spec
 from kvmem.storage.page_format import CHECKSUM_BYTES, HEADER_BYTES, decode_page, encode_page, fingerprint, is_intact
 from kvmem.tiers import HostSlotPool
 
@@ -124,6 +125,50 @@ def test_a_capped_file_store_drops_a_chains_deepest_pages_first(tmp_path):
     assert FileStore(tmp_path, capacity_bytes=8 * page).batch_exists(a) == 6
 
 
+def capped_store(tmp_path, pages, batch_size=64):
+    pool = HostSlotPool(512, PS)
+    page = len(encode_page(bytes(32), fingerprint(pool.storage_format()), PS, b""))
+    return FileStore(tmp_path, capacity_bytes=pages * page, batch_size=batch_size), pool, pool.allocator.alloc(
+        64 * PS)
+
+
+def test_a_chain_longer_than_a_capped_file_store_keeps_its_leading_pages(tmp_path):
+    store, pool, slots = capped_store(tmp_path, 3)
+    chain = keys_of(list(range(5 * PS)))
+    assert store.batch_set(chain, pool, slots[:5 * PS]) == 3          # not its root, to fit its own deeper pages
+    assert store.batch_exists(chain) == 3 and store.stats.failed_ops == 1
+
+
+def test_a_capped_file_store_keeps_a_chain_whole_across_its_batches(tmp_path):
+    store, pool, slots = capped_store(tmp_path, 4, batch_size=2)
+    chain, other = keys_of(list(range(4 * PS))), keys_of(list(range(900, 900 + PS)))
+    assert store.batch_set(chain, pool, slots[:4 * PS]) == 4
+    store.batch_set(other, pool, slots[:PS])
+    assert store.batch_exists(chain) == 3                            # its deepest page went, not a middle one
+    assert store.batch_get(chain[:3], pool, slots[:3 * PS]) == 3
+    store.batch_set(keys_of(list(range(950, 950 + PS))), pool, slots[:PS])
+    assert store.batch_exists(chain) == 3 and store.batch_exists(other) == 0
+
+
+def test_a_chains_page_files_are_timed_root_newest_whatever_the_clock(tmp_path):
+    # The file system's clock is coarse: a chain refreshed within microseconds got one time for all its pages,
+    # and a process opening the folder ordered them by name.
+    store, pool, slots = capped_store(tmp_path, 64)
+    chain = keys_of(list(range(8 * PS)))
+    store.batch_set(chain, pool, slots[:8 * PS])
+    times = [store._file(key).stat().st_mtime_ns for key in chain]
+    assert times == sorted(times, reverse=True) and len(set(times)) == 8
+
+
+def test_capped_file_stores_of_one_folder_share_its_cap(tmp_path):
+    # A cluster's replicas over one store each open it: the folder must not hold the cap once per replica.
+    first, pool, slots = capped_store(tmp_path, 4)
+    second = FileStore(tmp_path, capacity_bytes=first.capacity_bytes)
+    first.batch_set(keys_of(list(range(4 * PS))), pool, slots[:4 * PS])
+    second.batch_set(keys_of(list(range(500, 500 + 4 * PS))), pool, slots[:4 * PS])
+    assert len(list(tmp_path.glob("*/*/*.page"))) == 4 and first.used_bytes() == second.used_bytes()
+
+
 def test_bad_arguments_to_a_store_are_refused(tmp_path):
     pool = HostSlotPool(64, PS)
     store = FileStore(tmp_path)
@@ -137,6 +182,17 @@ def test_bad_arguments_to_a_store_are_refused(tmp_path):
         store.batch_set(keys_of(PROMPT)[:2], pool, pool.allocator.alloc(PS))
     with pytest.raises(ValueError, match="path"):
         FileStore("/proc/kvmem-cannot-be-here")
+    for bad in (0, -1, 2.5, "3"):
+        with pytest.raises((TypeError, ValueError), match="batch_size"):
+            FileStore(tmp_path, batch_size=bad)
+    key = keys_of(PROMPT)[0]
+    for bad in (" " + key[1:-1] + " ", key[:-2] + "\n\t", key.upper()):  # bytes.fromhex takes these
+        with pytest.raises(ValueError, match="keys"):
+            store.batch_exists([bad])
+    for spec in ("file:   ", "file:/tmp/x\0y", "file:", "nfs:/x"):
+        with pytest.raises(ValueError, match="storage must be"):
+            parse_store_spec(spec)
+    assert parse_store_spec("file:~/kv") == ("file", os.path.expanduser("~/kv"))
 
 
 # ---- a hierarchical cache over a store -------------------------------------------------------------------
@@ -300,6 +356,33 @@ def test_a_prefetch_takes_nothing_past_a_chunk_that_failed_or_came_short(tmp_pat
     assert device2.read_kv(0, indices)[0].flatten().long().tolist() == PROMPT[:3 * PS]
 
 
+def test_a_read_that_ends_while_reap_runs_is_reaped_later_not_lost(tmp_path):
+    class EndsDuringReap:  # done() False, then True: the worker finished between two looks
+        looks = 0
+
+        def done(self):
+            self.looks += 1
+            return self.looks > 1
+
+    cache, _, _ = cache_over(FileStore(tmp_path), "best_effort")
+    link, slots = cache.storage_link, np.arange(4)
+    link._late.append((EndsDuringReap(), slots))
+    assert link.reap() == [] and link.late_tokens() == 4
+    assert [list(s) for s in link.reap()] == [[0, 1, 2, 3]] and link.late_tokens() == 0
+
+
+def test_after_close_the_cache_goes_on_without_its_storage_tier(tmp_path):
+    store_prompt(tmp_path)
+    cache, device, alloc = cache_over(FileStore(tmp_path))
+    cache.close()
+    free = cache.host_allocator.available_size()
+    assert cache.prefetch(PROMPT + [1]) is None and cache.host_allocator.available_size() == free
+    put(cache, device, alloc, list(range(600, 616)))              # its backup is not written to the store
+    cache.writing_check()
+    cache.check_invariants()
+    assert cache.match_prefix(list(range(600, 616))).indices.numel() == 16
+
+
 def test_wait_complete_waits_for_the_read(tmp_path):
     store_prompt(tmp_path)
     store = GatedStore(FileStore(tmp_path))
@@ -411,6 +494,40 @@ def test_a_mooncake_master_that_cannot_be_reached_is_a_clear_error():
         port = s.getsockname()[1]
     with pytest.raises(RuntimeError, match="cannot join"):
         MooncakeStore(f"127.0.0.1:{port}")
+    for bad in ("127.0.0.1:70000", "127.0.0.1:0", "127.0.0.1", ":80"):
+        with pytest.raises(ValueError, match="master_addr"):
+            MooncakeStore(bad)
+
+
+@pytest.mark.mooncake
+def test_a_mooncake_master_that_times_out_marks_the_store_down_with_growing_waits():
+    MooncakeServer, MooncakeStore = mooncake_or_skip()
+    with MooncakeServer(64) as server:
+        with pytest.raises(RuntimeError, match="already started"):
+            server.start()
+        store = MooncakeStore(server.master_addr, server.metadata_server, retry_s=0.3)
+        real, calls = store._store, []
+
+        class Hung:  # a master that hangs answers -901 (RPC timeout), after 30 s, to every call
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def batch_is_exist(self, keys):
+                calls.append(len(keys))
+                return [-901] * len(keys)
+
+        store._store = Hung()
+        keys = keys_of(PROMPT)
+        assert store.batch_exists(keys) == 0 and len(calls) == 1
+        assert store.batch_exists(keys) == 0 and len(calls) == 1        # down: skipped, a miss
+        time.sleep(0.35)
+        assert store.batch_exists(keys) == 0 and len(calls) == 2        # its port answers: tried, failed again
+        time.sleep(0.35)
+        assert store.batch_exists(keys) == 0 and len(calls) == 2        # the wait doubled after a second error
+        store._store = real
+        time.sleep(0.3)
+        assert store.batch_exists(keys) == 0 and len(calls) == 2 and store._backoff == 0   # back: no error
+        store.close()
 
 
 def test_a_storage_key_has_no_collision_across_namespaces_by_construction():

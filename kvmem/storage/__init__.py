@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from kvmem.storage.base import PageStore, StorageBackend, StorageStats
 from kvmem.storage.file_store import FileStore
 from kvmem.storage.mooncake_server import MooncakeServer
@@ -11,11 +13,12 @@ STORE_SCHEMES = ("file", "mooncake")
 
 
 def parse_store_spec(spec: str) -> tuple[str, str]:
-    """(scheme, where) of a store spec: "file:DIR" or "mooncake:HOST:PORT" (a Mooncake master)."""
+    """(scheme, where) of a store spec: "file:DIR" (a leading ~ is the home folder) or "mooncake:HOST:PORT" (a
+    Mooncake master)."""
     scheme, _, where = spec.partition(":") if isinstance(spec, str) else ("", "", "")
-    if scheme not in STORE_SCHEMES or not where:
+    if scheme not in STORE_SCHEMES or not where.strip() or "\0" in where:
         raise ValueError(f"storage must be 'file:DIR' or 'mooncake:HOST:PORT', got {spec!r}")
-    return scheme, where
+    return scheme, os.path.expanduser(where) if scheme == "file" else where
 
 
 def open_store(spec: str, *, metadata_server: str = "P2PHANDSHAKE", capacity_bytes: int | None = None) -> PageStore:

@@ -22,6 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
+from kvmem._checks import check_int
 from kvmem.storage.page_format import CHECKSUM_BYTES, HEADER_BYTES, decode_page, encode_page, fingerprint, is_intact
 
 
@@ -52,7 +53,7 @@ class PageStore:
     """
 
     def __init__(self, batch_size: int = 64) -> None:
-        self.batch_size = batch_size
+        self.batch_size = check_int("batch_size", batch_size, minimum=1)
         self.stats = StorageStats()
 
     # ---- the protocol -------------------------------------------------------------------------------
@@ -150,14 +151,10 @@ def _check_keys(keys) -> list[str]:
     except TypeError:
         raise TypeError(f"keys must be a sequence of page keys, got {type(keys).__name__}") from None
     for key in keys:
-        if not isinstance(key, str) or len(key) != 64 or not _is_hex(key):
-            raise ValueError(f"keys must hold page keys (64 hex characters, kvmem.page_hash.storage_key), got {key!r}")
+        if not isinstance(key, str) or len(key) != 64 or not _HEX.issuperset(key):
+            raise ValueError(f"keys must hold page keys (64 lowercase hex digits, kvmem.page_hash.storage_key), got "
+                             f"{key!r}")
     return keys
 
 
-def _is_hex(text: str) -> bool:
-    try:
-        bytes.fromhex(text)
-    except ValueError:
-        return False
-    return True
+_HEX = frozenset("0123456789abcdef")  # storage_key's digits: bytes.fromhex would also take spaces and capitals

@@ -2,20 +2,74 @@
 
 Files are `DIR/ab/cd/<key>.page` (two levels of 256 folders, so no folder grows huge). A write goes to a
 temporary file in the same folder and is renamed into place, so a reader sees a whole value or none, even
-across processes and crashes. With `capacity_bytes` the store deletes its least recently used pages (by file
-modification time, which a read refreshes, so several processes sharing a folder agree on the order) once it
-holds more than that.
+across processes and crashes.
+
+With `capacity_bytes` the store deletes its least recently used pages once it holds more than that. A lookup
+stops at a chain's first missing page, so the order keeps each prefix chain whole: a call's pages (a chain,
+root first) count as used deepest first, root last, and a write never makes room by deleting a page of its own
+chain (it stores the leading pages that fit). Every capped store of one folder in a process shares one index (a
+cluster's replicas over one store); other processes learn the order from the files' modification times, which
+each call sets, a nanosecond apart, when a store opens the folder. Each process enforces the cap over the pages
+it knows of: those there when it opened the folder and those it wrote or read since, so processes sharing a
+capped folder should each take a share of the cap.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 
 from kvmem._checks import check_int
 from kvmem.storage.base import PageStore
+
+
+class _FolderIndex:
+    """The pages of one folder that this process knows of, least recently used first, and their bytes."""
+
+    def __init__(self, path: Path) -> None:
+        self.lock = threading.RLock()
+        self.lru: OrderedDict[str, int] = OrderedDict()  # key -> bytes
+        self.bytes = 0
+        entries = []
+        for file in path.glob("*/*/*.page"):
+            try:
+                st = file.stat()
+            except OSError:
+                continue
+            entries.append((st.st_mtime_ns, file.stem, st.st_size))
+        for _, key, size in sorted(entries):
+            self.lru[key] = size
+            self.bytes += size
+
+
+_INDEXES: weakref.WeakValueDictionary[str, _FolderIndex] = weakref.WeakValueDictionary()
+_INDEXES_LOCK = threading.Lock()
+
+
+_last_ns = 0
+_CLOCK_LOCK = threading.Lock()
+
+
+def _file_time_ns() -> int:
+    """Now, in ns, and never twice the same: page files' times stay distinct however coarse the file system's
+    clock (a chain's pages are refreshed within microseconds)."""
+    global _last_ns
+    with _CLOCK_LOCK:
+        _last_ns = max(time.time_ns(), _last_ns + 1)
+        return _last_ns
+
+
+def _folder_index(path: Path) -> _FolderIndex:
+    real = os.path.realpath(path)
+    with _INDEXES_LOCK:
+        index = _INDEXES.get(real)
+        if index is None:
+            index = _INDEXES[real] = _FolderIndex(path)
+        return index
 
 
 class FileStore(PageStore):
@@ -33,14 +87,29 @@ class FileStore(PageStore):
         if not os.access(self.path, os.W_OK):
             raise ValueError(f"path {str(path)!r} is not writable")
         self.capacity_bytes = capacity_bytes
-        self._lru: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
-        self._bytes = 0
-        if capacity_bytes is not None:
-            self._load_index()
+        self._index = _folder_index(self.path) if capacity_bytes is not None else None
+        self._lock = self._index.lock if self._index is not None else threading.RLock()
+        self._chain: dict[str, None] | None = None  # the keys of the batch_set under way that are on disk
 
     def used_bytes(self) -> int:
-        """Bytes of the pages this process knows of (all of them when a capacity is set)."""
-        return self._bytes
+        """Bytes of the folder's pages this process knows of (0 without a capacity: nothing is counted)."""
+        return self._index.bytes if self._index is not None else 0
+
+    def batch_get(self, keys, host_pool, host_slots) -> int:
+        with self._lock:
+            got = super().batch_get(keys, host_pool, host_slots)
+            self._refresh(list(keys)[:got])
+        return got
+
+    def batch_set(self, keys, host_pool, host_slots) -> int:
+        with self._lock:
+            self._chain = {}
+            try:
+                stored = super().batch_set(keys, host_pool, host_slots)
+                self._refresh(list(self._chain))
+            finally:
+                self._chain = None
+        return stored
 
     def _file(self, key: str) -> Path:
         return self.path / key[:2] / key[2:4] / f"{key}.page"
@@ -65,87 +134,87 @@ class FileStore(PageStore):
             except OSError:
                 self.stats.failed_ops += 1
                 break
-        self._refresh(keys[:len(values)], [len(v) for v in values])
+            self._touch(key, len(values[-1]))
         return values
 
     def _write(self, keys: list[str], values: list[bytes]) -> int:
-        stored, written = 0, []
+        """Writes the pages in order and stops at the first that cannot be stored: the ones after it would hang
+        from a missing page, unreachable."""
+        chain, stored = self._chain, 0
         for key, value in zip(keys, values):
             file = self._file(key)
             try:
-                if file.exists():
-                    stored += 1
-                    continue
+                present = file.exists()
+                if not present:
+                    if not self._make_room(len(value)):
+                        self.stats.failed_ops += 1  # no room left but the chain's own pages
+                        break
+                    tmp = file.with_name(f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")  # unique per writer
+                    file.parent.mkdir(parents=True, exist_ok=True)
+                    try:
+                        tmp.write_bytes(value)
+                        os.replace(tmp, file)
+                    finally:
+                        tmp.unlink(missing_ok=True)
             except OSError:
                 self.stats.failed_ops += 1
-                continue
-            if self.capacity_bytes is not None and not self._make_room(len(value)):
-                self.stats.failed_ops += 1  # a page larger than the whole store
-                continue
-            tmp = file.with_name(f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")  # unique per writer
-            try:
-                file.parent.mkdir(parents=True, exist_ok=True)
-                tmp.write_bytes(value)
-                os.replace(tmp, file)
-            except OSError:
-                self.stats.failed_ops += 1
-                tmp.unlink(missing_ok=True)
-                continue
+                break
             stored += 1
             self._touch(key, len(value))
-            written.append(key)
-        self._refresh(written, [self._lru.get(key, 0) for key in written])
+            if chain is not None:
+                chain[key] = None
         return stored
 
     def _discard(self, key: str) -> None:
-        try:
-            self._file(key).unlink(missing_ok=True)
-        except OSError:  # a read-only store keeps the bad page; each read finds it bad again, and only it
-            self.stats.failed_ops += 1
-        self._bytes -= self._lru.pop(key, 0)
+        with self._lock:
+            try:
+                self._file(key).unlink(missing_ok=True)
+            except OSError:  # a read-only store keeps the bad page; each read finds it bad again, and only it
+                self.stats.failed_ops += 1
+            if self._index is not None:
+                self._index.bytes -= self._index.lru.pop(key, 0)
 
     # ---- the size cap -------------------------------------------------------------------------------
-    def _refresh(self, keys: list[str], sizes: list[int]) -> None:
-        """Marks `keys` (a prefix chain, root first) used now, the root last: a lookup stops at the first
-        missing page, so the cap must take a chain's deepest pages first, never its root before the rest (which
-        would leave them unreachable, holding space). The files' times follow, for other processes' indexes."""
-        for key, size in zip(reversed(keys), reversed(sizes)):
+    def _refresh(self, keys: list[str]) -> None:
+        """Marks `keys` (a prefix chain, root first) used now, the root last, and sets their files' times so
+        (distinct, increasing: another process opening the folder reads the same order from them)."""
+        index = self._index
+        for key in reversed(keys):
+            now = _file_time_ns()
             try:
-                os.utime(self._file(key))
+                os.utime(self._file(key), ns=(now, now))
             except OSError:
                 self.stats.failed_ops += 1
-            self._touch(key, size)
+            if index is not None and key in index.lru:
+                index.lru.move_to_end(key)
 
     def _touch(self, key: str, size: int) -> None:
-        if self.capacity_bytes is None:
+        index = self._index
+        if index is None:
             return
-        if key in self._lru:
-            self._lru.move_to_end(key)
+        if key in index.lru:
+            index.lru.move_to_end(key)
             return
-        self._lru[key] = size
-        self._bytes += size
+        index.lru[key] = size
+        index.bytes += size
 
     def _make_room(self, size: int) -> bool:
+        """Deletes least recently used pages until `size` more bytes fit; False when only pages of the chain
+        being written (the most recently used) would have to go, or the page is larger than the store."""
+        index = self._index
+        if index is None:
+            return True
         if size > self.capacity_bytes:
             return False
-        while self._bytes + size > self.capacity_bytes and self._lru:
-            key, freed = self._lru.popitem(last=False)
+        chain = self._chain or {}
+        while index.bytes + size > self.capacity_bytes and index.lru:
+            key = next(iter(index.lru))
+            if key in chain:
+                return False
+            freed = index.lru.pop(key)
             try:
                 self._file(key).unlink(missing_ok=True)
             except OSError:
                 self.stats.failed_ops += 1
-            self._bytes -= freed
+            index.bytes -= freed
         return True
-
-    def _load_index(self) -> None:
-        """Indexes the pages already in the folder, oldest modification first."""
-        entries = []
-        for file in self.path.glob("*/*/*.page"):
-            try:
-                st = file.stat()
-            except OSError:
-                continue
-            entries.append((st.st_mtime_ns, file.stem, st.st_size))
-        for _, key, size in sorted(entries):
-            self._lru[key] = size
-            self._bytes += size

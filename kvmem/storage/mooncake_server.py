@@ -42,8 +42,10 @@ class MooncakeServer:
     stops both by process id.
 
     segment_mb: memory the storage process contributes to the store (MiB, >= 16).
-    metadata: "p2p" (the clients exchange their metadata directly: nothing else listens) or "http" (the
-        master also serves metadata over HTTP; Mooncake binds that port on every interface).
+    metadata: "p2p" (the clients exchange their metadata directly) or "http" (the master also serves metadata
+        over HTTP; Mooncake binds that port on every interface). The master's RPC port listens on 127.0.0.1
+        only, but Mooncake's transfer engine binds the storage process's and every client's data ports on all
+        interfaces: run it where those ports are not reachable from outside, or behind a firewall.
     lease_ms: how long a read protects an object from eviction (Mooncake's default is 10 s, which keeps a
         busy cache from evicting anything it recently looked up).
     """
@@ -62,6 +64,8 @@ class MooncakeServer:
         self.metadata_server = ""
 
     def start(self) -> MooncakeServer:
+        if self.master is not None or self.storage is not None:
+            raise RuntimeError("start() on a server already started: stop() it first")
         master_bin, client_bin = find_binary("mooncake_master"), find_binary("mooncake_client")
         if master_bin is None or client_bin is None:
             raise RuntimeError("the Mooncake store is not installed: pip install 'kvmem[storage]' (on Debian, "
@@ -151,7 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with MooncakeServer(args.segment_mb, metadata=args.metadata) as server:  # stops both on the way out
             print(f"--storage mooncake:{server.master_addr} --storage-metadata {server.metadata_server}", flush=True)
-            server.master.wait()
+            while True:  # until interrupted, or until either process dies (the store is gone then)
+                for name, proc in (("mooncake_master", server.master), ("mooncake_client", server.storage)):
+                    if proc.poll() is not None:
+                        print(f"{name} exited with status {proc.returncode}; stopping", file=sys.stderr)
+                        return 1
+                time.sleep(0.5)
     except KeyboardInterrupt:
         pass
     return 0

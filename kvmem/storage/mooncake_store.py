@@ -6,17 +6,24 @@ memory segment of their own (`MooncakeServer` explains why): pages live in a lon
 
 Calls go in batches through registered staging memory (`batch_put_from`, `batch_get_into`, `batch_is_exist`:
 one master round trip per batch, no Python bytes per page). Mooncake reports every failure as a return code,
-never an exception: a full store (-200), a missing key (-704), a dead master (-900). Once the master is gone
-every call blocks about 4 s before it fails, and Mooncake's own `health_check()` keeps answering "healthy"
-while the client is busy (measured), so the store keeps its own view: the first -900 marks it down, and
-while down it skips every call (a miss, counted in `stats.failed_ops`), probing the master's port at most
-once every `retry_s` seconds and resuming when it answers.
+never an exception: a full store (-200), a missing key (-704), an RPC error (-900 to -999: -900 a dead
+master, -901 one that does not answer in time). Once the master is gone every call blocks about 4 s before it
+fails (30 s for a master that hangs), and Mooncake's own `health_check()` keeps answering "healthy" while the
+client is busy (measured), so the store keeps its own view: an RPC error marks it down, and while down it skips
+every call (a miss, counted in `stats.failed_ops`), probing the master's port after `retry_s` seconds and
+resuming when it answers. Each RPC error in a row doubles that wait, up to 64 x `retry_s`: a hung master
+still accepts connections, so the probe alone cannot tell it from a live one.
+
+A store may be shared by threads (a cache's storage worker and a scheduler's lookups, replicas in one process):
+its reads and writes take turns, as they share one registered staging buffer.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
+import threading
 import time
 
 import numpy as np
@@ -25,7 +32,9 @@ from kvmem._checks import check_int, check_number
 from kvmem.storage.base import PageStore
 
 SETUP_RETRIES = "2"  # Mooncake retries a failed setup 20 times, 4.5 s each, unless told otherwise
-RPC_FAILED = -900
+RPC_ERRORS = range(-999, -899)  # Mooncake's RPC error codes: -900 failed, -901 timed out, ...
+NOT_FOUND = -704
+MAX_BACKOFF = 64  # the longest wait between probes of a master that keeps failing, in retry_s
 
 
 def _mooncake_store_class():
@@ -37,6 +46,16 @@ def _mooncake_store_class():
         raise RuntimeError(f"the Mooncake store is not installed: pip install 'kvmem[storage]' (on Debian, "
                            f"apt-get install libibverbs1 librdmacm1 first) ({e})") from None
     return MooncakeDistributedStore
+
+
+def _one_at_a_time(method):
+    """Runs a store call under the store's lock: reads and writes share one registered staging buffer. Lookups
+    use none and do not take it, so that a lookup never waits behind a slow read."""
+    @functools.wraps(method)
+    def locked(self, *args):
+        with self._lock:
+            return method(self, *args)
+    return locked
 
 
 class MooncakeStore(PageStore):
@@ -51,7 +70,7 @@ class MooncakeStore(PageStore):
                  batch_size: int = 32, retry_s: float = 1.0) -> None:
         super().__init__(batch_size)
         host, _, port = master_addr.rpartition(":") if isinstance(master_addr, str) else ("", "", "")
-        if not host or not port.isdigit():
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"master_addr must be 'host:port', got {master_addr!r}")
         local_buffer_mb = check_int("local_buffer_mb", local_buffer_mb, minimum=1)
         self.master_addr = master_addr
@@ -59,6 +78,8 @@ class MooncakeStore(PageStore):
         self._master = (host, int(port))
         self._down_since: float | None = None
         self._next_probe = 0.0
+        self._backoff = 0  # the wait before the next probe, in retry_s (doubles with each RPC error in a row)
+        self._lock = threading.Lock()
         try:  # Mooncake's setup retries an absent master for seconds; a closed port says it at once
             socket.create_connection(self._master, timeout=1.0).close()
         except OSError as e:
@@ -87,9 +108,12 @@ class MooncakeStore(PageStore):
         return self._store.health_check() == 0
 
     def _check_codes(self, codes) -> None:
-        if any(c == RPC_FAILED for c in codes):
+        if any(c in RPC_ERRORS for c in codes):
+            self._backoff = min(2 * self._backoff or 1, MAX_BACKOFF)
             self._down_since = time.monotonic()
-            self._next_probe = self._down_since + self.retry_s
+            self._next_probe = self._down_since + self.retry_s * self._backoff
+        else:
+            self._backoff = 0
 
     def _exists(self, keys: list[str]) -> int:
         if not self.healthy():
@@ -106,6 +130,7 @@ class MooncakeStore(PageStore):
             found += 1
         return found
 
+    @_one_at_a_time
     def _read(self, keys: list[str], value_bytes: int) -> list[bytes | None]:
         if not self.healthy():
             self.stats.failed_ops += 1
@@ -117,12 +142,13 @@ class MooncakeStore(PageStore):
         self._check_codes(codes)
         for i, got in enumerate(codes):
             if got <= 0:
-                if got != -704:  # anything but "not found" is the store failing
+                if got != NOT_FOUND:  # anything else is the store failing
                     self.stats.failed_ops += 1
                 break
             values.append(buf[i * value_bytes:i * value_bytes + got].tobytes())
         return values
 
+    @_one_at_a_time
     def _write(self, keys: list[str], values: list[bytes]) -> int:
         if not self.healthy():
             self.stats.failed_ops += 1
@@ -153,6 +179,7 @@ class MooncakeStore(PageStore):
             self._store.register_buffer(self._staging.ctypes.data, len(self._staging))
         return self._staging
 
+    @_one_at_a_time
     def close(self) -> None:
         if self._store is not None:
             if self._down_since is None and self.healthy():

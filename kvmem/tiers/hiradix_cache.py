@@ -569,7 +569,7 @@ class HiRadixCache(RadixCache):
         """Backups of `nodes` completed: report them on host, and hand their pages to the storage tier."""
         for node in nodes:
             self._report_stored(node, MEDIUM_CPU_PINNED)
-        if self.storage_link is not None:
+        if self.storage_link is not None and not self.storage_link.closed:
             unstored = [n for n in nodes if not n.stored]
             if unstored:
                 self.storage_link.write(b"".join(n.page_digests for n in unstored),
@@ -581,8 +581,8 @@ class HiRadixCache(RadixCache):
     def prefetch(self, key, namespace: str | None = None) -> Prefetch | None:
         """Starts reading, from the storage tier into host slots, the whole pages of `key` after the prefix
         the tree holds (in any tier); None when there is no storage tier or it has none of them. Take the pages
-        with `finish_prefetch` before matching the request (the Scheduler does both)."""
-        if self.storage_link is None:
+        with `finish_prefetch` before matching the request (the Scheduler does both). None after close()."""
+        if self.storage_link is None or self.storage_link.closed:
             return None
         view = key_bytes("key", key)
         nbytes = len(view) - len(view) % self._page_bytes
@@ -692,7 +692,8 @@ class HiRadixCache(RadixCache):
         return self.host_allocator.alloc(tokens)
 
     def close(self) -> None:
-        """Waits for the storage tier's queued writes and reads and stops its worker (a no-op without one)."""
+        """Waits for the storage tier's queued writes and reads and stops its worker (a no-op without one); the
+        cache goes on with its device and host tiers, writing nothing more to storage and prefetching nothing."""
         if self.storage_link is not None:
             self.storage_link.close()
             self._reap_prefetches()

@@ -107,6 +107,7 @@ class StorageLink:
         self._late: list[tuple[concurrent.futures.Future, np.ndarray]] = []  # chunk reads taken before they ended
         self._queued_keys: Counter[str] = Counter()  # keys of writes not yet done (the worker takes them off)
         self._queued_lock = threading.Lock()
+        self._closed = False
 
     def write(self, digests: bytes, host_slots: np.ndarray) -> None:
         """Queues the pages in `host_slots` (named by `digests`) for the store."""
@@ -201,8 +202,13 @@ class StorageLink:
 
     def reap(self) -> list[np.ndarray]:
         """The host slots of late chunk reads that have ended (for the cache to free)."""
-        done = [slots for future, slots in self._late if future.done()]
-        self._late = [(future, slots) for future, slots in self._late if not future.done()]
+        done, late = [], []
+        for future, slots in self._late:  # done() once each: a read may end while this runs
+            if future.done():
+                done.append(slots)
+            else:
+                late.append((future, slots))
+        self._late = late
         for slots in done:
             self.stats.dropped_prefetch_tokens += len(slots)
         return done
@@ -214,6 +220,11 @@ class StorageLink:
         concurrent.futures.wait(self._writes)
         self._writes.clear()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Waits for every queued write and read, then stops the worker."""
+        self._closed = True
         self._worker.shutdown(wait=True)
