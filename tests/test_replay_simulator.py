@@ -256,16 +256,19 @@ def test_the_cost_model_takes_free_decodes_and_slow_prefills_but_refuses_impossi
             f"{kwargs.get('prefill_tokens_per_s', 50000.0)})"
 
 
-def test_a_file_store_of_limited_capacity_keeps_only_its_newest_pages(tmp_path):
-    # A 20-token store keeps the last 20 of the 36 pages written: the prompt's first page is gone, so the second
-    # replay prefetches nothing. A replay's stored page is its header alone (the host tier holds no bytes).
+def test_a_file_store_of_limited_capacity_keeps_the_leading_pages_of_what_it_cannot_hold(tmp_path):
+    # A 20-token store takes the first 20 of the 36 pages written and refuses the rest (a write never deletes its
+    # own chain's pages: the pages after a missing one would be unreachable), so the second replay prefetches
+    # those 20. A replay's stored page is its header alone (the host tier holds no bytes).
     from kvmem.replay.simulator import open_storage
     from kvmem.storage.page_format import CHECKSUM_BYTES, HEADER_BYTES
 
     trace = [request(list(range(1, 17)) + list(range(100, 120)), [500], 0.0)]
     cfg = config(40, host_capacity_tokens=80, storage=f"file:{tmp_path}", storage_capacity_tokens=20)
-    assert replay(trace, cfg).to_json()["stored_tokens"] == 36
-    assert replay(trace, cfg).to_json()["prefetched_tokens"] == 0
+    first = replay(trace, cfg).to_json()
+    assert (first["stored_tokens"], first["storage_failed_ops"]) == (20, 1)
+    second = replay(trace, cfg).to_json()
+    assert (second["prefetched_tokens"], second["cached_tokens"]) == (20, 20)
     for page_size, tokens, pages in ((1, 20, 20), (2, 10, 5), (2, 1, 1)):
         store = open_storage(config(40, page_size=page_size, host_capacity_tokens=80, storage=f"file:{tmp_path}",
                                     storage_capacity_tokens=tokens))
