@@ -75,9 +75,9 @@ class Req:
             raise TypeError(f"request {rid!r}: namespace must be a str or None, got {type(namespace).__name__}")
         self.namespace = namespace
         self.status = ReqStatus.NEW
-        self.output_ids: list[int] = []
+        self._output_ids: list[int] = []
         self.req_pool_idx: int | None = None
-        self.kv_len = 0
+        self._kv_len = 0
         self.prefix_indices: torch.Tensor = _EMPTY
         self.last_node = None
         self.cache_protected_len = 0
@@ -88,7 +88,51 @@ class Req:
         self.extend_end = 0
         self.num_retractions = 0
         self.turn: int | None = None  # its conversation turn, once a policy that tracks turns has inferred it
-        self._run_outputs: list | None = None  # the outputs list Scheduler.run_decode checked for it
+        # Scheduler.run_decode advances the running batch in arrays; a request in it catches up when read: the
+        # scheduler whose runs it is in, that scheduler's run clock when it was last up to date, and the list its
+        # outputs come from.
+        self._runner = None
+        self._run_clock_seen = 0
+        self._run_outputs: list | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The tokens generated so far."""
+        if self._runner is not None and self._runner._run_clock != self._run_clock_seen:
+            self._catch_up()
+        return self._output_ids
+
+    @output_ids.setter
+    def output_ids(self, value: list[int]) -> None:
+        self._output_ids = value
+
+    @property
+    def kv_len(self) -> int:
+        """Leading tokens of input_ids + output_ids whose KV slots are in the request's req_to_token row."""
+        if self._runner is not None and self._runner._run_clock != self._run_clock_seen:
+            self._catch_up()
+        return self._kv_len
+
+    @kv_len.setter
+    def kv_len(self, value: int) -> None:
+        self._kv_len = value
+
+    def _catch_up(self) -> None:
+        """Takes the output tokens of the decode runs since it was last up to date."""
+        clock = self._runner._run_clock
+        behind = clock - self._run_clock_seen
+        out = self._output_ids
+        n = len(out)
+        out.extend(self._run_outputs[n:n + behind])
+        self._kv_len += behind
+        self._run_clock_seen = clock
+
+    def _leave_runs(self) -> None:
+        """Catches up with the decode runs and stops following them (it finishes or is retracted)."""
+        if self._runner is not None:
+            if self._runner._run_clock != self._run_clock_seen:
+                self._catch_up()
+            self._runner = None
 
     @property
     def fill_ids(self) -> array:
@@ -113,6 +157,7 @@ class Req:
         return self.extend_end < len(self.input_ids) + len(self.output_ids)
 
     def reset_for_retract(self) -> None:
+        self._leave_runs()
         self.status = ReqStatus.RETRACTED
         self.req_pool_idx = None
         self.kv_len = 0

@@ -16,7 +16,7 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from itertools import islice
+from itertools import compress, islice
 from time import perf_counter
 from typing import NamedTuple
 
@@ -34,6 +34,7 @@ from kvmem.timing import PhaseTimer
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 _UNBOUNDED = 1 << 62  # the fewest output tokens left among no requests
+_NO_REQS = np.empty(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,15 @@ class Scheduler:
         self.max_running = min(config.max_running_requests or req_to_token_pool.size, req_to_token_pool.size)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        # A decode run advances the running batch in these arrays (kv_len, req_to_token rows, output tokens still
+        # to generate) and in the run clock (decode-run steps so far); each Req catches up when read (see Req.
+        # kv_len), so that a run costs a few numpy calls and its finishes, not a Python pass over the batch.
+        # None until a run needs them after a decode step changed the batch.
+        self._run_kv: np.ndarray | None = _NO_REQS
+        self._run_rows: np.ndarray | None = _NO_REQS
+        self._run_left: np.ndarray | None = _NO_REQS
+        self._run_clock = 0
+        self._unchecked: list[Req] = []  # joined the batch since the last run, outputs not checked yet
         self.chunked_req: Req | None = None
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = SchedulerStats()
@@ -203,6 +213,10 @@ class Scheduler:
 
     def is_idle(self) -> bool:
         return not self.waiting and not self.running and self.chunked_req is None
+
+    def running_kv_tokens(self) -> int:
+        """The KV tokens the running requests hold (the sum of their kv_len): what a decode step reads."""
+        return int(self._run_arrays()[0].sum())
 
     # ---- the loop -----------------------------------------------------------------------------------
     def step(self) -> ScheduleBatch | None:
@@ -284,6 +298,7 @@ class Scheduler:
     def _process(self, batch: ScheduleBatch, tokens: array) -> list[Req]:
         finished = []
         if batch.forward_mode is ForwardMode.EXTEND:
+            joined = []
             for req, tok in zip(batch.reqs, tokens):
                 decoding = not req.is_chunked()  # a middle chunk samples nothing
                 if decoding:
@@ -291,7 +306,7 @@ class Scheduler:
                     if req.finished():
                         self._finish(req, finished)
                         continue
-                    self.running.append(req)
+                    joined.append(req)
                     left = req.max_new_tokens - len(req.output_ids)
                     self._tokens_left += left
                     self._fewest_left = min(self._fewest_left, left)
@@ -300,6 +315,8 @@ class Scheduler:
                 self._cache(req, finished=False)
                 if decoding and self.config.cache_decode_pages:
                     self._track_tail(req)
+            if joined:
+                self._join_running(joined)
             return finished
         still_running, fewest = [], _UNBOUNDED
         for req, tok in zip(batch.reqs, tokens):
@@ -313,11 +330,14 @@ class Scheduler:
             else:
                 self._finish(req, finished)
         self.running = still_running
+        self._run_kv = self._run_rows = self._run_left = None  # rebuilt when a run needs them
+        self._unchecked = []
         self._fewest_left = fewest
         self._tokens_left -= len(batch.reqs)
         return finished
 
     def _finish(self, req: Req, finished: list[Req]) -> None:
+        req._leave_runs()
         if self._tail_node:
             self._untrack_tail(req)
         self._cache(req, finished=True)
@@ -421,7 +441,7 @@ class Scheduler:
         room = self.token_allocator.available_size() + self.tree_cache.evictable_size()
         if self.page_size == 1:
             return min(steps, room // len(self.running))
-        kv, ps = _kv_lens(self.running), self.page_size
+        kv, ps = self._run_arrays()[0], self.page_size
         if int(num_new_pages(kv, kv + steps, ps).sum()) * ps <= room:
             return steps
         low, high = 0, steps  # the first `low` steps fit, `high` do not
@@ -440,7 +460,9 @@ class Scheduler:
         the same stats. For a simulator, which executes no model and knows every output in advance.
 
         outputs[rid]: the whole output of each running request, a list of ints (what process_batch_result
-        stores); the tokens after those it has are what it samples in these steps. Stops early, before a step
+        stores); the tokens after those it has are what it samples in these steps. Each request's list is read
+        at its first run since it joined the batch and kept while it decodes: it must not change. Stops early,
+        before a step
         that would have to retract a request or would admit one, or where only the real match can tell (see
         pure_decode_steps); step() then takes it. `steps` in the result says how many it took. A run that
         stops before an admission may leave the waiting window ranked as that step will rank it.
@@ -458,19 +480,23 @@ class Scheduler:
         if num_steps > self._fewest_left:
             raise ValueError(f"num_steps {num_steps} exceeds pure_decode_steps(): at most {self._fewest_left}, "
                              f"the fewest output tokens a running request lacks")
-        for req in self.running:
+        self._run_arrays()
+        checked = []
+        for req in self._unchecked:  # once per request while it decodes: a run reads its list as it goes on
             try:
                 out = outputs[req.rid]
             except KeyError:
                 raise KeyError(f"outputs has no entry for running request {req.rid!r}") from None
-            if out is not req._run_outputs:  # once per request: a simulator passes the same list at every run
-                _check_run_outputs(req, out)
-                req._run_outputs = out
+            _check_run_outputs(req, out)
+            checked.append(out)
+        for req, out in zip(self._unchecked, checked):
+            req._run_outputs = out
+        self._unchecked = []
         timer = self.timer
         if timer is not None:
             t0, admission = perf_counter(), timer.seconds.get("rank", 0.0) + timer.seconds.get("match", 0.0)
         steps, used, evictable = self._decode_steps(num_steps)
-        finished = self._append_outputs(steps, outputs) if steps else []
+        finished = self._advance_running(steps) if steps else []
         if steps:  # the last step's finishes released memory
             used[steps - 1] = self.token_allocator.size - self.token_allocator.available_size()
             evictable[steps - 1] = self.tree_cache.evictable_size()
@@ -485,8 +511,7 @@ class Scheduler:
         order, and so which slot each request gets, depends on the evictions between the steps)."""
         reqs, tree, alloc, ps = self.running, self.tree_cache, self.token_allocator, self.page_size
         bs = len(reqs)
-        kv = _kv_lens(reqs)
-        rows = np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=bs)
+        kv, rows, _ = self._run_arrays()
         batch = self._new_batch(reqs)
         may_admit, lpm = self._may_admit(), self.config.schedule_policy == "lpm"
         ranked = False  # the waiting window is in the order a ranking would give now (see _head_waits)
@@ -532,26 +557,54 @@ class Scheduler:
             timer.add("evict", perf_counter() - t0)
         return freed
 
-    def _append_outputs(self, steps: int, outputs: Mapping) -> list[Req]:
-        """Each running request's next `steps` output tokens; the requests they finish go into the tree, in
-        batch order as process_batch_result finishes them. Returns those."""
-        finished, still_running, fewest = [], [], _UNBOUNDED
-        for req in self.running:
-            out = req.output_ids
-            n = len(out)
-            out.extend(outputs[req.rid][n:n + steps])
-            req.kv_len += steps
-            left = req.max_new_tokens - n - steps
-            if left > 0:
-                still_running.append(req)
-                if left < fewest:
-                    fewest = left
-            else:
-                self._finish(req, finished)
+    def _advance_running(self, steps: int) -> list[Req]:
+        """Gives each running request its next `steps` output tokens (in the arrays; its Req catches up when
+        read); the requests they finish go into the tree, in batch order as process_batch_result finishes them.
+        Returns those."""
+        kv, rows, left = self._run_arrays()
+        self._run_clock += steps
         self._tokens_left -= steps * len(self.running)
-        self.running = still_running
-        self._fewest_left = fewest
+        kv, left = kv + steps, left - steps
+        finished = []
+        if left.min() <= 0:
+            done = left <= 0
+            running = self.running
+            for i in np.flatnonzero(done).tolist():
+                self._finish(running[i], finished)
+            keep = ~done
+            self.running = list(compress(running, keep.tolist()))
+            kv, rows, left = kv[keep], rows[keep], left[keep]
+        self._run_kv, self._run_rows, self._run_left = kv, rows, left
+        self._fewest_left = int(left.min()) if len(left) else _UNBOUNDED
         return finished
+
+    def _run_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The running requests' kv_len, req_to_token rows and output tokens left (each [bs] int64)."""
+        if self._run_kv is None:  # a decode step changed the batch since the last run: none lags
+            reqs = self.running
+            n = len(reqs)
+            self._run_kv = _kv_lens(reqs)
+            self._run_rows = np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=n)
+            self._run_left = np.fromiter((r.max_new_tokens - len(r.output_ids) for r in reqs), dtype=np.int64,
+                                         count=n)
+            self._unchecked = list(reqs)
+        return self._run_kv, self._run_rows, self._run_left
+
+    def _join_running(self, reqs: list[Req]) -> None:
+        """Appends requests that have just prefilled to the batch (up to date, at the run clock)."""
+        self.running.extend(reqs)
+        clock = self._run_clock
+        for req in reqs:
+            req._runner, req._run_clock_seen = self, clock
+        if self._run_kv is not None:
+            n = len(reqs)
+            self._run_kv = np.concatenate((self._run_kv, _kv_lens(reqs)))
+            self._run_rows = np.concatenate((self._run_rows,
+                                             np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=n)))
+            self._run_left = np.concatenate((self._run_left, np.fromiter(
+                (r.max_new_tokens - len(r.output_ids) for r in reqs), dtype=np.int64, count=n)))
+            self._unchecked.extend(reqs)
+
 
     # ---- admission ----------------------------------------------------------------------------------
     def _get_extend_batch(self) -> ScheduleBatch | None:
@@ -818,6 +871,14 @@ class Scheduler:
         left = sum(r.max_new_tokens - len(r.output_ids) for r in self.running)
         if left != self._tokens_left:
             raise AssertionError(f"running requests owe {left} output tokens, the count says {self._tokens_left}")
+        if self._run_kv is not None:
+            reqs = self.running
+            for name, have, want in (("kv_len", self._run_kv, [r.kv_len for r in reqs]),
+                                     ("rows", self._run_rows, [r.req_pool_idx for r in reqs]),
+                                     ("output tokens left", self._run_left,
+                                      [r.max_new_tokens - len(r.output_ids) for r in reqs])):
+                if have.tolist() != want:
+                    raise AssertionError(f"the running batch's {name} array {have.tolist()} != its requests' {want}")
 
 
 def _check_run_outputs(req: Req, out) -> None:
@@ -846,7 +907,7 @@ def _token_ids(next_token_ids, name: str = "next_token_ids") -> array:
         if next_token_ids.dtype in (torch.bool, np.bool_):
             raise TypeError(f"{name} must hold int token ids, got dtype {next_token_ids.dtype}")
         next_token_ids = next_token_ids.tolist()
-    elif isinstance(next_token_ids, (list, tuple)) and any(type(t) is bool for t in next_token_ids):
+    elif isinstance(next_token_ids, (list, tuple)) and _holds_a_bool(next_token_ids):
         raise TypeError(f"{name} must hold int token ids, got a bool")  # array("q") would store 1
     try:
         return array("q", next_token_ids)
@@ -856,3 +917,6 @@ def _token_ids(next_token_ids, name: str = "next_token_ids") -> array:
         raise ValueError(f"{name} holds a token id outside int64") from None
 
 
+def _holds_a_bool(ids: list | tuple) -> bool:
+    # `in` scans in C, but finds the ints 1 and 0 too (True == 1): only then is each element's type looked at.
+    return (True in ids or False in ids) and any(type(t) is bool for t in ids)

@@ -502,10 +502,11 @@ def same_rows(stepped, ran):
     return ran and {k: stepped.get(k) for k in ran} == ran
 
 
-def drive(sched, reqs, outputs, use_runs, rows=None):
+def drive(sched, reqs, outputs, use_runs, rows=None, check=True):
     """Steps `sched` to idle with the outputs known in advance; with use_runs, pure decode stretches go through
     run_decode. Returns the (tokens used, evictable) sample after every step and the finish order; fills
-    `rows` (see running_rows) after each step or run."""
+    `rows` (see running_rows) after each step or run, and checks the invariants then unless not `check` (which
+    reads every running request)."""
     for r in reqs:
         sched.add_request(r)
     samples, finished = [], []
@@ -523,7 +524,8 @@ def drive(sched, reqs, outputs, use_runs, rows=None):
             finished += [r.rid for r in done]
         if rows is not None:
             running_rows(sched, rows)
-        sched.check_invariants()
+        if check:
+            sched.check_invariants()
     return samples, finished
 
 
@@ -558,6 +560,38 @@ def test_run_decode_leaves_every_step_as_stepping_one_by_one_would(page_size, se
                         timer.calls["evict"]))  # an eviction (and its timing) only where a step is short
     assert results[0] == results[1] and same_rows(*rows)
     assert results[1][4].evicted_tokens > 0 and results[1][4].retractions > 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_requests_that_decode_runs_leave_behind_catch_up_when_read(page_size):
+    # A run advances the batch in arrays; its requests catch up when something reads them. Driven with nothing
+    # read between the steps and runs, the requests, the tree and the stats end as stepping one by one leaves them.
+    rng, specs = shared_prefix_specs(7, 30, system_len=200, max_suffix=150, max_output=150)
+    outputs = {i: [rng.randrange(10, 30000) for _ in range(n)] for i, (_, n) in enumerate(specs)}
+    results = []
+    for use_runs in (False, True):
+        sched = make_scheduler(1200, page_size, schedule_policy="lpm", max_running_requests=8,
+                               init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+        reqs = [Req(i, p, n) for i, (p, n) in enumerate(specs)]
+        samples, finished = drive(sched, reqs, outputs, use_runs, check=False)
+        sched.check_invariants()
+        results.append((samples, finished, [(r.output_ids, r.kv_len) for r in reqs], sched.stats,
+                        tree_shape(sched.tree_cache, "value")))
+    assert results[0] == results[1] and results[1][3].retractions > 0
+
+    sched = make_scheduler(4096, page_size, max_running_requests=2)
+    a, b = Req("a", list(range(1, 20)), 5), Req("b", list(range(30, 40)), 9)
+    for r in (a, b):
+        sched.add_request(r)
+    sched.process_batch_result(sched.step(), [7, 8])
+    assert sched.running_kv_tokens() == 29
+    run = sched.run_decode(3, {"a": [7, 1, 2, 3, 4], "b": [8] + list(range(50, 58))})
+    assert run.steps == 3 and b._kv_len == 10  # behind: nothing has read it
+    assert sched.running_kv_tokens() == 35 and (b.kv_len, b.output_ids) == (13, [8, 50, 51, 52])
+    run = sched.run_decode(1, {})  # a's and b's lists were read at their first run
+    assert [r.rid for r in run.finished] == ["a"] and a.output_ids == [7, 1, 2, 3, 4] and a.kv_len == 23
+    assert sched.running == [b] and b.output_ids == [8, 50, 51, 52, 53] and b.kv_len == 14
+    sched.check_invariants()
 
 
 def test_pure_decode_steps_stop_at_the_first_finish_and_at_a_possible_admission():
@@ -1365,7 +1399,7 @@ def test_run_decode_refuses_outputs_that_are_not_int_tokens_and_changes_nothing(
         assert sched.run_decode(3, {"a": [5, 6, 7, 8]}).steps == 3
 
 
-@pytest.mark.parametrize("tokens", [[True, 7], torch.tensor([True, False]), np.array([True, False])])
+@pytest.mark.parametrize("tokens", [[True, 7], [7, False], torch.tensor([True, False]), np.array([True, False])])
 def test_process_batch_result_refuses_bool_tokens(tokens):
     sched = make_scheduler(128)
     for rid in ("a", "b"):
@@ -1374,5 +1408,6 @@ def test_process_batch_result_refuses_bool_tokens(tokens):
     with pytest.raises(TypeError, match="next_token_ids must hold int token ids"):
         sched.process_batch_result(batch, tokens)
     assert [r.output_ids for r in batch.reqs] == [[], []]
-    sched.process_batch_result(batch, [7, 8])
+    sched.process_batch_result(batch, [1, 0])  # the ints equal to True and False are tokens
+    assert [r.output_ids for r in batch.reqs] == [[1], [0]]
 

@@ -247,9 +247,8 @@ class ReplicaSim:
         that end by `until`. A run's KV events are published when it ends, so its steps after the first end by
         the next arrival, when a cluster's router reads them, as a real engine's would have."""
         sched, cost = self.sched, self.cost
-        running = sched.running
-        bs = len(running)
-        kv_tokens = sum(r.kv_len for r in running)
+        bs = len(sched.running)
+        kv_tokens = sched.running_kv_tokens()
         times = []
         clock = self.clock
         for j in range(steps):
