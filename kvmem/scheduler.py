@@ -581,13 +581,8 @@ class Scheduler:
     def _run_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The running requests' kv_len, req_to_token rows and output tokens left (each [bs] int64)."""
         if self._run_kv is None:  # a decode step changed the batch since the last run: none lags
-            reqs = self.running
-            n = len(reqs)
-            self._run_kv = _kv_lens(reqs)
-            self._run_rows = np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=n)
-            self._run_left = np.fromiter((r.max_new_tokens - len(r.output_ids) for r in reqs), dtype=np.int64,
-                                         count=n)
-            self._unchecked = list(reqs)
+            self._run_kv, self._run_rows, self._run_left = _batch_arrays(self.running)
+            self._unchecked = list(self.running)
         return self._run_kv, self._run_rows, self._run_left
 
     def _join_running(self, reqs: list[Req]) -> None:
@@ -597,12 +592,10 @@ class Scheduler:
         for req in reqs:
             req._runner, req._run_clock_seen = self, clock
         if self._run_kv is not None:
-            n = len(reqs)
-            self._run_kv = np.concatenate((self._run_kv, _kv_lens(reqs)))
-            self._run_rows = np.concatenate((self._run_rows,
-                                             np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=n)))
-            self._run_left = np.concatenate((self._run_left, np.fromiter(
-                (r.max_new_tokens - len(r.output_ids) for r in reqs), dtype=np.int64, count=n)))
+            kv, rows, left = _batch_arrays(reqs)
+            self._run_kv = np.concatenate((self._run_kv, kv))
+            self._run_rows = np.concatenate((self._run_rows, rows))
+            self._run_left = np.concatenate((self._run_left, left))
             self._unchecked.extend(reqs)
 
 
@@ -893,6 +886,13 @@ def _check_run_outputs(req: Req, out) -> None:
 
 def _kv_lens(reqs: list[Req]) -> np.ndarray:
     return np.fromiter((r.kv_len for r in reqs), dtype=np.int64, count=len(reqs))
+
+
+def _batch_arrays(reqs: list[Req]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The requests' kv_len, req_to_token rows and output tokens left, as a decode run keeps them."""
+    n = len(reqs)
+    return (_kv_lens(reqs), np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=n),
+            np.fromiter((r.max_new_tokens - len(r.output_ids) for r in reqs), dtype=np.int64, count=n))
 
 
 def _token_ids(next_token_ids, name: str = "next_token_ids") -> array:
