@@ -230,6 +230,9 @@ class Scheduler:
         batch = self._get_extend_batch()
         if batch is None and self.running:
             t0 = perf_counter() if self.timer is not None else 0.0
+            # The step changes every request's kv_len and may retract some: a run rebuilds the arrays.
+            self._run_kv = self._run_rows = self._run_left = None
+            self._unchecked = []
             batch = self._new_batch(self.running)
             batch._prepare_for_decode()  # running requests, which add_request checked fit max_context_len
             if self.timer is not None:
@@ -330,8 +333,6 @@ class Scheduler:
             else:
                 self._finish(req, finished)
         self.running = still_running
-        self._run_kv = self._run_rows = self._run_left = None  # rebuilt when a run needs them
-        self._unchecked = []
         self._fewest_left = fewest
         self._tokens_left -= len(batch.reqs)
         return finished
