@@ -115,9 +115,9 @@ class _PageStack:
     def push_owned(self, pages: np.ndarray) -> None:
         """Returns pages that an owner which keeps them allocated and distinct hands back (the radix tree, the
         scheduler for its requests), leaving their flags stale: the next reader of the flags rebuilds them
-        from the free list, once for any number of such frees. A scheduler's evictions and finishes free
-        hundreds of millions of slots over a long trace and nothing reads the flags between them: two scatters
-        (the allocation's flag and the free's) per slot were a tenth of a replay."""
+        from the free list, once for any number of such frees (O(pages)). A scheduler's evictions and finishes
+        free hundreds of millions of slots over a long trace and nothing reads the flags between them: two
+        scatters (the allocation's flag and the free's) per slot were a tenth of a replay."""
         self.push(pages)  # first: a compaction in push brings stale flags up to date without these pages
         self._stale = True
 
@@ -145,7 +145,8 @@ class _PageStack:
         return self._mark[pages] != 0
 
     def is_allocated(self, pages: np.ndarray) -> np.ndarray:
-        self._flag_popped()
+        if len(pages):  # a check of no pages (an extend with no partial page) leaves stale flags to later
+            self._flag_popped()
         return self._allocated.take(pages, mode="clip")
 
     def backup(self) -> AllocatorState:
