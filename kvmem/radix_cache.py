@@ -130,6 +130,7 @@ class RadixCache(RadixTree):
         self.token_allocator = token_allocator
         self.device = token_allocator.device
         self._in_tree = np.zeros(token_allocator.size + page_size, dtype=np.bool_)  # slots some node holds
+        self._in_tree_stale = False  # it misses slots the tree took unchecked (see _own)
         self._on_cpu = self.device.type == "cpu"
         self._turns = self._policy if self._policy.tracks_turns else None  # the tier policy that wants turns
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -199,7 +200,7 @@ class RadixCache(RadixTree):
         self._touch(last, hit=False, priority=priority, turn=turn)
         if grows:
             last = self._add_leaf(last, view[matched * TOKEN_BYTES:].tobytes(), new_slots.copy(), priority, turn)
-            self._in_tree[new_slots] = True
+            self._own(new_slots, exact=checked)
             if self._names:
                 self._name_pages(last, namespace)
         elif last.entry is not None:
@@ -259,7 +260,7 @@ class RadixCache(RadixTree):
             bad = s[~held][0]
             raise ValueError(f"value holds slot {bad}, " + ("the padding slot" if bad == 0 else
                                                             "which token_allocator has not handed out"))
-        cached = self._in_tree.take(s)
+        cached = self._ownership().take(s)
         if np.count_nonzero(cached):
             raise ValueError(f"value holds slot {s[cached][0]}, which the tree already caches for another prefix")
         ps = self.page_size
@@ -289,8 +290,29 @@ class RadixCache(RadixTree):
     def _release(self, values: list[np.ndarray]) -> None:
         """Gives the slots of removed nodes back to the allocator in one call."""
         slots = values[0] if len(values) == 1 else np.concatenate(values)
-        self._in_tree[slots] = False
+        if not self._in_tree_stale:
+            self._in_tree[slots] = False
         self.token_allocator._free_owned(slots)
+
+    def _own(self, slots: np.ndarray, exact: bool) -> None:
+        """Marks `slots` the tree's in its ownership bitmap, which only checked inserts (and the invariant
+        check) read. The Scheduler's unchecked inserts and load-backs leave the bitmap stale instead, and the
+        next reader rebuilds it from the tree, once: over a long trace they would set, and evictions clear, a
+        bit for every slot, where nothing reads it."""
+        if exact and not self._in_tree_stale:
+            self._in_tree[slots] = True
+        else:
+            self._in_tree_stale = True
+
+    def _ownership(self) -> np.ndarray:
+        """The ownership bitmap, rebuilt from the tree's nodes if it is stale."""
+        if self._in_tree_stale:
+            bitmap = self._in_tree
+            bitmap[:] = False
+            for node in self._all_nodes():
+                bitmap[node.value] = True
+            self._in_tree_stale = False
+        return self._in_tree
 
     # ---- page names and events ---------------------------------------------------------------------
     def _name_pages(self, node: TreeNode, namespace: str | None) -> None:
@@ -440,6 +462,8 @@ class RadixCache(RadixTree):
             _fail("the tree holds a slot more than once")
         if len(slots) and not self.token_allocator.is_allocated(torch.from_numpy(slots)).all():
             _fail("the tree holds a slot that token_allocator considers free")
+        if self._in_tree_stale:  # a rebuilt bitmap would match by construction: check the bits kept so far
+            return
         if np.count_nonzero(self._in_tree) != len(slots) or not self._in_tree[slots].all():
             _fail("the ownership bitmap does not match the slots in the tree")
 

@@ -495,6 +495,15 @@ class RadixTree:
         if not parent.children and parent.lock_ref == 0 and parent.parent is not None:
             self._add_evictable(parent)
 
+    def _all_nodes(self) -> list[TreeNode]:
+        """Every node but the roots."""
+        nodes, stack = [], list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            nodes.extend(node.children.values())
+            stack.extend(node.children.values())
+        return nodes
+
     def _detach_all(self) -> list[TreeNode]:
         """Unlinks every node (each left with parent None) and returns them; the roots stay."""
         nodes = []

@@ -1125,3 +1125,22 @@ def test_pins_are_named_by_their_whole_pages_and_evicted_oldest_pin_first():
     assert cache.evict(1) == 4 and cached_sequences(cache) == {(9, 9, 9, 9)}  # the older pin went first
     assert cache.unpin([9, 9, 9, 9]) == 4 and cache.pinned_size() == 0
     assert first.pin == later.pin == 0  # evicted with its pin, or unpinned: a node's pin is 0 again
+
+
+def test_a_checked_insert_after_the_schedulers_unchecked_ones_still_refuses_the_trees_own_slots():
+    # The Scheduler's inserts and the evictions after them leave the ownership bitmap stale; the next checked
+    # insert rebuilds it from the tree: a slot the tree holds is refused, one it evicted is taken.
+    from kvmem.scheduler import Scheduler
+
+    tree, alloc = make_cache(64)
+    sched = Scheduler(tree.req_to_token_pool, alloc, tree)
+    sched.add_request(Req("a", list(range(1, 11)), 1))
+    sched.process_batch_result(sched.step(), [99])  # finishes: 10 tokens cached unchecked
+    held = tree.match_prefix(list(range(1, 11))).indices
+    assert tree._in_tree_stale and len(held) == 10
+    with pytest.raises(ValueError, match="already caches for another prefix"):
+        tree.insert([500, 501], held[:2])
+    assert tree.evict(64) == 10 and tree.total_size() == 0
+    again = alloc.alloc(64)
+    assert tree.insert([500, 501], again[:2]) == 0 and not tree._in_tree_stale
+    tree.check_invariants()

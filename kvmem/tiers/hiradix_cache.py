@@ -247,12 +247,12 @@ class HiRadixCache(RadixCache):
             self._check_new_slots(value[on_device:])
         last = self._walk_to_node(walk)
         if revived:
-            self._revive_path(last, value[on_device:matched])
+            self._revive_path(last, value[on_device:matched], exact=checked)
         self._touch(last, hit=False, priority=priority, turn=turn)
         if grows:
             new_slots = value[matched:]
             last = self._add_leaf(last, view[matched * TOKEN_BYTES:].tobytes(), new_slots.copy(), priority, turn)
-            self._in_tree[new_slots] = True
+            self._own(new_slots, exact=checked)
             if self._names:
                 self._name_pages(last, namespace)
         elif last.entry is not None:
@@ -268,9 +268,9 @@ class HiRadixCache(RadixCache):
             tokens += walk.into_child // TOKEN_BYTES
         return tokens
 
-    def _revive_path(self, last: HiTreeNode, slots: np.ndarray) -> None:
+    def _revive_path(self, last: HiTreeNode, slots: np.ndarray, exact: bool) -> None:
         """Puts the host-only nodes at the end of root..last back on device, in `slots` (their tokens, root
-        side first)."""
+        side first); `exact`: see RadixCache._own."""
         nodes = []
         node = last
         while node.parent is not None and not len(node.value):
@@ -279,14 +279,15 @@ class HiRadixCache(RadixCache):
         offset = 0
         for node in reversed(nodes):
             n = node.num_tokens
-            self._to_device_tier(node, slots[offset:offset + n].copy())
+            self._to_device_tier(node, slots[offset:offset + n].copy(), exact)
             offset += n
 
-    def _to_device_tier(self, node: HiTreeNode, slots: np.ndarray) -> None:
-        """A host-only node whose parent is on device gets device slots (its host copy stays)."""
+    def _to_device_tier(self, node: HiTreeNode, slots: np.ndarray, exact: bool) -> None:
+        """A host-only node whose parent is on device gets device slots (its host copy stays); `exact`: see
+        RadixCache._own."""
         n = len(slots)
         node.value = slots
-        self._in_tree[slots] = True
+        self._own(slots, exact)
         parent = node.parent
         parent.device_children += 1
         if parent.entry is not None:  # no longer a device leaf
@@ -741,7 +742,7 @@ class HiRadixCache(RadixCache):
                 return None
             slots, offset = device.cpu().numpy(), 0
             for n in nodes:
-                self._to_device_tier(n, slots[offset:offset + n.num_tokens].copy())
+                self._to_device_tier(n, slots[offset:offset + n.num_tokens].copy(), exact=False)
                 offset += n.num_tokens
             self.stats.loaded_tokens += tokens
             return self._path_indices(node)
@@ -839,14 +840,6 @@ class HiRadixCache(RadixCache):
 
     def _is_evictable_leaf(self, node: HiTreeNode) -> bool:
         return node.lock_ref == 0 and len(node.value) > 0 and node.device_children == 0
-
-    def _all_nodes(self) -> list[HiTreeNode]:
-        nodes, stack = [], list(self._roots.values())
-        while stack:
-            node = stack.pop()
-            nodes.extend(node.children.values())
-            stack.extend(node.children.values())
-        return nodes
 
 
 def _all_reduce_min(values, group):
