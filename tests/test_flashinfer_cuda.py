@@ -110,3 +110,29 @@ def test_flashinfer_causal_extend_equals_reference(page_size, layout, heads, dty
                                      metadata.kv_last_page_len, layout=layout)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(attention.run(q, kv_cache), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (32, 4)], ids=["8q8kv", "32q4kv-tensor-core-decode"])
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_flashinfer_reads_an_fp8_kv_cache_under_float16_queries(heads, mode):
+    # FlashInfer's "auto" backend picks its FA3 kernels on Hopper, which take fp8 K/V only with fp8 queries:
+    # FlashInferAttention plans these on FA2. The reference reads the same fp8 values, upcast.
+    pytest.importorskip("flashinfer")
+    num_qo_heads, num_kv_heads = heads
+    head_dim, page_size = 64, 16
+    prefix_lens, seq_lens = ([1, 17, 300, 2049], [1, 17, 300, 2049]) if mode == "decode" else \
+        ([0, 100, 16, 1999], [37, 130, 17, 2049])
+    req_to_token, rows, prefix, seq, (k, v) = paged_batch(prefix_lens, seq_lens, page_size, num_kv_heads, "NHD",
+                                                          torch.float16)
+    k8, v8 = (t[..., :head_dim].contiguous().to(torch.float8_e4m3fn) for t in (k, v))
+    attention = FlashInferAttention(num_qo_heads, num_kv_heads, head_dim)
+    if mode == "decode":
+        metadata = build_decode_metadata(req_to_token, rows, seq, page_size)
+        attention.plan_decode(metadata, q_dtype=torch.float16, kv_dtype=torch.float8_e4m3fn)
+    else:
+        metadata = build_extend_metadata(req_to_token, rows, prefix, seq, page_size)
+        attention.plan_extend(metadata, q_dtype=torch.float16, kv_dtype=torch.float8_e4m3fn)
+    q = torch.randn(int(metadata.qo_indptr[-1]), num_qo_heads, head_dim, device=CUDA, dtype=torch.float16)
+    want = reference_paged_attention(q, k8.to(torch.float16), v8.to(torch.float16), metadata.qo_indptr,
+                                     metadata.kv_indptr, metadata.kv_indices, metadata.kv_last_page_len)
+    torch.testing.assert_close(attention.run(q, (k8, v8)), want, atol=2e-2, rtol=2e-2)

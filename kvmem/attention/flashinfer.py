@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from kvmem.attention.cascade import CascadeMetadata
 
 KV_LAYOUTS = ("NHD", "HND")
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class FlashInferAttention:
@@ -36,10 +37,13 @@ class FlashInferAttention:
         self.workspace_buffer = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
         # FlashInfer documents its tensor-core decode as faster for large GQA groups; more than 4 query heads
         # per KV head is the usual cut-over (the GPU tests cover groups of 1, 4 and 8).
+        self._tensor_core_decode = num_qo_heads // num_kv_heads > 4
+        self._backend = backend
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace_buffer, kv_layout, use_tensor_cores=num_qo_heads // num_kv_heads > 4)
+            self.workspace_buffer, kv_layout, use_tensor_cores=self._tensor_core_decode)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace_buffer, kv_layout,
                                                                        backend=backend)
+        self._fa2: dict[str, object] = {}  # "decode" / "prefill" -> a wrapper on FlashInfer's FA2 kernels
         self._flashinfer = flashinfer
         self._cascade: dict[int, object] = {}  # num_levels -> MultiLevelCascadeAttentionWrapper, built on first use
         self._planned = None
@@ -48,20 +52,24 @@ class FlashInferAttention:
     def plan_decode(self, metadata: PagedKVMetadata, q_dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
                     sm_scale: float | None = None) -> None:
         """Plans one query per request (metadata from `build_decode_metadata`); sm_scale defaults to 1/sqrt(D)."""
-        self._decode.plan(
+        decode = self._decode
+        if self._tensor_core_decode and self._needs_fa2(q_dtype, kv_dtype):
+            decode = self._fa2_wrapper("decode")
+        decode.plan(
             metadata.kv_indptr, metadata.kv_indices, metadata.kv_last_page_len,
             self.num_qo_heads, self.num_kv_heads, self.head_dim, metadata.page_size,
             q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale)
-        self._planned, self._cascade_order = self._decode, None
+        self._planned, self._cascade_order = decode, None
 
     def plan_extend(self, metadata: PagedKVMetadata, q_dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
                     causal: bool = True, sm_scale: float | None = None) -> None:
         """Plans an extend (metadata from `build_extend_metadata`), causal aligned bottom-right by default."""
-        self._prefill.plan(
+        prefill = self._fa2_wrapper("prefill") if self._needs_fa2(q_dtype, kv_dtype) else self._prefill
+        prefill.plan(
             metadata.qo_indptr, metadata.kv_indptr, metadata.kv_indices, metadata.kv_last_page_len,
             self.num_qo_heads, self.num_kv_heads, self.head_dim, metadata.page_size,
             causal=causal, sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype)
-        self._planned, self._cascade_order = self._prefill, None
+        self._planned, self._cascade_order = prefill, None
 
     def plan_cascade(self, metadata: CascadeMetadata, q_dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
                      sm_scale: float | None = None) -> None:
@@ -80,6 +88,22 @@ class FlashInferAttention:
             [m.kv_last_page_len for m in levels], self.num_qo_heads, self.num_kv_heads, self.head_dim,
             metadata.page_size, causal=True, sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype)
         self._planned, self._cascade_order = wrapper, metadata
+
+    def _needs_fa2(self, q_dtype: torch.dtype, kv_dtype: torch.dtype | None) -> bool:
+        """Whether an fp8 KV cache read by 16-bit queries must take FlashInfer's FA2 kernels: on Hopper its
+        "auto" backend picks FA3 whatever the KV dtype, and FA3 reads fp8 K/V only with fp8 queries (its
+        kernels for float16 queries over e4m3 K/V do not compile)."""
+        return self._backend == "auto" and kv_dtype in _FP8 and q_dtype not in _FP8
+
+    def _fa2_wrapper(self, kind: str):
+        wrapper = self._fa2.get(kind)
+        if wrapper is None:
+            fi = self._flashinfer
+            wrapper = self._fa2[kind] = (
+                fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace_buffer, self.kv_layout, use_tensor_cores=True,
+                                                      backend="fa2") if kind == "decode" else
+                fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace_buffer, self.kv_layout, backend="fa2"))
+        return wrapper
 
     def run(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """q [total_q, num_qo_heads, head_dim] -> out of the same shape, over (k_pages, v_pages) of one layer."""
