@@ -57,12 +57,13 @@ def build_model(preset: str, *, seed: int = 0, dtype: torch.dtype = torch.float3
     """A causal LM of `preset` with weights drawn under torch.manual_seed(seed), in eval mode.
 
     overrides: config fields to change (e.g. eos_token_id=7). Deterministic for a given seed, dtype and
-    torch build.
+    torch build, and the same weights on every device: they are drawn on the CPU and moved (drawn on a GPU,
+    they came from its own generator, and a GPU engine could not be held against a CPU one).
     """
     from transformers import AutoModelForCausalLM
 
     config = build_config(preset, **overrides)
     torch.manual_seed(seed)
-    with torch.device(device):
+    with torch.device("cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
+    return model.to(device).eval()
