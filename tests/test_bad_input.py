@@ -251,7 +251,7 @@ def test_the_replay_rows_are_no_longer_than_the_capacity():
 @pytest.mark.parametrize("argv, message", [
     (["--capacity-tokens", "1000000000000"], "host memory"),
     (["--sweep", "4096,1000000000000"], "host memory"),
-    (["--gpu-mem-gb", "100000", "--model", "llama-3-8b"], "host memory"),
+    (["--gpu-mem-gb", "100000000", "--model", "llama-3-8b"], "host memory"),  # 25,940 GiB: more than any host
     (["--gpu-mem-gb", "1e300", "--model", "llama-3-8b"], "gpu_mem_gb"),
     (["--page-size", "1000000000000"], "page"),
     (["--seed", "-1"], "--seed"),

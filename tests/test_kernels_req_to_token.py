@@ -231,7 +231,7 @@ def test_three_requests_each_with_prefix_slots_are_written_whole(backend):
 
 
 def test_the_last_column_and_the_largest_slot_of_the_table_are_in_range():
-    table = torch.zeros(2, 8, dtype=torch.int32)
+    table = torch.zeros(2, 8, dtype=torch.int32, device=DEVICE)
     write_req_to_token(table, t([1]), t([6]), t([8]), t([5, 2**31 - 1]))
     assert table[1].tolist() == [0] * 6 + [5, 2**31 - 1]
 
@@ -251,7 +251,7 @@ def test_a_refusal_names_the_value_that_is_out_of_range(overrides, error, messag
 
 def test_the_device_fallback_reads_prefix_slots_from_where_prefix_indptr_starts():
     args = (t([1, 0]), t([2, 1]), t([3, 2]), t([8, 9]), t([99, 21, 22, 31]), t([1, 3, 4]))
-    host_table, fallback_table = torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32)
+    host_table, fallback_table = (torch.zeros(2, 4, dtype=torch.int32, device=DEVICE) for _ in range(2))
     write_req_to_token(host_table, *args)
     _write_req_to_token_vectorized(fallback_table, *args)
     assert torch.equal(fallback_table, host_table) and host_table.tolist() == [[31, 9, 0, 0], [21, 22, 8, 0]]
