@@ -2,7 +2,8 @@
 # GPU checks for kernels/ and kvmem/attention/, run from anywhere on a CUDA machine:
 #   0. installs kvmem itself without dependencies (kernels/ installs as kvmem.kernels, so the source tree alone
 #      does not import),
-#   1. installs the carried FlashInfer wheels from .whl/ (if any) into /tmp/site,
+#   1. installs the carried FlashInfer wheels from .whl/ (if any) into /tmp/site, with the modules that
+#      scripts/flashinfer_aot.py compiled ahead of time into .whl/aot/ (the JIT compiles the rest, minutes each),
 #   2. runs the CUDA tests (Triton == torch fallback on CUDA tensors, FlashInfer == reference attention)
 #      and the kernel / attention tests without TRITON_INTERPRET, i.e. on CUDA tensors,
 #   3. runs the kv_indices benchmark (JSON; also saved to $OUT/bench_kv_indices.json when OUT is set), the
@@ -23,6 +24,10 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . || { echo "cannot 
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site"
+    # FlashInfer modules compiled ahead of time on a machine without a GPU (scripts/flashinfer_aot.py) load as
+    # its AOT modules; any other module is JIT-compiled here as usual.
+    [ -d .whl/aot ] && [ -d /tmp/site/flashinfer ] && mkdir -p /tmp/site/flashinfer/data/aot \
+        && cp -r .whl/aot/. /tmp/site/flashinfer/data/aot/
 fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
       torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA')"

@@ -517,3 +517,10 @@ def test_replay_script_refuses_bad_arguments_as_kvmem_replay_does(args, option, 
     trace = tmp_path / "trace.jsonl"
     trace.write_text('{"input_ids": [1, 2, 3, 4], "output_len": 2}\n')
     usage_error("replay.py", [a.format(tmp=tmp_path, trace=trace) for a in args], option, monkeypatch, capsys)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is not None, reason="flashinfer imports: it would build")
+@pytest.mark.parametrize("args, option", [(["--jobs", "0"], "--jobs"), (["--jobs", "x"], "--jobs"),
+                                          ([], "flashinfer does not import")])
+def test_flashinfer_aot_refuses_bad_arguments_and_a_machine_without_flashinfer(args, option, monkeypatch, capsys):
+    usage_error("flashinfer_aot.py", args, option, monkeypatch, capsys)
