@@ -360,7 +360,7 @@ class ScheduleBatch:
         if out is None:  # cannot happen: retraction leaves room for every remaining request
             raise RuntimeError("decode allocation failed after eviction and retraction")
         for r in reqs:
-            r.kv_len += 1
+            r._kv_len += 1  # reading every kv_len above brought each request up to date
         self._set_lens(prefix, seq, out, rows)
 
     def _write_decode(self, prefix: np.ndarray, rows: np.ndarray) -> torch.Tensor | None:

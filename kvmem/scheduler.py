@@ -323,7 +323,7 @@ class Scheduler:
             return finished
         still_running, fewest = [], _UNBOUNDED
         for req, tok in zip(batch.reqs, tokens):
-            out = req.output_ids
+            out = req._output_ids  # up to date: the step read every kv_len, which caught each request up
             out.append(tok)
             left = req.max_new_tokens - len(out)  # not req.finished(), inlined: this runs once per decoded token
             if left > 0:
@@ -333,6 +333,7 @@ class Scheduler:
             else:
                 self._finish(req, finished)
         self.running = still_running
+        self._run_kv = self._run_rows = self._run_left = None  # read between the step and now, they are stale
         self._fewest_left = fewest
         self._tokens_left -= len(batch.reqs)
         return finished
@@ -483,14 +484,15 @@ class Scheduler:
                              f"the fewest output tokens a running request lacks")
         self._run_arrays()
         checked = []
-        for req in self._unchecked:  # once per request while it decodes: a run reads its list as it goes on
+        for req in self._unchecked:  # once per join to the batch: a run reads its list as it goes on
             try:
                 out = outputs[req.rid]
             except KeyError:
                 raise KeyError(f"outputs has no entry for running request {req.rid!r}") from None
-            _check_run_outputs(req, out)
-            checked.append(out)
-        for req, out in zip(self._unchecked, checked):
+            if out is not req._run_outputs:  # a list checked before (the same request again) is not read again
+                _check_run_outputs(req, out)
+                checked.append((req, out))
+        for req, out in checked:
             req._run_outputs = out
         self._unchecked = []
         timer = self.timer
@@ -920,4 +922,8 @@ def _token_ids(next_token_ids, name: str = "next_token_ids") -> array:
 
 def _holds_a_bool(ids: list | tuple) -> bool:
     # `in` scans in C, but finds the ints 1 and 0 too (True == 1): only then is each element's type looked at.
-    return (True in ids or False in ids) and any(type(t) is bool for t in ids)
+    try:
+        maybe = True in ids or False in ids
+    except (TypeError, ValueError):  # an element == True could not say (an array): look at every type
+        maybe = True
+    return maybe and any(type(t) is bool for t in ids)

@@ -594,6 +594,23 @@ def test_requests_that_decode_runs_leave_behind_catch_up_when_read(page_size):
     sched.check_invariants()
 
 
+def test_running_kv_tokens_read_while_a_decode_batch_is_pending_leaves_the_runs_right():
+    # Read between a decode step and its results, the batch's arrays were rebuilt from requests the results then
+    # changed: a later run took positions for the wrong requests and finished b with 4 of its 10 tokens.
+    sched = make_scheduler(4096, 4)
+    outputs = {"a": [7] * 3, "b": [8] * 10}
+    for rid in outputs:
+        sched.add_request(Req(rid, list(range(10, 30)), len(outputs[rid])))
+    for _ in range(3):  # a prefill and two decode steps: a finishes in the last
+        batch = sched.step()
+        assert sched.running_kv_tokens() == sum(r.kv_len for r in sched.running)
+        sched.process_batch_result(batch, [outputs[r.rid][len(r.output_ids)] for r in batch.reqs])
+    sched.check_invariants()
+    assert [r.rid for r in sched.running] == ["b"] and sched.running_kv_tokens() == 22
+    run = sched.run_decode(sched.pure_decode_steps(), outputs)
+    assert [r.rid for r in run.finished] == ["b"] and run.finished[0].output_ids == [8] * 10
+
+
 def test_pure_decode_steps_stop_at_the_first_finish_and_at_a_possible_admission():
     sched = make_scheduler(4096, 1, max_running_requests=2)
     a, b, c = Req("a", [1, 2, 3], 5), Req("b", [4, 5, 6], 9), Req("c", [7, 8], 3)
@@ -1397,6 +1414,15 @@ def test_run_decode_refuses_outputs_that_are_not_int_tokens_and_changes_nothing(
             sched.run_decode(3, {})
         sched.check_invariants()
         assert sched.run_decode(3, {"a": [5, 6, 7, 8]}).steps == 3
+
+
+def test_process_batch_result_refuses_a_list_of_arrays_as_not_int_tokens():
+    sched = make_scheduler(128)
+    for rid in ("a", "b"):
+        sched.add_request(Req(rid, [1, 2, 3], 4))
+    batch = sched.step()
+    with pytest.raises(TypeError, match="next_token_ids must hold int token ids"):
+        sched.process_batch_result(batch, [np.array([1, 2]), 7])
 
 
 @pytest.mark.parametrize("tokens", [[True, 7], [7, False], torch.tensor([True, False]), np.array([True, False])])
