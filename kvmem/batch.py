@@ -127,12 +127,15 @@ class Req:
         self._kv_len += behind
         self._run_clock_seen = clock
 
+    def _sync(self) -> None:
+        """Catches up with the decode runs, if it is behind."""
+        if self._runner is not None and self._runner._run_clock != self._run_clock_seen:
+            self._catch_up()
+
     def _leave_runs(self) -> None:
         """Catches up with the decode runs and stops following them (it finishes or is retracted)."""
-        if self._runner is not None:
-            if self._runner._run_clock != self._run_clock_seen:
-                self._catch_up()
-            self._runner = None
+        self._sync()
+        self._runner = None
 
     @property
     def fill_ids(self) -> array:
@@ -338,9 +341,10 @@ class ScheduleBatch:
         self._prepare_for_decode(prefix)
 
     def _prepare_for_decode(self, prefix: np.ndarray | None = None) -> None:
-        """prepare_for_decode's body, for running requests with room left (the Scheduler's)."""
+        """prepare_for_decode's body, for running requests with room left (the Scheduler's, which brought them up
+        to date with its decode runs)."""
         if prefix is None:
-            prefix = self._kv_lens()
+            prefix = np.fromiter((r._kv_len for r in self.reqs), dtype=np.int64, count=len(self.reqs))
         self.forward_mode = ForwardMode.DECODE
         need = self._decode_need(prefix)
         if need > self.token_allocator.available_size() + self.tree_cache.evictable_size():
@@ -360,7 +364,7 @@ class ScheduleBatch:
         if out is None:  # cannot happen: retraction leaves room for every remaining request
             raise RuntimeError("decode allocation failed after eviction and retraction")
         for r in reqs:
-            r._kv_len += 1  # reading every kv_len above brought each request up to date
+            r._kv_len += 1
         self._set_lens(prefix, seq, out, rows)
 
     def _write_decode(self, prefix: np.ndarray, rows: np.ndarray) -> torch.Tensor | None:

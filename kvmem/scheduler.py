@@ -163,6 +163,7 @@ class Scheduler:
         self._run_rows: np.ndarray | None = _NO_REQS
         self._run_left: np.ndarray | None = _NO_REQS
         self._run_clock = 0
+        self._lagging = False  # a run has left requests behind since a step last brought them all up to date
         self._unchecked: list[Req] = []  # joined the batch since the last run, outputs not checked yet
         self.chunked_req: Req | None = None
         self.new_token_ratio = config.init_new_token_ratio
@@ -233,6 +234,10 @@ class Scheduler:
             # The step changes every request's kv_len and may retract some: a run rebuilds the arrays.
             self._run_kv = self._run_rows = self._run_left = None
             self._unchecked = []
+            if self._lagging:  # the batch and its results then read the requests' fields directly
+                for req in self.running:
+                    req._sync()
+                self._lagging = False
             batch = self._new_batch(self.running)
             batch._prepare_for_decode()  # running requests, which add_request checked fit max_context_len
             if self.timer is not None:
@@ -323,7 +328,7 @@ class Scheduler:
             return finished
         still_running, fewest = [], _UNBOUNDED
         for req, tok in zip(batch.reqs, tokens):
-            out = req._output_ids  # up to date: the step read every kv_len, which caught each request up
+            out = req._output_ids  # up to date: the step brought every request up to date
             out.append(tok)
             left = req.max_new_tokens - len(out)  # not req.finished(), inlined: this runs once per decoded token
             if left > 0:
@@ -566,6 +571,7 @@ class Scheduler:
         Returns those."""
         kv, rows, left = self._run_arrays()
         self._run_clock += steps
+        self._lagging = True
         self._tokens_left -= steps * len(self.running)
         kv, left = kv + steps, left - steps
         finished = []
