@@ -469,9 +469,8 @@ class Scheduler:
         outputs[rid]: the whole output of each running request, a list of ints (what process_batch_result
         stores); the tokens after those it has are what it samples in these steps. Each request's list is read
         at its first run since it joined the batch and kept while it decodes: it must not change. Stops early,
-        before a step
-        that would have to retract a request or would admit one, or where only the real match can tell (see
-        pure_decode_steps); step() then takes it. `steps` in the result says how many it took. A run that
+        before a step that would have to retract a request or would admit one, or where only the real match can
+        tell (see pure_decode_steps); step() then takes it. `steps` in the result says how many it took. A run that
         stops before an admission may leave the waiting window ranked as that step will rank it.
         """
         check_int("num_steps", num_steps, minimum=1)
@@ -606,7 +605,6 @@ class Scheduler:
             self._run_rows = np.concatenate((self._run_rows, rows))
             self._run_left = np.concatenate((self._run_left, left))
             self._unchecked.extend(reqs)
-
 
     # ---- admission ----------------------------------------------------------------------------------
     def _get_extend_batch(self) -> ScheduleBatch | None:
