@@ -506,13 +506,8 @@ class RadixTree:
 
     def _detach_all(self) -> list[TreeNode]:
         """Unlinks every node (each left with parent None) and returns them; the roots stay."""
-        nodes = []
-        stack = list(self._roots.values())
-        while stack:
-            node = stack.pop()
-            for child in node.children.values():
-                nodes.append(child)
-                stack.append(child)
+        nodes = self._all_nodes()
+        for node in nodes:
             node.parent = None
         return nodes
 
