@@ -29,8 +29,10 @@ PERCENTILES = (10, 25, 50, 75, 90)
 TURNS = 8  # by_turn's entries: 0 .. TURNS-2, then TURNS-1 and later
 
 
-def reuse_facts(trace: MooncakeTrace) -> dict:
-    """The JSON-ready facts above, for a Mooncake trace (requests in arrival order)."""
+def conversations(trace: MooncakeTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per request (`[n]` arrays, file order): the prompt tokens an unbounded cache would serve it, the seconds
+    since their prefix was last used (nan: none), its conversation turn (0: a first prompt) and whether it
+    gets a next turn (see the module docstring)."""
     n = len(trace)
     order = np.argsort(trace.arrival_s, kind="stable")
     last_use: dict[int, float] = {}  # block id -> last arrival that used it
@@ -55,6 +57,13 @@ def reuse_facts(trace: MooncakeTrace) -> dict:
             last_use[b] = t
         if len(ids) >= 3:
             ends_full_prefix[ids[-2]] = i
+    return reused, gaps, turn, has_next
+
+
+def reuse_facts(trace: MooncakeTrace) -> dict:
+    """The JSON-ready facts above, for a Mooncake trace (requests in arrival order)."""
+    n = len(trace)
+    reused, gaps, turn, has_next = conversations(trace)
     weights = reused[reused > 0]
     gap = gaps[reused > 0]
     by_gap = np.argsort(gap, kind="stable")

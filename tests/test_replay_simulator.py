@@ -7,6 +7,8 @@ model is the default StepCost: a step costs 0.03 s plus 1 / 50,000 s per prefill
 
 import pytest
 
+from kvmem.eviction import KeyedPolicy
+from kvmem.eviction.base import fifo
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.simulator import StepCost, build_scheduler, replay
 from kvmem.replay.traces import TraceRequest
@@ -204,6 +206,17 @@ def test_the_eviction_policy_of_the_config_is_the_tree_s():
     lru, fifo = (replay(trace, config(20, eviction_policy=p)).to_json() for p in ("lru", "fifo"))
     assert (lru["cached_tokens"], lru["evicted_tokens"]) == (14, 8)
     assert (fifo["cached_tokens"], fifo["evicted_tokens"]) == (7, 16)
+
+
+def test_policy_objects_handed_to_a_replay_replace_the_configured_policy():
+    # The trace above: a fifo object under an lru config replays as the fifo config does.
+    b, c = list(range(20, 28)), list(range(40, 48))
+    trace = [request(A, [1], 0.0), request(b, [1], 1.0), request(A, [1], 2.0), request(c, [1], 3.0),
+             request(A, [1], 4.0)]
+    handed = replay(trace, config(20), policies={"eviction_policy": KeyedPolicy(fifo)}).to_json()
+    named = replay(trace, config(20, eviction_policy="fifo")).to_json()
+    assert (handed["cached_tokens"], handed["evicted_tokens"]) == (named["cached_tokens"], named["evicted_tokens"])
+    assert (handed["cached_tokens"], handed["evicted_tokens"]) == (7, 16)
 
 
 def test_a_device_hit_under_a_host_tier_is_reported_as_such():

@@ -524,3 +524,35 @@ def test_replay_script_refuses_bad_arguments_as_kvmem_replay_does(args, option, 
                                           ([], "flashinfer does not import")])
 def test_flashinfer_aot_refuses_bad_arguments_and_a_machine_without_flashinfer(args, option, monkeypatch, capsys):
     usage_error("flashinfer_aot.py", args, option, monkeypatch, capsys)
+
+
+def test_continuation_oracle_told_whether_a_conversation_goes_on_keeps_its_prefix(tmp_path):
+    # A, then C, both cached; B needs one of them evicted; A' then continues A. LRU and multiturn let A go (the
+    # older), and a true turn says nothing either (A and C are both first prompts), so A' misses; the oracle
+    # told that A goes on and C does not lets C go, and A' hits A's two full blocks, as belady does.
+    lines = [(0, 1200, [1, 2, 3]), (10_000, 1200, [7, 8, 9]), (20_000, 1200, [10, 11, 12]),
+             (30_000, 1800, [1, 2, 5, 6])]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": n, "output_length": 5, "hash_ids": ids})
+                             + "\n" for t, n, ids in lines))
+    report = run_script("continuation_oracle.py", str(trace), "--capacities", "3000", "--jobs", "1")
+    rows = report["capacities"]["3000"]
+    assert rows["lru"]["hit_rate"] == rows["multiturn"]["hit_rate"] == rows["true-turn"]["hit_rate"]
+    assert rows["whether"]["hit_rate"] == rows["belady"]["hit_rate"] == round(2 * 512 / 5400, 6)
+    assert rows["lru"]["hit_rate"] < rows["whether"]["hit_rate"]
+    assert rows["whether"]["gap_closed"] == 1.0 and rows["true-turn"]["gap_closed"] == 0.0
+
+
+@pytest.mark.parametrize("argv, option", [(["--capacities", "1e6"], "--capacities"),
+                                          (["--capacities", "0"], "--capacities"),
+                                          (["--jobs", "0"], "--jobs"),
+                                          (["--limit", "x"], "--limit")])
+def test_continuation_oracle_refuses_bad_arguments_as_usage_errors(argv, option, tmp_path, monkeypatch, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}\n')
+    usage_error("continuation_oracle.py", [str(trace), *argv], option, monkeypatch, capsys)
+
+
+def test_continuation_oracle_refuses_a_bad_trace_as_a_usage_error(tmp_path, monkeypatch, capsys):
+    (tmp_path / "t.jsonl").write_text('{"input_ids": [1, 2], "output_len": 2}\n')
+    usage_error("continuation_oracle.py", [str(tmp_path / "t.jsonl")], "argument trace", monkeypatch, capsys)

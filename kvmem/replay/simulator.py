@@ -288,16 +288,19 @@ class ReplicaSim:
 
 
 def replay(requests: Sequence[TraceRequest], config: ReplayConfig, progress: bool = False,
-           cost: StepCost | RooflineCost | None = None) -> ReplayReport:
+           cost: StepCost | RooflineCost | None = None, policies: dict | None = None) -> ReplayReport:
     """Replays `requests` (a Trace or a list of TraceRequest) and returns what it measured.
 
     cost: the simulated clock (default: `kvmem.replay.cost.cost_model(config)`, the fixed StepCost unless
     config names a GPU). Requests that can never run (longer than max_context_len or the KV capacity) are
-    rejected at admission, counted in the report's `rejected`, and the replay goes on.
+    rejected at admission, counted in the report's `rejected`, and the replay goes on. policies: policy
+    objects for the tiers ({"eviction_policy": ..., "host_eviction_policy": ...}), in place of the ones
+    `config.eviction_policy` names: a policy that reads the trace, as scripts/continuation_oracle.py's does.
     """
     order = _arrival_order(requests, config.honour_arrivals)
     bar = _progress_bar(len(order), progress)
-    sim = ReplicaSim(config, cost, progress=bar, policies=oracle_policies(requests, order, config))
+    policies = oracle_policies(requests, order, config) if policies is None else policies
+    sim = ReplicaSim(config, cost, progress=bar, policies=policies)
     for i in order.tolist():
         arrival = requests_arrival(requests, i) if config.honour_arrivals else 0.0
         sim.run_until(arrival)
