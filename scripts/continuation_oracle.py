@@ -29,6 +29,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 from trace_reuse import conversations
 
+from kvmem._checks import positive_int_arg
 from kvmem.eviction import MultiTurn
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.cost import GPUS
@@ -63,11 +64,15 @@ class TraceTurns(MultiTurn):
 _TRACE: MooncakeTrace | None = None  # the worker processes' trace (forked with it)
 
 
+def _config(trace: MooncakeTrace, policy: str, capacity: int, cost: dict) -> ReplayConfig:
+    named = policy if policy in ("lru", "multiturn", "belady") else "multiturn"  # the oracles replace multiturn
+    return ReplayConfig(capacity_tokens=capacity, max_context_len=trace.max_context_len, eviction_policy=named,
+                        **cost)
+
+
 def _run(policy: str, capacity: int, cost: dict) -> float:
     trace = _TRACE
-    config = ReplayConfig(capacity_tokens=capacity, max_context_len=trace.max_context_len,
-                          eviction_policy="belady" if policy == "belady" else "multiturn" if policy != "lru" else "lru",
-                          **cost)
+    config = _config(trace, policy, capacity, cost)
     policies = None
     if policy in ("true-turn", "whether"):
         _, _, turn, has_next = conversations(trace)
@@ -83,9 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacities", default="1000000,3000000", help="KV capacities in tokens, comma-separated")
     p.add_argument("--gpu", choices=sorted(GPUS), help="price steps with a roofline (as kvmem-replay --gpu)")
     p.add_argument("--model", default="llama-3-8b", help="with --gpu (default llama-3-8b)")
-    p.add_argument("--tp", type=int, default=1, help="with --gpu (default 1)")
-    p.add_argument("--limit", type=int, help="replay only the first N requests")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="replays at once (default: the cores)")
+    p.add_argument("--tp", type=positive_int_arg, default=1, help="with --gpu (default 1)")
+    p.add_argument("--limit", type=positive_int_arg, help="replay only the first N requests")
+    p.add_argument("--jobs", type=positive_int_arg, default=os.cpu_count() or 1,
+                   help="replays at once (default: the cores)")
     args = p.parse_args(argv)
     try:
         capacities = [int(c) for c in args.capacities.split(",")]
@@ -93,13 +99,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"argument --capacities: not a comma-separated list of ints: {args.capacities!r}")
     if any(c <= 0 for c in capacities):
         p.error(f"argument --capacities: capacities must be positive, got {args.capacities!r}")
-    if args.jobs < 1:
-        p.error(f"argument --jobs: must be at least 1, got {args.jobs}")
     try:
         _TRACE = read_trace(args.trace, "mooncake", limit=args.limit)
     except (TraceError, OSError) as e:
         p.error(f"argument trace: {e}")
     cost = {"gpu": args.gpu, "model": args.model, "tp": args.tp} if args.gpu else {}
+    try:
+        _config(_TRACE, "lru", capacities[0], cost)
+    except ValueError as e:  # an unknown --model
+        p.error(f"argument --model: {e}")
     runs = [(policy, c) for c in capacities for policy in POLICIES]
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
         hits = list(pool.map(_run, *zip(*runs), [cost] * len(runs)))

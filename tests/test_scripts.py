@@ -546,7 +546,10 @@ def test_continuation_oracle_told_whether_a_conversation_goes_on_keeps_its_prefi
 @pytest.mark.parametrize("argv, option", [(["--capacities", "1e6"], "--capacities"),
                                           (["--capacities", "0"], "--capacities"),
                                           (["--jobs", "0"], "--jobs"),
-                                          (["--limit", "x"], "--limit")])
+                                          (["--limit", "x"], "--limit"),
+                                          (["--limit", "0"], "--limit"),
+                                          (["--gpu", "H100", "--tp", "0"], "--tp"),
+                                          (["--gpu", "H100", "--model", "nope"], "--model")])
 def test_continuation_oracle_refuses_bad_arguments_as_usage_errors(argv, option, tmp_path, monkeypatch, capsys):
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}\n')
