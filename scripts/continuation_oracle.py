@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
-from trace_reuse import conversations
+from trace_reuse import conversations  # scripts/trace_reuse.py, beside this one
 
 from kvmem._checks import positive_int_arg
 from kvmem.eviction import MultiTurn
@@ -36,20 +36,20 @@ from kvmem.replay.cost import GPUS
 from kvmem.replay.simulator import replay
 from kvmem.replay.traces import MooncakeTrace, TraceError, read_trace
 
+import _peer  # scripts/_peer.py: the script's own folder is on sys.path
+
 TAIL = 16  # prompt tokens that, with its length, name a request
 POLICIES = ("lru", "multiturn", "true-turn", "whether", "belady")
 
 
 class TraceTurns(MultiTurn):
-    """multiturn whose request turns come from a table (`turns[i]` for request i) instead of the tree."""
+    """multiturn whose request turns come from a table (`turns[i]` for request i) instead of the tree. `tails`:
+    `prompt_tails(trace)`, which it copies (it takes each request's entry once)."""
 
-    def __init__(self, trace: MooncakeTrace, turns: np.ndarray) -> None:
+    def __init__(self, tails: dict[int, list[tuple[bytes, int]]], turns: np.ndarray) -> None:
         super().__init__()
         self._turns = turns
-        self._by_length: dict[int, list[tuple[bytes, int]]] = {}
-        for i in range(len(trace)):
-            tail = np.asarray(trace[i].input_ids[-TAIL:], dtype=np.int64).tobytes()
-            self._by_length.setdefault(int(trace.input_lens[i]), []).append((tail, i))
+        self._by_length = {length: list(entries) for length, entries in tails.items()}
 
     def request_turn(self, node, rest: Sequence[int], matched: int, prompt_len: int) -> int:
         tail = np.asarray(rest, dtype=np.int64)[-TAIL:].tobytes()  # rest ends with the prompt
@@ -61,7 +61,19 @@ class TraceTurns(MultiTurn):
         raise LookupError(f"no request of the trace has a {prompt_len}-token prompt ending so")
 
 
-_TRACE: MooncakeTrace | None = None  # the worker processes' trace (forked with it)
+def prompt_tails(trace: MooncakeTrace) -> dict[int, list[tuple[bytes, int]]]:
+    """prompt length -> (its last TAIL tokens as int64 bytes, request index) of each request, in file order."""
+    tails: dict[int, list[tuple[bytes, int]]] = {}
+    for i in range(len(trace)):
+        tail = np.asarray(trace[i].input_ids[-TAIL:], dtype=np.int64).tobytes()
+        tails.setdefault(int(trace.input_lens[i]), []).append((tail, i))
+    return tails
+
+
+# What the worker processes read (forked with them): the trace, its prompt tails, and the oracles' turns.
+_TRACE: MooncakeTrace | None = None
+_TAILS: dict = {}
+_TURNS: dict[str, np.ndarray] = {}
 
 
 def _config(trace: MooncakeTrace, policy: str, capacity: int, cost: dict) -> ReplayConfig:
@@ -73,11 +85,7 @@ def _config(trace: MooncakeTrace, policy: str, capacity: int, cost: dict) -> Rep
 def _run(policy: str, capacity: int, cost: dict) -> float:
     trace = _TRACE
     config = _config(trace, policy, capacity, cost)
-    policies = None
-    if policy in ("true-turn", "whether"):
-        _, _, turn, has_next = conversations(trace)
-        turns = turn if policy == "true-turn" else np.where(has_next, MultiTurn().max_turns, 0)
-        policies = {"eviction_policy": TraceTurns(trace, turns)}
+    policies = {"eviction_policy": TraceTurns(_TAILS, _TURNS[policy])} if policy in _TURNS else None
     return replay(trace, config, policies=policies).hit_rate
 
 
@@ -85,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     global _TRACE
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="a Mooncake trace (JSONL with hash_ids)")
-    p.add_argument("--capacities", default="1000000,3000000", help="KV capacities in tokens, comma-separated")
+    p.add_argument("--capacities", type=_peer.list_arg(positive_int_arg), default="1000000,3000000",
+                   help="KV capacities in tokens, comma-separated")
     p.add_argument("--gpu", choices=sorted(GPUS), help="price steps with a roofline (as kvmem-replay --gpu)")
     p.add_argument("--model", default="llama-3-8b", help="with --gpu (default llama-3-8b)")
     p.add_argument("--tp", type=positive_int_arg, default=1, help="with --gpu (default 1)")
@@ -93,17 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=positive_int_arg, default=os.cpu_count() or 1,
                    help="replays at once (default: the cores)")
     args = p.parse_args(argv)
-    try:
-        capacities = [int(c) for c in args.capacities.split(",")]
-    except ValueError:
-        p.error(f"argument --capacities: not a comma-separated list of ints: {args.capacities!r}")
-    if any(c <= 0 for c in capacities):
-        p.error(f"argument --capacities: capacities must be positive, got {args.capacities!r}")
+    capacities = args.capacities
     try:
         _TRACE = read_trace(args.trace, "mooncake", limit=args.limit)
     except (TraceError, OSError) as e:
         p.error(f"argument trace: {e}")
     cost = {"gpu": args.gpu, "model": args.model, "tp": args.tp} if args.gpu else {}
+    _, _, turn, has_next = conversations(_TRACE)
+    _TURNS.update({"true-turn": turn, "whether": np.where(has_next, MultiTurn().max_turns, 0)})
+    _TAILS.update(prompt_tails(_TRACE))
     try:
         _config(_TRACE, "lru", capacities[0], cost)
     except ValueError as e:  # an unknown --model
