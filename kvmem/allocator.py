@@ -198,14 +198,17 @@ class _SlotAllocator:
         self._pages.check_free("slots", pages)
         self._release_pages(pages)
 
-    def _free_owned(self, slots: np.ndarray) -> None:
+    def _free_owned(self, slots: np.ndarray, lazy: bool = True) -> None:
         """free's body for a caller that owns `slots` ([n] host int64): the radix tree, or the scheduler for its
         requests. They are allocated and distinct (the tree's ownership bitmap and the requests' rows keep them
-        so), so they are not checked again: the gather and the repeat test cost more than the free itself."""
+        so), so they are not checked again: the gather and the repeat test cost more than the free itself.
+        lazy: leave the allocated flags stale (see _PageStack.push_owned), for an owner that no checked call
+        follows (the Scheduler's path); False keeps them exact, as free does, for a tree used through its
+        checked API, whose next insert would otherwise rebuild every flag (O(capacity) per insert)."""
         if len(slots) == 0:
             return
         pages = self._pages_of("slots", slots)
-        if self._group is None:
+        if lazy and self._group is None:
             self._pages.push_owned(pages)
         else:  # a group's frees are checked against the flags until it ends: keep them up to date
             self._release_pages(pages)

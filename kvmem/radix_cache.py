@@ -290,9 +290,12 @@ class RadixCache(RadixTree):
     def _release(self, values: list[np.ndarray]) -> None:
         """Gives the slots of removed nodes back to the allocator in one call."""
         slots = values[0] if len(values) == 1 else np.concatenate(values)
-        if not self._in_tree_stale:
+        # An exact bitmap means a tree used through its checked API: its next insert reads the allocator's flags,
+        # so they stay exact too (stale, that insert would rebuild them all). The Scheduler's path is stale.
+        exact = not self._in_tree_stale
+        if exact:
             self._in_tree[slots] = False
-        self.token_allocator._free_owned(slots)
+        self.token_allocator._free_owned(slots, lazy=not exact)
 
     def _own(self, slots: np.ndarray, exact: bool) -> None:
         """Marks `slots` the tree's in its ownership bitmap, which only checked inserts (and the invariant

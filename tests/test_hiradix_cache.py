@@ -158,6 +158,21 @@ def test_an_evicted_backed_up_prefix_stays_on_host_and_loads_back_with_its_kv():
     w.check_content()
 
 
+def test_a_load_back_through_the_checked_api_keeps_the_ownership_bitmap_exact():
+    # A caller of the checked API that loads a prefix back and then inserts must not make each insert rebuild
+    # the bitmap from every node: the loaded slots are marked as they land.
+    w = World(device=16, host=64)
+    key = tokens((100, 12))
+    w.put(key)
+    assert w.cache.evict(12) == 12
+    m = w.cache.match_prefix(key)
+    w.cache.load_back(m.last_host_node, 12)
+    assert not w.cache._in_tree_stale
+    w.put(tokens((100, 12), (300, 4)))
+    assert not w.cache._in_tree_stale
+    w.cache.check_invariants()
+
+
 def test_a_match_splits_between_the_device_part_and_the_host_part():
     w = World(device=32, host=128)
     w.put(tokens((1, 8)))

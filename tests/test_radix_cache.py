@@ -1144,3 +1144,24 @@ def test_a_checked_insert_after_the_schedulers_unchecked_ones_still_refuses_the_
     again = alloc.alloc(64)
     assert tree.insert([500, 501], again[:2]) == 0 and not tree._in_tree_stale
     tree.check_invariants()
+
+
+def test_a_tree_used_through_its_checked_api_keeps_the_allocators_flags_exact_across_evictions():
+    # Evictions of a tree whose bitmap is exact (checked inserts) free exactly, so the next checked insert reads
+    # flags as they are instead of rebuilding every one (O(capacity) per insert). Once the Scheduler's unchecked
+    # inserts have made the bitmap stale, evictions leave the allocator's flags stale too, as its frees do.
+    from kvmem.scheduler import Scheduler
+
+    tree, alloc = make_cache(64)
+    put(tree, list(range(1, 11)))
+    put(tree, list(range(20, 30)))
+    assert tree.evict(10) == 10
+    assert not tree._in_tree_stale and not alloc._pages._stale
+    put(tree, list(range(40, 45)))
+    assert not alloc._pages._stale
+    tree.check_invariants()
+    sched = Scheduler(tree.req_to_token_pool, alloc, tree)
+    sched.add_request(Req("a", list(range(100, 110)), 1))
+    sched.process_batch_result(sched.step(), [99])  # cached unchecked: the bitmap goes stale
+    assert tree._in_tree_stale and tree.evict(64) >= 10 and alloc._pages._stale
+    tree.check_invariants()

@@ -742,7 +742,9 @@ class HiRadixCache(RadixCache):
                 return None
             slots, offset = device.cpu().numpy(), 0
             for n in nodes:
-                self._to_device_tier(n, slots[offset:offset + n.num_tokens].copy(), exact=False)
+                # Exact: it costs nothing once the Scheduler's inserts made the bitmap stale, and keeps it exact
+                # for a caller of the checked API, whose next insert would otherwise rebuild it.
+                self._to_device_tier(n, slots[offset:offset + n.num_tokens].copy(), exact=True)
                 offset += n.num_tokens
             self.stats.loaded_tokens += tokens
             return self._path_indices(node)
