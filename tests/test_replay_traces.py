@@ -15,6 +15,7 @@ from kvmem.replay.traces import (
     BLOCK_SIZE,
     OUTPUT_ID_HIGH,
     OUTPUT_ID_LOW,
+    TOKEN_ID_BOUND,
     MooncakeTrace,
     TokenTrace,
     TraceError,
@@ -79,6 +80,20 @@ def test_block_tokens_depend_only_on_the_hash_id():
     assert np.array_equal(rows[0], rows[2]) and np.array_equal(rows[1], block_token_ids([3])[0])
     assert (rows[0] == rows[1]).sum() <= 2
     assert rows.min() >= 0
+
+
+def test_block_tokens_of_many_ids_stay_in_range_and_rows_differ():
+    ids = np.concatenate([np.arange(4096), [2**62, 2**63 - 1]])
+    rows = block_token_ids(ids)
+    assert rows.min() >= 0 and rows.max() < TOKEN_ID_BOUND
+    assert len(np.unique(rows[:, :2], axis=0)) == len(ids)  # distinct ids part at their first two tokens
+    assert min(len(np.unique(row)) for row in rows[:64]) >= BLOCK_SIZE - 2  # a row's own tokens differ too
+
+
+def test_a_hash_id_of_any_non_negative_int64_is_read(tmp_path):
+    path = write_lines(tmp_path, [mooncake_row([2**62, 2**63 - 1], 600)])
+    trace = read_trace(path)
+    assert len(trace[0].input_ids) == 600 and trace[0].input_ids.min() >= 0
 
 
 def test_last_partial_block_is_a_prefix_of_the_full_block_with_the_same_id(tmp_path):
