@@ -144,6 +144,9 @@ def test_a_slot_pool_accounts_for_slots_without_bytes():
     pool = HostSlotPool(64, page_size=16)
     slots = pool.allocator.alloc(32)
     assert pool.backup(slots, torch.arange(16, 48)).done() and pool.load(torch.arange(16, 48), slots).done()
+    free = min(set(range(16, 80, 16)) - set(slots[::16].tolist()))  # a page it has not handed out
+    with pytest.raises(ValueError, match=f"host_slots holds slot {free}, which this host pool has not handed out"):
+        pool.check_host_slots(torch.arange(free, free + 16))
     with pytest.raises(ValueError, match="multiple"):
         HostSlotPool(40, page_size=16)
 

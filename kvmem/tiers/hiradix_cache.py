@@ -823,7 +823,7 @@ class HiRadixCache(RadixCache):
         slots = np.concatenate(host_values) if host_values else _NO_SLOTS
         if len(np.unique(slots)) != len(slots):
             _fail("the tree holds a host slot more than once")
-        if len(slots) and not self.host_allocator.is_allocated(torch.from_numpy(slots)).all():
+        if len(slots) and not self.host_allocator._held(slots).all():
             _fail("the tree holds a host slot that the host allocator considers free")
         free = self.host_allocator.available_size()
         if self.storage_link is not None:

@@ -222,7 +222,7 @@ class HostKVPool:
 
     def _check_host(self, host_slots) -> np.ndarray:
         host = as_index_array("host_slots", host_slots)
-        held = self.allocator.is_allocated(torch.from_numpy(host)).numpy()
+        held = self.allocator._held(host)
         if np.count_nonzero(held) != len(host):
             raise ValueError(f"host_slots holds slot {host[~held][0]}, which this host pool has not handed out")
         return host
@@ -337,7 +337,7 @@ class HostSlotPool:
 
     def check_host_slots(self, host_slots) -> np.ndarray:
         host = as_index_array("host_slots", host_slots)
-        held = self.allocator.is_allocated(torch.from_numpy(host)).numpy()
+        held = self.allocator._held(host)
         if np.count_nonzero(held) != len(host):
             raise ValueError(f"host_slots holds slot {host[~held][0]}, which this host pool has not handed out")
         return _check_whole_pages(host, self.page_size)
