@@ -108,13 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     except (TraceError, OSError) as e:
         p.error(f"argument trace: {e}")
     cost = {"gpu": args.gpu, "model": args.model, "tp": args.tp} if args.gpu else {}
+    try:
+        _config(_TRACE, "lru", capacities[0], cost)
+    except ValueError as e:  # an unknown --model, refused before the trace's facts are computed
+        p.error(f"argument --model: {e}")
     _, _, turn, has_next = conversations(_TRACE)
     _TURNS.update({"true-turn": turn, "whether": np.where(has_next, MultiTurn().max_turns, 0)})
     _TAILS.update(prompt_tails(_TRACE))
-    try:
-        _config(_TRACE, "lru", capacities[0], cost)
-    except ValueError as e:  # an unknown --model
-        p.error(f"argument --model: {e}")
     runs = [(policy, c) for c in capacities for policy in POLICIES]
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
         hits = list(pool.map(_run, *zip(*runs), [cost] * len(runs)))

@@ -191,7 +191,7 @@ class HostKVPool:
 
     def host_rows(self, host_slots: torch.Tensor, layer_id: int) -> list[torch.Tensor]:
         """The stored rows of `host_slots` in layer `layer_id` (copies), in the device pool's `row_formats()`."""
-        host = torch.from_numpy(self._check_host(host_slots))
+        host = torch.from_numpy(_handed_out(self.allocator, host_slots))
         return [self._read_host(part, self._check_layer(layer_id), host) for part in range(len(self._buffers))]
 
     def _write_host(self, part: int, layer: int, host_index: torch.Tensor, rows: torch.Tensor) -> None:
@@ -207,7 +207,7 @@ class HostKVPool:
 
     # ---- checks -------------------------------------------------------------------------------------
     def _check_slots(self, host_slots, device_slots) -> tuple[np.ndarray, torch.Tensor]:
-        host = self._check_host(host_slots)
+        host = _handed_out(self.allocator, host_slots)
         if not isinstance(device_slots, torch.Tensor):
             raise TypeError(f"device_slots must be a tensor of slots, got {type(device_slots).__name__}")
         if device_slots.device.type == "meta":
@@ -219,13 +219,6 @@ class HostKVPool:
             raise ValueError(f"device_slots holds slot {int(device.min())}, "
                              + ("the padding slot" if self.page_size == 1 else "in the padding page 0"))
         return host, device
-
-    def _check_host(self, host_slots) -> np.ndarray:
-        host = as_index_array("host_slots", host_slots)
-        held = self.allocator._held(host)
-        if np.count_nonzero(held) != len(host):
-            raise ValueError(f"host_slots holds slot {host[~held][0]}, which this host pool has not handed out")
-        return host
 
     def _check_layer(self, layer_id: int) -> int:
         if not 0 <= check_int("layer_id", layer_id) < self.layer_num:
@@ -295,7 +288,7 @@ class HostKVPool:
     def check_host_slots(self, host_slots) -> np.ndarray:
         """`host_slots` as host int64 slots of whole pages this pool has handed out (page_size slots each, in order
         from a page start); raises otherwise."""
-        return _check_whole_pages(self._check_host(host_slots), self.page_size)
+        return _check_whole_pages(_handed_out(self.allocator, host_slots), self.page_size)
 
     def mem_usage_bytes(self) -> int:
         """Bytes of all host buffers."""
@@ -336,11 +329,16 @@ class HostSlotPool:
         _page_bytes(payloads, len(self.check_host_slots(host_slots)) // self.page_size, 0)
 
     def check_host_slots(self, host_slots) -> np.ndarray:
-        host = as_index_array("host_slots", host_slots)
-        held = self.allocator._held(host)
-        if np.count_nonzero(held) != len(host):
-            raise ValueError(f"host_slots holds slot {host[~held][0]}, which this host pool has not handed out")
-        return _check_whole_pages(host, self.page_size)
+        return _check_whole_pages(_handed_out(self.allocator, host_slots), self.page_size)
+
+
+def _handed_out(allocator, host_slots) -> np.ndarray:
+    """`host_slots` as host int64 slots; raises unless `allocator` (a host pool's) has handed out every one."""
+    host = as_index_array("host_slots", host_slots)
+    held = allocator._held(host)
+    if np.count_nonzero(held) != len(host):
+        raise ValueError(f"host_slots holds slot {host[~held][0]}, which this host pool has not handed out")
+    return host
 
 
 def _check_whole_pages(host: np.ndarray, page_size: int) -> np.ndarray:
