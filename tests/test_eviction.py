@@ -9,6 +9,7 @@ import pytest
 from kvmem import HiRadixCache, PagedTokenAllocator, Req, ReqToTokenPool, Scheduler, SchedulerConfig, TokenAllocator
 from kvmem.eviction import ARC, EVICTION_POLICIES, GDSF, S3FIFO, KeyedPolicy, Lookahead, MultiTurn, TwoQ, make_policy
 from kvmem.eviction.base import lru
+from kvmem.eviction.queues import QueuedPolicy
 from kvmem.radix_cache import RadixCache
 from kvmem.tiers import HostSlotPool
 from tests.test_radix_cache import cached_sequences, make_cache, put, tree_nodes
@@ -504,3 +505,53 @@ def test_gdsf_prunes_its_inflation_history_without_changing_any_leafs_priority()
         cache.evict(6)
         cache.check_invariants()  # every entry's priority recomputes to the same value
     assert policy._pruned and len(policy._ticks) < 100
+
+
+# ---- bad constructor arguments --------------------------------------------------------------------------------
+def queued_policy(**kwargs):
+    """The queue-based policies' common base, with its abstract parts stubbed: only its constructor runs."""
+    return type("Stub", (QueuedPolicy,), {"add": None, "pop": None, "is_current": None})(**kwargs)
+
+
+@pytest.mark.parametrize(("make", "error", "name"), [
+    (lambda: S3FIFO(max_freq="3"), TypeError, "max_freq"),
+    (lambda: S3FIFO(max_freq=None), TypeError, "max_freq"),
+    (lambda: S3FIFO(max_freq=2.0), TypeError, "max_freq"),
+    (lambda: S3FIFO(max_freq=-1), ValueError, "max_freq"),
+    (lambda: S3FIFO(max_freq=0), ValueError, "max_freq"),
+    (lambda: S3FIFO(small_ratio="0.1"), ValueError, "small_ratio"),
+    (lambda: S3FIFO(small_ratio=None), ValueError, "small_ratio"),
+    (lambda: S3FIFO(small_ratio=1.0), ValueError, "small_ratio"),
+    (lambda: S3FIFO(small_ratio=float("nan")), ValueError, "small_ratio"),
+    (lambda: TwoQ(kin="0.25"), ValueError, "kin"),
+    (lambda: TwoQ(kin=True), ValueError, "kin"),
+    (lambda: TwoQ(kin=0), ValueError, "kin"),
+    (lambda: TwoQ(kout=None), ValueError, "kout"),
+    (lambda: TwoQ(kout=0), ValueError, "kout"),
+    (lambda: TwoQ(kout=float("inf")), ValueError, "kout"),
+    (lambda: GDSF("32768"), ValueError, "attention_crossover"),
+    (lambda: GDSF(None), ValueError, "attention_crossover"),
+    (lambda: GDSF(True), ValueError, "attention_crossover"),
+    (lambda: GDSF(-1.0), ValueError, "attention_crossover"),
+    (lambda: KeyedPolicy(None), TypeError, "key"),
+    (lambda: KeyedPolicy("lru"), TypeError, "key"),
+    (lambda: KeyedPolicy(lru, 5), TypeError, "name"),
+    (lambda: Lookahead("lru"), TypeError, "base"),
+    (lambda: Lookahead(lru), TypeError, "base"),
+    (lambda: Lookahead(Lookahead()), ValueError, "base must not look ahead"),
+    (lambda: MultiTurn(turn_bonus="1500"), TypeError, "turn_bonus"),
+    (lambda: MultiTurn(ghost_tokens=None), TypeError, "ghost_tokens"),
+    (lambda: queued_policy(queues="2", ghosts=1), TypeError, "queues"),
+    (lambda: queued_policy(queues=0, ghosts=1), ValueError, "queues"),
+    (lambda: queued_policy(queues=2, ghosts=-1), ValueError, "ghosts"),
+])
+def test_policy_constructors_refuse_a_parameter_of_the_wrong_type_or_sign_by_name(make, error, name):
+    with pytest.raises(error, match=name):
+        make()
+
+
+def test_lookahead_refuses_a_base_that_already_serves_a_tier():
+    base = S3FIFO()
+    make_cache(policy=base)
+    with pytest.raises(ValueError, match="base: this 's3fifo' policy already orders"):
+        Lookahead(base)
