@@ -262,6 +262,26 @@ def test_a_restarted_engine_is_followed_from_zero_and_its_old_blocks_cleared(ctx
     raw.close(linger=0)
 
 
+def test_a_live_frame_numbered_at_the_top_of_the_sequence_range_is_malformed_and_the_stream_goes_on(ctx):
+    # 2**64-1 is the replay's end marker (-1 signed): no batch can carry it. Applied, it left next_seq at 2**64,
+    # which no replay request can name: every later sync() raised OverflowError.
+    index = BlockIndex(1)
+    raw, sub = live_subscriber(ctx, index, replay_endpoint="tcp://127.0.0.1:9")
+    with sub:
+        for seq, block in ((2**64 - 1, 50), (1, 2)):
+            raw.send_multipart([b"kv-events", seq.to_bytes(8, "big"), encode_batch(EventBatch(0.0, [stored(block)]))])
+        for _ in range(100):
+            if sub.next_seq == 2:
+                break
+            sub.poll(0.05)
+        assert index.blocks(0) == {1, 2}
+        assert (sub.malformed, sub.lost, sub.clears, sub.next_seq) == (1, 0, 0, 2)
+        assert sub.sync() is False  # nothing answers on port 9; it must not raise
+        with pytest.raises(ValueError, match="seq"):
+            sub.catch_up(2**64 - 1)
+    raw.close(linger=0)
+
+
 def test_an_older_engines_replay_without_the_topic_frame_fills_a_gap(ctx):
     router = ctx.socket(zmq.ROUTER)
     router.bind(LOCAL)

@@ -54,6 +54,9 @@ def test_numpy_hashes_and_tokens_become_python_ints():
     (lambda: BlockStored([1], None, "a", 1), TypeError, "token_ids"),
     (lambda: BlockStored([1], None, [1], 1, medium=3), TypeError, "medium"),
     (lambda: BlockStored([1], None, [1], 1, lora_id="a"), TypeError, "lora_id"),
+    (lambda: BlockStored({1, 2}, None, [1, 2], 1), TypeError, "block_hashes must be a sequence.*got set"),
+    (lambda: BlockStored([1], None, {7: 0}, 1), TypeError, "token_ids must be a sequence.*got dict"),
+    (lambda: BlockRemoved({1: 0}), TypeError, "block_hashes"),
     (lambda: BlockRemoved(5), TypeError, "block_hashes"),
     (lambda: BlockRemoved([]), ValueError, "empty"),
     (lambda: EventBatch("now", []), ValueError, "ts"),
@@ -127,6 +130,11 @@ def test_decoding_accepts_older_layouts_bytes_hashes_and_unknown_fields():
     (msgpack.packb([1.0, [["BlockRemoved", [1.5]]]]), "block_hashes"),
     (msgpack.packb([1.0, [["BlockRemoved", [1], 5]]]), "medium"),
     (msgpack.packb([1.0, [["BlockRemoved", [True]]]]), "block_hashes"),
+    # a map where an array belongs: its keys would have been read as the hashes or tokens
+    (msgpack.packb([1.0, [["BlockRemoved", {5: 1}]]]), "block_hashes must be a sequence.*got dict"),
+    (msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": {1: 0, 2: 0}, "parent_block_hash": None,
+                           "token_ids": [1, 2], "block_size": 1}]]), "block_hashes must be a sequence.*got dict"),
+    (msgpack.packb([1.0, [["BlockStored", [1, 2], None, {1: 1, 2: 2}, 1]]]), "token_ids must be a sequence.*dict"),
 ])
 def test_malformed_payloads_raise_event_decode_error_naming_the_problem(payload, match):
     with pytest.raises(EventDecodeError, match=match):
@@ -180,3 +188,23 @@ def test_collector_refuses_what_is_not_an_event():
         EventCollector(data_parallel_rank=-1)
     with pytest.raises(TypeError, match="clock"):
         EventCollector(clock=5)
+
+
+def test_a_clock_that_fails_loses_no_event_the_next_take_batch_sends_them():
+    ticks = iter([RuntimeError("clock down"), "not a time", 4.0])
+
+    def clock():
+        tick = next(ticks)
+        if isinstance(tick, Exception):
+            raise tick
+        return tick
+
+    sink = EventCollector(clock=clock)
+    sink(STORED)
+    with pytest.raises(RuntimeError, match="clock down"):
+        sink.take_batch()
+    sink(AllBlocksCleared())
+    with pytest.raises(ValueError, match="ts"):
+        sink.take_batch()
+    assert len(sink) == 2
+    assert sink.take_batch() == EventBatch(4.0, [STORED, AllBlocksCleared()]) and len(sink) == 0
