@@ -113,6 +113,23 @@ def test_arc_moves_its_target_by_the_ghost_lists_ratio_with_the_returning_prefix
     assert arc.target == 500
 
 
+def test_arc_shrinks_its_target_by_the_ghost_lists_ratio_when_a_prefix_evicted_from_t2_comes_back():
+    alloc = TokenAllocator(8192)
+    arc = ARC()
+    cache = RadixCache(ReqToTokenPool(2, 4096), alloc, eviction_policy=arc)
+    a, w, y = ([k] + list(range(10000 * k, 10000 * k + n - 1)) for k, n in ((1, 2000), (2, 300), (3, 100)))
+    for key in (a, w, y):
+        cache.insert(key, alloc.alloc(len(key)))
+    cache.match_prefix(y)  # y in T2
+    cache.evict(2300)      # a, then w, to B1
+    cache.evict(100)       # y to B2
+    cache.insert(a, alloc.alloc(len(a)))
+    assert arc.target == 2000  # B1 hit: + max(|B2| / |B1|, 1) * |a| = 1 * 2000
+    cache.insert(y, alloc.alloc(len(y)))
+    assert arc.target == 1700  # B2 hit: - max(|B1| / |B2|, 1) * |y| = 300 / 100 * 100, y counted in B2
+    cache.check_invariants()
+
+
 @pytest.mark.parametrize("name", ["s3fifo", "arc", "2q", "lookahead+s3fifo"])
 def test_a_pinned_leaf_let_go_leaves_no_state_behind_in_the_policy(name):
     alloc = TokenAllocator(4096)
@@ -183,6 +200,19 @@ def test_lookahead_follows_the_tree_as_it_grows_along_a_waiting_request():
     put(cache, seq(50))                # ... and a newer prefix nobody waits for
     cache.evict(1)
     assert cached_sequences(cache) == {tuple(seq(0) + seq(10) + seq(20))}
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("extra, followed", [(4, True), (3, False)])
+def test_lookahead_follows_a_key_that_goes_on_by_exactly_one_more_page_and_not_by_less(extra, followed):
+    cache, _ = make_cache(page_size=4, policy="lookahead")
+    put(cache, seq(0))
+    cache.request_waiting("r", seq(0) + seq(10, extra))  # the key ends at a page boundary, or a token short of it
+    put(cache, seq(0) + seq(10))  # the tree grows by that page: the mark moves down to it only if r will match it
+    put(cache, seq(50))
+    cache.evict(4)
+    # Not followed, the new page is nobody's: it goes, and the marked seq(0) is a leaf again.
+    assert cached_sequences(cache) == ({tuple(seq(0) + seq(10))} if followed else {tuple(seq(0)), tuple(seq(50))})
     cache.check_invariants()
 
 
