@@ -12,7 +12,7 @@ from kvmem.replay.config import ReplayConfig
 from kvmem.replay.simulator import replay
 from kvmem.replay.synthetic import multi_turn_chat, shared_system_prompts
 from kvmem.replay.traces import TraceRequest
-from kvmem.router import POLICIES
+from kvmem.router import POLICIES, ReplicaLoad
 
 
 def config_for(trace, capacity=4096, **kw):
@@ -135,6 +135,24 @@ def test_the_router_sees_each_request_prefilled_and_each_replica_its_prefill_tim
     assert sim._prefill_tokens == [0, 0, 0] and not sim._queued_prefill  # every routed prompt was prefilled
     for busy, prefill, routed in zip(report.busy_seconds, report.prefill_seconds, report.routed):
         assert 0 < prefill < busy and routed > 0
+
+
+def test_the_router_sees_each_replicas_running_requests_active_blocks_and_queued_prefill_in_their_fields():
+    # At page 16 the fields differ in kind (requests, pages, tokens); at page 1 with kv-overlap's default weight,
+    # active blocks and prefill tokens swapped would cost the same.
+    a, b, c = (list(range(1000 * k, 1000 * k + 64)) for k in (1, 2, 3))
+    requests = [TraceRequest(a, 200, 0.0), TraceRequest(b, 4, 1.0), TraceRequest(c, 4, 1.0)]
+    sim = ClusterReplay(requests, ReplayConfig(capacity_tokens=1024, max_context_len=512, page_size=16), 2,
+                        "kv-overlap")
+    seen, route = [], sim.router.route
+    sim.router.route = lambda hashes, loads, num_tokens: seen.append(loads) or route(hashes, loads, num_tokens)
+    assert sim.run().routed == [1, 2]
+    assert seen[0] == [ReplicaLoad(), ReplicaLoad()]
+    # b at 1 s: a (on replica 0) was prefilled and has decoded for a while: it pins its pages, queues no prefill.
+    running, active, prefill = seen[1][0]
+    assert (running, prefill) == (1, 0) and active > 64 // 16 and seen[1][1] == ReplicaLoad()
+    # c at the same instant: b went to replica 1, whose step has not run: 64 prompt tokens queued, no page pinned.
+    assert seen[2] == [seen[1][0], ReplicaLoad(running_requests=1, active_blocks=0, prefill_tokens=64)]
 
 
 def test_round_robin_takes_replicas_in_turn_and_reports_the_imbalance():
