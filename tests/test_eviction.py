@@ -77,6 +77,70 @@ def test_s3fifo_readmits_a_recently_evicted_prefix_to_the_main_queue():
     assert cached_sequences(cache) == {tuple(seq(0))}
 
 
+@pytest.mark.parametrize("max_freq, kept", [(3, seq(0)), (2, seq(0)), (1, seq(10))])
+def test_s3fifo_gives_a_node_in_the_main_queue_one_more_round_per_hit_up_to_max_freq(max_freq, kept):
+    cache, _ = make_cache(policy=S3FIFO(max_freq=max_freq))
+    for start in (0, 10, 20):
+        put(cache, seq(start))
+    cache.match_prefix(seq(0))
+    cache.match_prefix(seq(10))
+    cache.evict(4)  # seq(0) and seq(10) were reused on probation: main queue; seq(20) goes
+    for _ in range(3):
+        cache.match_prefix(seq(0))
+    cache.match_prefix(seq(10))
+    # seq(0) (3 hits) gets min(3, max_freq) rounds, one fewer each time it reaches the head; seq(10) (1 hit) one.
+    cache.evict(4)
+    assert cached_sequences(cache) == {tuple(kept)}
+    cache.check_invariants()
+
+
+def test_s3fifo_counts_only_the_hits_since_a_node_reached_the_main_queue():
+    cache, _ = make_cache(policy="s3fifo")
+    for start in (0, 10, 20):
+        put(cache, seq(start))
+    for _ in range(3):
+        cache.match_prefix(seq(0))
+    cache.match_prefix(seq(10))
+    cache.evict(4)  # both reused on probation: main queue, their counts restarted; seq(20) goes
+    cache.match_prefix(seq(10))
+    cache.evict(4)  # seq(0)'s three hits were spent getting there: it goes, seq(10) gets its round
+    assert cached_sequences(cache) == {tuple(seq(10))}
+
+
+def test_s3fifo_remembers_only_what_left_the_small_queue_and_only_within_its_ghost_budget():
+    cache, _ = make_cache(policy="s3fifo")
+    put(cache, seq(0))
+    put(cache, seq(10))
+    cache.match_prefix(seq(0))
+    cache.evict(4)  # seq(0) to the main queue, seq(10) out of the small one
+    cache.evict(4)  # seq(0) out of the main queue: no ghost
+    put(cache, seq(0))
+    put(cache, seq(20))
+    cache.evict(4)  # seq(0) came back on probation, the oldest there
+    assert cached_sequences(cache) == {tuple(seq(20))}
+    # The ghost list holds (1 - small_ratio) of the most tokens held: 8 of 16 here, two 4-token prefixes.
+    cache, _ = make_cache(policy=S3FIFO(small_ratio=0.5))
+    for start in (0, 10, 20, 30):
+        put(cache, seq(start))
+    cache.evict(12)  # seq(0), seq(10), seq(20) leave the small queue; seq(0)'s name is trimmed
+    put(cache, seq(0))
+    put(cache, seq(40))
+    cache.evict(8)  # seq(30), then seq(0): back on probation, not remembered
+    assert cached_sequences(cache) == {tuple(seq(40))}
+
+
+def test_s3fifo_takes_from_the_small_queue_while_it_holds_at_least_its_share():
+    cache, _ = make_cache(policy=S3FIFO(small_ratio=0.5))
+    put(cache, seq(0))
+    cache.match_prefix(seq(0))
+    put(cache, seq(10))
+    cache.evict(4)  # seq(0) to the main queue; seq(10) is then exactly half of what is held: it goes
+    assert cached_sequences(cache) == {tuple(seq(0))}
+    put(cache, seq(20))
+    cache.evict(4)  # again exactly half
+    assert cached_sequences(cache) == {tuple(seq(0))}
+
+
 # ---- ARC ------------------------------------------------------------------------------------------------------
 def test_arc_keeps_a_reused_prefix_over_newer_ones_seen_once():
     cache, _ = make_cache(policy="arc")
