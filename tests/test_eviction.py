@@ -222,6 +222,60 @@ def test_2q_ignores_hits_on_probation_and_promotes_what_comes_back_from_the_ghos
     assert cached_sequences(cache) == {tuple(seq(0))}
 
 
+def test_2q_main_queue_is_lru_and_a1in_gives_way_only_above_its_share():
+    cache, _ = make_cache(policy=TwoQ(kin=0.5))
+    put(cache, seq(0))
+    put(cache, seq(10))
+    cache.evict(4)  # seq(0) leaves A1in: a ghost
+    put(cache, seq(0))  # back: Am
+    cache.evict(4)  # A1in holds exactly kin of the tokens, not more: Am's seq(0) goes
+    assert cached_sequences(cache) == {tuple(seq(10))}
+    cache, _ = make_cache(policy="2q")
+    put(cache, seq(0))
+    put(cache, seq(10))
+    cache.evict(4)
+    put(cache, seq(0))  # Am
+    cache.evict(4)      # A1in's seq(10) goes: a ghost
+    put(cache, seq(10))  # Am, after seq(0)
+    cache.match_prefix(seq(0))
+    cache.evict(4)      # A1in is empty: Am's least recently used
+    assert cached_sequences(cache) == {tuple(seq(0))}
+
+
+def test_2q_a1in_is_fifo_a_prefix_used_and_released_on_probation_keeps_its_place():
+    cache, _ = make_cache(policy="2q")
+    put(cache, seq(0))
+    put(cache, seq(10))
+    node = cache.match_prefix(seq(0)).last_node
+    cache.inc_lock_ref(node)  # a request uses it: it leaves the evictable set ...
+    cache.dec_lock_ref(node)  # ... and comes back, under its first place in A1in
+    cache.evict(4)
+    assert cached_sequences(cache) == {tuple(seq(10))}
+
+
+def test_2q_remembers_only_what_left_a1in_and_only_within_kout():
+    cache, _ = make_cache(policy="2q")
+    put(cache, seq(0))
+    put(cache, seq(10))
+    cache.evict(4)
+    put(cache, seq(0))  # Am
+    cache.evict(4)      # seq(10) from A1in
+    cache.evict(4)      # seq(0) from Am: no ghost
+    put(cache, seq(0))
+    put(cache, seq(20))
+    cache.evict(4)      # seq(0) came back to A1in, the oldest there
+    assert cached_sequences(cache) == {tuple(seq(20))}
+    # A1out holds kout (0.5) of the most tokens held: 8 of 16 here, two 4-token prefixes.
+    cache, _ = make_cache(policy="2q")
+    for start in (0, 10, 20, 30):
+        put(cache, seq(start))
+    cache.evict(12)  # seq(0), seq(10), seq(20) leave A1in; seq(0)'s name is trimmed
+    put(cache, seq(0))
+    put(cache, seq(40))
+    cache.evict(8)   # seq(30), then seq(0): back in A1in, not remembered
+    assert cached_sequences(cache) == {tuple(seq(40))}
+
+
 # ---- GDSF -----------------------------------------------------------------------------------------------------
 def test_gdsf_keeps_the_deeper_page_when_recency_and_frequency_are_equal():
     cache, _ = make_cache(size=64, policy=GDSF(attention_crossover=4))
