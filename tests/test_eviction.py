@@ -285,6 +285,52 @@ def test_gdsf_keeps_the_deeper_page_when_recency_and_frequency_are_equal():
     assert cached_sequences(cache) == {tuple(seq(100, 16) + seq(0))}
 
 
+def test_gdsf_prices_a_token_by_its_depth_plus_half_its_node():
+    # cost / size = 1 + (depth + n / 2) / crossover: a 4-token leaf at depth 16 is worth more than one at the root;
+    # an 8-token root leaf (1 + 4 / 4) less than a 1-token leaf at depth 6 (1 + 6.5 / 4).
+    cache, _ = make_cache(size=64, policy=GDSF(attention_crossover=4))
+    put(cache, seq(100, 16))
+    put(cache, seq(100, 16) + seq(0))
+    put(cache, seq(10))
+    cache.evict(1)
+    assert cached_sequences(cache) == {tuple(seq(100, 16) + seq(0))}
+    cache, _ = make_cache(size=64, policy=GDSF(attention_crossover=4))
+    put(cache, seq(0, 8))
+    put(cache, seq(200, 6))
+    put(cache, seq(200, 6) + [300])
+    cache.evict(1)
+    assert cached_sequences(cache) == {tuple(seq(200, 6) + [300])}
+
+
+def test_gdsf_ranks_a_leaf_by_the_inflation_of_its_last_access_and_never_lowers_the_inflation():
+    cache, _ = make_cache(size=64, policy=GDSF(attention_crossover=4))
+    put(cache, seq(0) + seq(10))
+    put(cache, seq(0) + seq(20))  # seq(0) is internal, last used now, at inflation 0
+    put(cache, seq(40))
+    cache.evict(4)                # seq(40): H = 1.5, the inflation rises to it
+    put(cache, seq(60))           # H = 1.5 + 1.5
+    cache.evict(8)                # the two branches (H = 1 + 6 / 4): the inflation is 2.5
+    assert cache._policy.inflation == 2.5
+    cache.evict(4)                # seq(0), a leaf now, at the inflation of its last use: 0 + 1.5 < 3
+    assert cached_sequences(cache) == {tuple(seq(60))} and cache._policy.inflation == 2.5
+    cache.check_invariants()
+
+
+def test_gdsf_evictions_after_an_access_in_the_same_clock_tick_do_not_inflate_it():
+    cache, _ = make_cache(size=64, policy=GDSF(attention_crossover=4))
+    put(cache, seq(40))
+    for _ in range(3):
+        cache.match_prefix(seq(40))  # H = 4 x 1.5
+    put(cache, seq(60, 8))           # H = 2, at this tick
+    (node,) = (n for n, path in tree_nodes(cache) if path == tuple(seq(60, 8)))
+    cache.inc_lock_ref(node)
+    cache.evict(4)                   # seq(40) goes in this same tick: the inflation is 6 from now on
+    cache.dec_lock_ref(node)         # seq(60, 8) is ranked again: its access came before that eviction
+    put(cache, seq(80))              # H = 6 + 1.5
+    cache.evict(8)
+    assert cached_sequences(cache) == {tuple(seq(80))}
+
+
 def test_gdsf_raises_its_inflation_to_each_victims_priority_so_old_frequency_ages_out():
     cache, _ = make_cache(policy="gdsf")
     put(cache, seq(0))
