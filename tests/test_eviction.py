@@ -590,6 +590,40 @@ def test_lookahead_over_multiturn_infers_turns_through_its_base():
     cache.check_invariants()
 
 
+def test_multiturn_a_match_of_exactly_the_continuation_share_continues_the_conversation():
+    sched, _ = multiturn_scheduler(MultiTurn(continuation=0.5))
+    serve(sched, Req("a", seq(10, 8), max_new_tokens=1))
+    assert serve(sched, Req("b", seq(10, 8) + seq(30, 8), max_new_tokens=1)).turn == 1  # 8 of 16
+    assert serve(sched, Req("c", seq(10, 7) + seq(50, 9), max_new_tokens=1)).turn == 0  # 7 of 16
+
+
+def test_multiturn_at_continuation_zero_a_prompt_that_matches_nothing_is_still_a_first_prompt():
+    sched, _ = multiturn_scheduler(MultiTurn(continuation=0))
+    assert serve(sched, Req("a", seq(10, 8), max_new_tokens=1)).turn == 0
+    assert serve(sched, Req("b", seq(10, 2) + seq(30, 8), max_new_tokens=1)).turn == 1
+
+
+@pytest.mark.parametrize("ghosts, remembered", [(1, "c"), (2, "bc")])
+def test_multiturn_remembers_the_last_ghosts_evictions(ghosts, remembered):
+    sched, cache = multiturn_scheduler(MultiTurn(ghosts=ghosts), size=128)
+    prompts = {name: seq(100 * k, 24) for k, name in enumerate("abc", start=1)}
+    for name, prompt in prompts.items():
+        serve(sched, Req(name, prompt, max_new_tokens=1))
+    cache.evict(1000)  # a, b, c in that order
+    turns = {name: serve(sched, Req(name + "'", prompt + seq(900, 4), max_new_tokens=1)).turn
+             for name, prompt in prompts.items()}
+    assert turns == {name: int(name in remembered) for name in "abc"}
+
+
+def test_multiturn_finds_a_ghost_by_its_whole_first_page_when_pages_are_longer_than_ghost_tokens():
+    pool, alloc = ReqToTokenPool(4, 128), PagedTokenAllocator(128, 8)
+    cache = RadixCache(pool, alloc, page_size=8, eviction_policy=MultiTurn(ghost_tokens=4))
+    sched = Scheduler(pool, alloc, cache)
+    serve(sched, Req("a", seq(10, 24), max_new_tokens=1))
+    cache.evict(1000)
+    assert serve(sched, Req("b", seq(10, 24) + seq(40, 8), max_new_tokens=1)).turn == 1
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"turn_bonus": -1}, "turn_bonus"), ({"max_turns": 1.5}, "max_turns"),
     ({"continuation": 1.5}, "continuation must lie in"), ({"continuation": -0.1}, "continuation"),
