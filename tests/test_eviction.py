@@ -411,6 +411,20 @@ def test_a_split_head_keeps_its_place_in_a_queued_policy():
     cache.check_invariants()
 
 
+def test_a_split_head_keeps_its_own_place_when_its_child_gets_a_second_chance():
+    cache, _ = make_cache(policy="s3fifo")
+    put(cache, seq(0, 8))
+    put(cache, seq(20))
+    put(cache, seq(0) + seq(50))  # splits seq(0, 8): the head seq(0) keeps the probation place it had
+    cache.match_prefix(seq(0, 8))  # both halves reused
+    cache.match_prefix(seq(20))
+    cache.evict(4)  # the back half, then seq(20), to the main queue; seq(50) goes. The head stays on probation,
+    cache.evict(4)  # where it lands when the back half goes.
+    cache.evict(4)  # So it gets its own second chance, and seq(20), not reused in the main queue, goes.
+    assert cached_sequences(cache) == {tuple(seq(0))}
+    cache.check_invariants()
+
+
 def test_a_pin_alone_past_the_budget_pins_nothing():
     cache = RadixCache(ReqToTokenPool(4, 64), TokenAllocator(40), eviction_policy="lru", pin_budget=0.2)  # 8
     put(cache, seq(0, 12))
