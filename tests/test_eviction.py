@@ -380,6 +380,51 @@ def test_lookahead_follows_a_key_that_goes_on_by_exactly_one_more_page_and_not_b
     cache.check_invariants()
 
 
+def test_lookahead_keeps_a_prefix_until_the_last_request_waiting_for_it_is_admitted():
+    cache, _ = make_cache(policy="lookahead")
+    put(cache, seq(0))
+    put(cache, seq(10))
+    cache.request_waiting("r", seq(0) + [99])
+    cache.request_waiting("s", seq(0) + [98])
+    cache.request_admitted("r")
+    cache.evict(4)  # s still waits for seq(0)
+    assert cached_sequences(cache) == {tuple(seq(0))}
+
+
+def test_lookahead_a_request_queued_again_drops_its_old_mark():
+    cache, _ = make_cache(policy="lookahead")
+    put(cache, seq(10))
+    put(cache, seq(0))
+    cache.request_waiting("r", seq(0) + [99])
+    cache.request_waiting("r", seq(10) + [99])  # queued again, now for seq(10)
+    cache.evict(4)
+    assert cached_sequences(cache) == {tuple(seq(10))}
+
+
+def test_lookahead_does_not_follow_a_key_that_leaves_the_edge_it_ends_in():
+    cache, _ = make_cache(policy="lookahead")
+    put(cache, seq(0, 8))
+    cache.request_waiting("r", seq(0) + [77, 78, 79, 80] + seq(20))  # leaves seq(0, 8)'s edge after 4 tokens
+    put(cache, seq(0, 8) + seq(20))  # not what r will match, though it goes on with r's next tokens
+    put(cache, seq(50))
+    cache.evict(4)
+    assert cached_sequences(cache) == {tuple(seq(0, 8)), tuple(seq(50))}
+
+
+def test_lookahead_keeps_no_state_for_what_was_evicted_or_admitted():
+    cache, _ = make_cache(policy="lookahead")
+    put(cache, seq(0))
+    cache.request_waiting("r", seq(0) + seq(10) + seq(20) + [99])
+    put(cache, seq(0) + seq(10))  # r's mark moves down a node, and waits for the next one
+    cache.request_waiting("s", seq(30) + seq(40) + [99])  # nothing cached: waits at the root for seq(30)
+    policy = cache._policy
+    assert len(policy._follow) == 2 and all(policy._follow.values())  # where r and s wait, nothing else
+    cache.evict(1000)  # the marked node goes too, at last
+    cache.request_admitted("r")
+    cache.request_admitted("s")
+    assert (policy._follow, policy._follow_at, policy._expected, policy._target, policy._keys) == ({}, {}, {}, {}, {})
+
+
 def test_lookahead_keeps_a_prefix_a_waiting_request_matches_partway_and_only_in_its_namespace():
     cache, _ = make_cache(policy="lookahead")
     put(cache, seq(0, 8))
