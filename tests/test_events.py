@@ -36,6 +36,11 @@ def test_events_default_to_the_gpu_medium_and_hold_tuples():
     assert STORED.block_hashes == (1, 2**64 - 1) and STORED.token_ids == (10, 11, 12, 13)
 
 
+def test_token_ids_span_int64_and_hashes_span_signed_through_unsigned_64_bits():
+    e = BlockStored([-(2**63), 2**64 - 1], 0, [-(2**63), 2**63 - 1], 1)
+    assert e.token_ids == (-(2**63), 2**63 - 1) and e.block_hashes == (-(2**63), 2**64 - 1)
+
+
 def test_numpy_hashes_and_tokens_become_python_ints():
     e = BlockStored(np.array([5, 6], dtype=np.uint64), np.uint64(4), np.arange(4), 2)
     assert e == BlockStored([5, 6], 4, [0, 1, 2, 3], 2)
@@ -45,7 +50,10 @@ def test_numpy_hashes_and_tokens_become_python_ints():
 @pytest.mark.parametrize("make, error, match", [
     (lambda: BlockStored([], None, [], 1), ValueError, "block_hashes is empty"),
     (lambda: BlockStored([1], None, [1, 2], 1), ValueError, "must be 1"),
-    (lambda: BlockStored([1], None, [1], 0), ValueError, "block_size"),
+    (lambda: BlockStored([1], None, [1], 0), ValueError, "block_size must be a positive int"),
+    (lambda: BlockStored([1], None, [], 0), ValueError, "block_size must be a positive int"),
+    (lambda: BlockStored([1], None, [2**63], 1), ValueError, "token_ids holds a token id outside int64"),
+    (lambda: EventBatch(float("nan"), []), ValueError, "ts must be a number"),
     (lambda: BlockStored([1.5], None, [1], 1), TypeError, "block_hashes"),
     (lambda: BlockStored([True], None, [1], 1), TypeError, "block_hashes"),
     (lambda: BlockStored([2**64], None, [1], 1), ValueError, "64-bit"),
@@ -126,6 +134,7 @@ def test_decoding_accepts_older_layouts_bytes_hashes_and_unknown_fields():
     (msgpack.packb([1.0, [["Teleported", [1]]]]), "unknown type 'Teleported'"),
     (msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1]}]]), "lacks required"),
     (msgpack.packb([1.0, [["BlockStored", [1], None]]]), "lacks required"),
+    (msgpack.packb([1.0, [["BlockStored", [1], None, [1]]]]), "lacks required field\\(s\\) \\['block_size'\\]"),
     (msgpack.packb([1.0, [["BlockStored", [1], None, [1, 2], 1]]]), "event 0 \\(BlockStored\\).*must be 1"),
     (msgpack.packb([1.0, [["BlockRemoved", [1.5]]]]), "block_hashes"),
     (msgpack.packb([1.0, [["BlockRemoved", [1], 5]]]), "medium"),
