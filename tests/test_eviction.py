@@ -56,6 +56,30 @@ def test_a_key_that_reads_the_node_size_stays_current_across_a_split():
     cache.check_invariants()
 
 
+@pytest.mark.parametrize("policy", ["lfu", "priority"])
+def test_lfu_and_priority_break_ties_by_recency(policy):
+    cache, _ = make_cache(policy=policy)
+    put(cache, seq(0))
+    put(cache, seq(10))
+    cache.match_prefix(seq(10))
+    cache.match_prefix(seq(0))  # the same hits and priority: the older use goes
+    cache.evict(1)
+    assert cached_sequences(cache) == {tuple(seq(0))}
+
+
+def test_a_key_functions_policy_is_named_after_the_function_or_its_class():
+    def newest_first(node):
+        return -node.last_access
+
+    class Deepest:
+        def __call__(self, node):
+            return -node.depth
+
+    assert [KeyedPolicy(key).name for key in (newest_first, Deepest())] == ["newest_first", "Deepest"]
+    assert make_cache(policy=newest_first)[0].eviction_policy == "newest_first"
+    assert KeyedPolicy(newest_first, "mine").name == "mine"
+
+
 # ---- S3-FIFO --------------------------------------------------------------------------------------------------
 def test_s3fifo_lets_a_one_hit_prefix_go_before_one_reused_while_on_probation():
     cache, _ = make_cache(policy="s3fifo")
