@@ -84,6 +84,34 @@ def test_an_admitted_request_no_longer_counts_as_a_future_use():
     cache.check_invariants()
 
 
+def test_a_retracted_request_queued_again_is_future_use_again():
+    index = FutureIndex(trace_of([5, 9], [1, 2, 9], [7, 9]), [2, 1, 0])  # request 1 arrives second
+    at = index.advance((index.root, 0), np.array([1, 2]))
+    assert index.admit(1) == 1 and index.next_use(at) == NEVER
+    assert index.readmit(1) is True and index.next_use(at) == 1
+    assert index.readmit(1) is False  # it already was
+
+
+def test_belady_reranks_a_prefix_whose_request_is_queued_again_and_keeps_no_state_for_what_went():
+    cache, _ = belady_cache(trace_of([10, 11, 12, 13, 9]))
+    put(cache, [10, 11, 12, 13])  # request 0's
+    put(cache, [30, 31, 32, 33])  # nobody's, newer
+    cache.request_admitted(0)     # both are no future use now: the older would go first ...
+    cache.request_waiting(0, [10, 11, 12, 13])  # ... but request 0 was retracted and waits again
+    cache.evict(4)
+    assert cached_sequences(cache) == {(10, 11, 12, 13)}
+    cache.request_admitted(0)
+    cache.evict(4)
+    cache.request_waiting(0, [10, 11, 12, 13])
+    cache.request_admitted(0)  # its prefix was evicted meanwhile
+    put(cache, [20, 21])
+    put(cache, [20, 21, 22, 23])  # a leaf under a node: where the node's path ends in the trie is kept ...
+    cache.evict(1000)             # ... until the node goes
+    policy = cache._policy
+    assert cache.total_size() == 0 and not policy._by_use and not policy._ends and not policy._entries
+    cache.check_invariants()
+
+
 def test_belady_is_deterministic_for_a_given_trace():
     trace = multi_turn_chat(60, seed=3)
     config = ReplayConfig(capacity_tokens=4000, max_context_len=trace.max_context_len, eviction_policy="belady")
