@@ -185,6 +185,37 @@ def test_arc_grows_its_recency_target_when_a_prefix_evicted_from_t1_comes_back()
     assert cache._policy.target >= 4
 
 
+def test_arc_puts_a_returning_ghost_in_t2_and_takes_t1_only_while_it_is_above_the_target():
+    cache, _ = make_cache(policy="arc")
+    put(cache, seq(0))
+    cache.evict(4)
+    put(cache, seq(0))  # back from B1: in T2, and the target is 4 tokens
+    assert cache._policy.target == 4
+    put(cache, seq(10))
+    put(cache, seq(20))
+    cache.evict(4)      # T1 holds 8 > 4: its least recently used
+    assert cached_sequences(cache) == {tuple(seq(0)), tuple(seq(20))}
+    cache.evict(4)      # T1 holds exactly the target now: T2's
+    assert cached_sequences(cache) == {tuple(seq(20))}
+    cache.reset()
+    assert cache._policy.target == 0
+
+
+def test_arcs_target_never_exceeds_the_most_tokens_held():
+    alloc = TokenAllocator(8192)
+    arc = ARC()
+    cache = RadixCache(ReqToTokenPool(2, 4096), alloc, eviction_policy=arc)
+    x, w, y = ([k] + list(range(10000 * k, 10000 * k + n - 1)) for k, n in ((1, 100), (2, 100), (3, 500)))
+    for key in (x, w, y):
+        cache.insert(key, alloc.alloc(len(key)))
+    cache.match_prefix(y)  # y in T2
+    cache.evict(700)       # x, w to B1; y to B2
+    cache.insert(x, alloc.alloc(len(x)))
+    assert arc.target == 250  # 500 / 200 x 100
+    cache.insert(w, alloc.alloc(len(w)))
+    assert arc.target == 700  # 250 + 500 / 100 x 100, capped at the 700 tokens held at most
+
+
 def test_arc_moves_its_target_by_the_ghost_lists_ratio_with_the_returning_prefix_counted():
     alloc = TokenAllocator(8192)
     arc = ARC()
