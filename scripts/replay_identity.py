@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "traces" / "mooncake"
-CONV, SYN = str(TRACES / "conversation_trace.jsonl"), str(TRACES / "synthetic_trace.jsonl")
+CONV, SYN = "{traces}/conversation_trace.jsonl", "{traces}/synthetic_trace.jsonl"  # filled in by --traces
 # Wall-clock fields: they measure this machine, not the replay's decisions.
 TIMING_KEYS = {"cache_op_seconds", "replay_seconds", "cache_op_breakdown_s", "routing_seconds"}
 
@@ -65,8 +65,8 @@ def strip_timings(report):
     return report
 
 
-def run(name: str, extra: list[str]) -> tuple[dict, float]:
-    argv = CONFIGS[name] + ["--json-only", "--no-progress"] + extra
+def run(name: str, traces: str, extra: list[str]) -> tuple[dict, float]:
+    argv = [a.format(traces=traces) for a in CONFIGS[name]] + ["--json-only", "--no-progress"] + extra
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", "import sys; from kvmem.replay.cli import main; sys.exit(main())",
                            *argv], capture_output=True, text=True, cwd=ROOT)
@@ -94,6 +94,7 @@ def main() -> int:
     ap.add_argument("--only", help="comma-separated configuration names (default: all)")
     ap.add_argument("--engine", help="passed to kvmem-replay as --engine (where it has one)")
     ap.add_argument("--jobs", type=int, default=1, help="configurations run at once (default 1)")
+    ap.add_argument("--traces", default=str(TRACES), help=f"the Mooncake traces' folder (default {TRACES})")
     ap.add_argument("--list", action="store_true", help="print the configurations and exit")
     args = ap.parse_args()
     if args.list:
@@ -105,13 +106,13 @@ def main() -> int:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         ap.error(f"unknown configurations: {', '.join(unknown)} (see --list)")
-    if not Path(CONV).exists():
-        ap.error(f"the traces are missing: {CONV}")
+    if not Path(CONV.format(traces=args.traces)).exists():
+        ap.error(f"the traces are missing: {CONV.format(traces=args.traces)} (see --traces)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     extra = ["--engine", args.engine] if args.engine else []
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        results = dict(zip(names, pool.map(lambda n: run(n, extra), names)))
+        results = dict(zip(names, pool.map(lambda n: run(n, args.traces, extra), names)))
     summary = {}
     for name, (report, wall) in results.items():
         (out / f"{name}.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
