@@ -6,8 +6,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-TOKEN_BYTES = 8  # a token id in radix-tree keys: int64
-
 
 def as_index_array(name: str, value) -> np.ndarray:
     """A 1-D int64 numpy view (no copy when possible) of an integer tensor, array or sequence."""

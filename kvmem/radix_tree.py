@@ -35,7 +35,8 @@ import torch
 from sortedcontainers import SortedList
 
 from kvmem._checks import check_int
-from kvmem._index import TOKEN_BYTES, as_index_array
+from kvmem._index import as_index_array
+from kvmem._paging import TOKEN_BYTES
 from kvmem.eviction import EvictionPolicySpec, make_policy
 from kvmem.page_hash import DIGEST_BYTES, encode_namespace
 
@@ -46,8 +47,7 @@ class TreeNode:
     `children` maps the bytes of a child's first page to the child. `lock_ref` counts the requests using
     the node's prefix; `last_access` and `created` are logical-clock ticks, `hit_count` counts the matches
     that reached it, `priority` is the highest request priority inserted through it, `depth` is the tokens on
-    the path above it, `turn` is the highest conversation turn of a request inserted through it (0 unless a
-    policy of the cache `tracks_turns`: kvmem.eviction.multiturn), and `id` (unique, increasing) breaks ties.
+    the path above it, and `id` (unique, increasing) breaks ties.
     `entry` is its record in the evictable set, or None when it is not there; `pin` is 0, or the order of its
     newest pin (`RadixTree.pin`).
     `page_digests` (its pages' 32-byte `kvmem.page_hash` digests, concatenated) is kept only by a cache that
@@ -56,7 +56,7 @@ class TreeNode:
     """
 
     __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "hit_count", "created",
-                 "priority", "turn", "id", "entry", "page_digests", "depth", "pin")
+                 "priority", "id", "entry", "page_digests", "depth", "pin")
 
     def __init__(self, key: bytes, value: np.ndarray, parent: TreeNode | None, created: int, id: int) -> None:
         self.key = key
@@ -68,7 +68,6 @@ class TreeNode:
         self.hit_count = 0
         self.created = created
         self.priority = 0
-        self.turn = 0
         self.id = id
         self.entry = None
         self.page_digests: bytes | None = None
@@ -185,15 +184,16 @@ class RadixTree:
             return Walk(node, matched, child, _common_prefix_bytes(key, view, matched, limit, page_bytes))
         return Walk(node, matched, None, 0)
 
-    def _next_page(self, view: memoryview, walk: Walk) -> bytes | None:
-        """The bytes of the page of `view` after where `walk` (a `_descend` of it) stopped at a whole node: what
-        a later walk would look up there; None when the key ends there, or the walk stopped inside an edge."""
+    def next_page(self, view: memoryview, walk: Walk) -> bytes | None:
+        """Trusted: the bytes of the page of `view` after where `walk` (a `_descend` of it) stopped at a whole
+        node: what a later walk would look up there; None when the key ends there, or the walk stopped inside an
+        edge."""
         end = walk.matched + self._page_bytes
         return view[walk.matched:end].tobytes() if walk.child is None and end <= len(view) else None
 
-    def _walk_is_current(self, walk: Walk, next_page: bytes | None, namespace: str | None) -> bool:
-        """Whether `walk`, an earlier `_descend` of a key whose page after it is `next_page` (`_next_page`), is
-        still where a walk of that key would stop. A check of one node, not a walk.
+    def walk_is_current(self, walk: Walk, next_page: bytes | None, namespace: str | None) -> bool:
+        """Trusted: whether `walk`, an earlier `_descend` of a key whose page after it is `next_page`, is still
+        where a walk of that key would stop. A check of one node, not a walk.
 
         Nodes leave the tree only as leaves (their parent set to None), keys change only by splits (which keep
         a path's tokens), and a walk goes further only through a child with the key's next page: so the walk
@@ -224,7 +224,6 @@ class RadixTree:
         head.last_access = child.last_access
         head.hit_count = child.hit_count
         head.priority = child.priority
-        head.turn = child.turn
         parent.children[child.key[:self._page_bytes]] = head
         child.key = child.key[into_child:]
         child.value = child.value[k:].copy()
@@ -239,33 +238,34 @@ class RadixTree:
             self._rekey(child)  # it is shorter now
         return head
 
-    def _add_leaf(self, parent: TreeNode, key: bytes, value: np.ndarray, priority: int, turn: int = 0) -> TreeNode:
+    def _add_leaf(self, parent: TreeNode, key: bytes, value: np.ndarray, priority: int) -> TreeNode:
+        """Links a new unlocked leaf under `parent` and counts its tokens evictable; its caller then puts it in the
+        evictable set (`_add_evictable`), once whatever its policy ranks it by is stamped on it."""
         leaf = self.node_class(key, value, parent, self._clock, next(self._ids))
         leaf.priority = priority
-        leaf.turn = turn
         if parent.entry is not None:
             self._remove_evictable(parent)
         parent.children[key[:self._page_bytes]] = leaf
         self._evictable_size += len(value)
-        self._add_evictable(leaf)
         return leaf
 
-    def _touch(self, last: TreeNode, *, hit: bool, priority: int | None = None, turn: int = 0) -> None:
+    def _touch(self, last: TreeNode, *, hit: bool, priority: int | None = None) -> None:
         """Advances the clock and stamps the path root..last as accessed now (and matched, or inserted at
-        `priority` and `turn`). Its caller re-keys `last` if it is an evictable leaf (no other node on the path
-        is)."""
+        `priority`). Its caller re-keys `last` if it is an evictable leaf (no other node on the path is)."""
         self._clock += 1
         now, node = self._clock, last
         while node.parent is not None:
             node.last_access = now
             if hit:
                 node.hit_count += 1
-            if priority is not None:
-                if node.priority < priority:
-                    node.priority = priority
-                if node.turn < turn:
-                    node.turn = turn
+            if priority is not None and node.priority < priority:
+                node.priority = priority
             node = node.parent
+
+    @property
+    def clock(self) -> int:
+        """The logical clock: ticks once per match or insert (what `last_access` and `created` hold)."""
+        return self._clock
 
     def _path_values(self, node: TreeNode) -> list[np.ndarray]:
         """The values of the nodes root..node, in path order."""
@@ -373,7 +373,8 @@ class RadixTree:
 
         Raises, changing nothing, if `node` is not a node of this tree (evicted, from before reset(), or
         another tree's)."""
-        self._lock_below(node, self._check_node(node))
+        self._check_node(node)
+        self.lock(node)
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Releases one `inc_lock_ref(node)`; nodes nobody uses become evictable. The root is a no-op.
@@ -385,25 +386,31 @@ class RadixTree:
             return
         if node.lock_ref <= 0:
             raise ValueError(f"dec_lock_ref on node {node.id}, which is not locked (lock_ref {node.lock_ref})")
-        self._unlock(node)
+        self.unlock(node)
 
-    def _lock_below(self, node: TreeNode, ancestor: TreeNode) -> None:
-        """Locks the nodes from `node` up to, not including, its `ancestor`. With a root as the ancestor it is
-        inc_lock_ref's body; with a request's locked last node it is inc_lock_ref(node) then
-        dec_lock_ref(ancestor), only the nodes between them changing, so the walk stops there instead of going
-        to the root twice (a request's lock moving down its own path as it is cached)."""
-        while node is not ancestor:
+    def lock(self, node: TreeNode) -> None:
+        """inc_lock_ref's trusted body, for a node the caller knows is in this tree (one a match just returned)."""
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self._protect(node)
             node.lock_ref += 1
             node = node.parent
 
-    def _unlock(self, node: TreeNode) -> None:
-        """dec_lock_ref's body, for a locked node of the tree (checked there, or a request's own last node)."""
+    def unlock(self, node: TreeNode) -> None:
+        """dec_lock_ref's trusted body, for a node of this tree that the caller locked."""
         while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._unprotect(node)
+            node = node.parent
+
+    def move_lock(self, locked: TreeNode, node: TreeNode) -> None:
+        """Trusted: lock(node) then unlock(locked), for a `node` below the `locked` one on its path (a request's
+        lock moving down its own prefix as more of it is cached); only the nodes between them change."""
+        while node is not locked:
+            if node.lock_ref == 0:
+                self._protect(node)
+            node.lock_ref += 1
             node = node.parent
 
     def _protect(self, node: TreeNode) -> None:
@@ -491,8 +498,12 @@ class RadixTree:
         parent = node.parent
         del parent.children[node.key[:self._page_bytes]]
         node.parent = None
+        self._forget(node)
         if not parent.children and parent.lock_ref == 0 and parent.parent is not None:
             self._add_evictable(parent)
+
+    def _forget(self, node: TreeNode) -> None:
+        """`node` has left the tree: a hook for what a subclass keeps per node outside it."""
 
     def _all_nodes(self) -> list[TreeNode]:
         """Every node but the roots."""

@@ -12,11 +12,11 @@ from kvmem import sizing
 from kvmem.eviction import EVICTION_POLICIES
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.cost import GPUS, MODEL_COMPUTE, RooflineCost, StepCost, cost_model
+from kvmem.replay.decode_runs import ReplayScheduler
 from kvmem.replay.report import ReplayReport, format_summary
 from kvmem.replay.simulator import ReplicaSim, replay
 from kvmem.replay.synthetic import multi_turn_chat
 from kvmem.replay.traces import TraceRequest, default_trace_path, read_trace
-from kvmem.scheduler import Scheduler
 
 TIMINGS = ("cache_op_seconds", "replay_seconds", "cache_op_breakdown_s")
 
@@ -38,7 +38,7 @@ def test_a_replay_with_decode_runs_reports_what_stepping_one_by_one_reports(monk
     trace = read_trace(default_trace_path(), limit=40)
     config = ReplayConfig(capacity_tokens=20000, max_context_len=trace.max_context_len, **extra)
     fast = replay(trace, config)
-    monkeypatch.setattr(Scheduler, "pure_decode_steps", lambda self: 0)
+    monkeypatch.setattr(ReplayScheduler, "pure_decode_steps", lambda self: 0)
     slow = replay(trace, config)
     assert report_without_timings(fast) == report_without_timings(slow)
     assert samples(fast) == samples(slow)
@@ -50,7 +50,7 @@ def test_a_chat_replay_with_decode_runs_matches_too(monkeypatch):
                             arrival_rate=20.0, seed=3)
     config = ReplayConfig(capacity_tokens=3000, max_context_len=trace.max_context_len, page_size=4, max_running=8)
     fast = replay(trace, config)
-    monkeypatch.setattr(Scheduler, "pure_decode_steps", lambda self: 0)
+    monkeypatch.setattr(ReplayScheduler, "pure_decode_steps", lambda self: 0)
     assert samples(replay(trace, config)) == samples(fast) and fast.hit_rate > 0
 
 
@@ -80,7 +80,7 @@ def test_decode_runs_report_what_stepping_reports_under_any_replay_configuration
         **({} if tp is None else {"gpu": "H100", "model": "llama-3-8b", "tp": tp}))
     fast = replay(trace, config)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Scheduler, "pure_decode_steps", lambda self: 0)
+        patch.setattr(ReplayScheduler, "pure_decode_steps", lambda self: 0)
         slow = replay(trace, config)
     assert report_without_timings(fast) == report_without_timings(slow)
     assert samples(fast) == samples(slow)
@@ -432,7 +432,7 @@ def test_a_step_returns_the_requests_it_finished_and_those_it_finished_prefillin
 
 
 def test_a_single_decode_step_prefilled_nothing(monkeypatch):
-    monkeypatch.setattr(Scheduler, "pure_decode_steps", lambda self: 0)  # every decode step on its own
+    monkeypatch.setattr(ReplayScheduler, "pure_decode_steps", lambda self: 0)  # every decode step on its own
     sim = ReplicaSim(ReplayConfig(capacity_tokens=4096, max_context_len=512))
     sim.add_request("a", TraceRequest(list(range(1, 33)), output_len=3))
     assert [r.rid for r in sim.step().prefilled] == ["a"]

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvmem._checks import check_int
+from kvmem._paging import TOKEN_BYTES
 from kvmem.events import EventBatch, EventCollector
 from kvmem.page_hash import chain_page_digests, event_hashes, namespace_prefix
-from kvmem.radix_tree import TOKEN_BYTES
 from kvmem.replay.cluster_report import ClusterReport, EventCounts
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.cost import RooflineCost, StepCost, cost_model

@@ -10,8 +10,8 @@ sets how many requests overlap in time, as a server of that speed would see them
 replay drives several, each with `run_until` the next arrival). Every call that decides a hit is the real
 one (admission, match, insert, eviction, retraction), but the simulator skips what only a model needs: a
 run of decode steps in which nothing can be admitted and nothing finishes before the last goes through
-`Scheduler.run_decode` (the same evictions at the same steps, no batch tensors), and output tokens are drawn
-per request in bulk.
+`kvmem.replay.decode_runs.ReplayScheduler.run_decode` (the same evictions at the same steps, no batch
+tensors), and output tokens are drawn per request in bulk.
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ from kvmem.radix_cache import RadixCache
 from kvmem.replay.belady import oracle_policies
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.cost import RooflineCost, StepCost, cost_model
+from kvmem.replay.decode_runs import ReplayScheduler
 from kvmem.replay.report import ReplayReport
 from kvmem.replay.traces import TraceRequest
 from kvmem.req_to_token import ReqToTokenPool
-from kvmem.scheduler import Scheduler, SchedulerConfig
+from kvmem.scheduler import SchedulerConfig
 from kvmem.storage import open_store
 from kvmem.storage.page_format import CHECKSUM_BYTES, HEADER_BYTES
 from kvmem.tiers import HiRadixCache, HostSlotPool
@@ -47,7 +48,7 @@ MAX_SKIP_NOTES = 10  # requests that can never run, named one by one on stderr; 
 
 def build_scheduler(config: ReplayConfig, timer: PhaseTimer | None = None,
                     event_sink: Callable[[KVCacheEvent], None] | None = None,
-                    policies: dict | None = None) -> Scheduler:
+                    policies: dict | None = None) -> ReplayScheduler:
     """The pools, tree and scheduler a replay of `config` runs on; the tree reports its KV events to
     `event_sink` (a cluster replay's replicas feed their router that way), and `policies` overrides the tiers'
     eviction policies with objects (`kvmem.replay.belady.oracle_policies`).
@@ -68,7 +69,7 @@ def build_scheduler(config: ReplayConfig, timer: PhaseTimer | None = None,
         tree = HiRadixCache(pool, alloc, HostSlotPool(config.host_pages * ps, ps), page_size=ps,
                             write_policy=config.write_policy, storage=open_storage(config),
                             prefetch_policy="wait_complete", event_sink=event_sink, **policies)
-    return Scheduler(pool, alloc, tree, SchedulerConfig(
+    return ReplayScheduler(pool, alloc, tree, SchedulerConfig(
         schedule_policy=config.schedule_policy, max_running_requests=config.max_running,
         chunked_prefill_size=config.chunked_prefill_size, cache_decode_pages=config.cache_decode_pages,
         in_batch_prefix_caching=config.in_batch_prefix_caching),
@@ -167,7 +168,7 @@ class ReplicaSim:
             self.step(t)
 
     def step(self, until: float = math.inf) -> StepOutcome:
-        """Takes the next scheduler step, or a run of pure decode steps (see Scheduler.pure_decode_steps): the
+        """Takes the next scheduler step, or a run of pure decode steps (see ReplayScheduler.pure_decode_steps): the
         first, and those after it that end by `until`; returns what ended in it."""
         t0 = time.perf_counter()
         steps = self.sched.pure_decode_steps()  # it may rank the waiting window: cache time, as a step's ranking

@@ -160,7 +160,6 @@ class HiRadixCache(RadixCache):
                                  "object orders one tier's leaves")
             host_eviction_policy = eviction_policy
         self._host_policy = make_policy(host_eviction_policy)
-        self._host_policy.bind(self)
         # Host slots reading pages for prefetches, not yet the tree's, and those prefetches not yet finished:
         # both outlive reset(), since a read in flight still writes into its slots.
         self._prefetch_held = 0
@@ -168,9 +167,9 @@ class HiRadixCache(RadixCache):
         link = None if storage is None else StorageLink(
             storage, host_pool, "wait_complete" if tp_group is not None else prefetch_policy, prefetch_timeout_s)
         super().__init__(req_to_token_pool, token_allocator, page_size, eviction_policy, event_sink, pin_budget)
+        self._host_policy.bind(self)
         self.storage_link = link
-        if self._turns is None and self._host_policy.tracks_turns:
-            self._turns = self._host_policy
+        self._track_turns([self._host_policy])
         self._names = self._names or link is not None  # storage keys are page digests
         self.host_pool = host_pool
         host_pool._cache = weakref.ref(self)
@@ -215,12 +214,9 @@ class HiRadixCache(RadixCache):
         `host_hit_length` tokens are on host only, down to `last_host_node` (`load_back(last_host_node,
         host_hit_length)` brings them to the device). A match ending inside an edge splits that node.
         """
-        view = key_bytes("key", key)
-        node = self._walk_to_node(self._descend(view, len(view) - len(view) % self._page_bytes,
-                                                self._root(namespace)))
-        if node.parent is None:
-            return MatchResult(self._empty, node)
-        self._touch(node, hit=True)
+        return super().match_prefix(key, namespace)
+
+    def _matched(self, node: HiTreeNode) -> MatchResult:
         device_node, host_tokens = self._device_ancestor(node)
         if device_node.entry is not None:
             self._rekey(device_node)
@@ -241,47 +237,17 @@ class HiRadixCache(RadixCache):
         return node, tokens
 
     # ---- insert (reviving host-only nodes) ----------------------------------------------------------
-    def _insert(self, key, value, priority: int, namespace: str | None = None, *, checked: bool = True,
-                below: HiTreeNode | None = None, turn: int = 0) -> tuple[int, HiTreeNode]:
-        """As RadixCache's, but the walk may pass host-only nodes: the tree takes value's slots for them (the
-        tokens' KV is the same), so the count returned is only the leading tokens already on device."""
-        view = key_bytes("key", key)
-        nbytes = len(view)
-        if checked:
-            value, priority = self._check_insert(view, value, priority)
-        walk = self._descend(view, nbytes, self._root(namespace) if below is None else below)
-        matched = walk.num_tokens
-        revived = self._host_tokens_on_walk(walk)
-        on_device = matched - revived
-        grows = matched * TOKEN_BYTES < nbytes
-        if checked and (grows or revived):
-            self._check_new_slots(value[on_device:])
-        last = self._walk_to_node(walk)
-        if revived:
-            self._revive_path(last, value[on_device:matched], exact=checked)
-        self._touch(last, hit=False, priority=priority, turn=turn)
-        if grows:
-            new_slots = value[matched:]
-            last = self._add_leaf(last, view[matched * TOKEN_BYTES:].tobytes(), new_slots.copy(), priority, turn)
-            self._own(new_slots, exact=checked)
-            if self._names:
-                self._name_pages(last, namespace)
-        elif last.entry is not None:
-            self._rekey(last)
-        if self.write_policy == "write_through" and (grows or revived):
-            self._backup_path(last)
-        return on_device, last
-
-    def _host_tokens_on_walk(self, walk) -> int:
-        """Tokens of the host-only nodes a walk went through (they end its path: the device is prefix-closed)."""
+    def _device_gap(self, walk) -> int:
+        """Tokens of the host-only nodes a walk went through (they end its path: the device is prefix-closed):
+        an insert takes value's slots for them (the tokens' KV is the same)."""
         _, tokens = self._device_ancestor(walk.node)
         if walk.child is not None and not len(walk.child.value):
             tokens += walk.into_child // TOKEN_BYTES
         return tokens
 
-    def _revive_path(self, last: HiTreeNode, slots: np.ndarray, exact: bool) -> None:
+    def _revive_path(self, last: HiTreeNode, slots: np.ndarray) -> None:
         """Puts the host-only nodes at the end of root..last back on device, in `slots` (their tokens, root
-        side first); `exact`: see RadixCache._own."""
+        side first)."""
         nodes = []
         node = last
         while node.parent is not None and not len(node.value):
@@ -290,15 +256,18 @@ class HiRadixCache(RadixCache):
         offset = 0
         for node in reversed(nodes):
             n = node.num_tokens
-            self._to_device_tier(node, slots[offset:offset + n].copy(), exact)
+            self._to_device_tier(node, slots[offset:offset + n].copy())
             offset += n
 
-    def _to_device_tier(self, node: HiTreeNode, slots: np.ndarray, exact: bool) -> None:
-        """A host-only node whose parent is on device gets device slots (its host copy stays); `exact`: see
-        RadixCache._own."""
+    def _inserted(self, last: HiTreeNode) -> None:
+        if self.write_policy == "write_through":
+            self._backup_path(last)
+
+    def _to_device_tier(self, node: HiTreeNode, slots: np.ndarray) -> None:
+        """A host-only node whose parent is on device gets device slots (its host copy stays)."""
         n = len(slots)
         node.value = slots
-        self._own(slots, exact)
+        self._own(slots)
         parent = node.parent
         parent.device_children += 1
         if parent.entry is not None:  # no longer a device leaf
@@ -316,9 +285,8 @@ class HiRadixCache(RadixCache):
         self._report_stored(node)
 
     # ---- locks and leaves, per tier -----------------------------------------------------------------
-    def _add_leaf(self, parent: HiTreeNode, key: bytes, value: np.ndarray, priority: int,
-                  turn: int = 0) -> HiTreeNode:
-        leaf = super()._add_leaf(parent, key, value, priority, turn)
+    def _add_leaf(self, parent: HiTreeNode, key: bytes, value: np.ndarray, priority: int) -> HiTreeNode:
+        leaf = super()._add_leaf(parent, key, value, priority)
         parent.device_children += 1
         return leaf
 
@@ -398,8 +366,8 @@ class HiRadixCache(RadixCache):
             self._demote(node)
             return
         parent = node.parent
-        if self._turns is self._host_policy:  # it leaves the tree without reaching the host tier
-            self._turns.evicted(node)
+        if self._turn_policy is self._host_policy:  # it leaves the tree without reaching the host tier
+            self._host_policy.evicted(node)
         super()._leave_device(node)
         parent.device_children -= 1
         if parent.device_children == 0 and parent.entry is None and parent.lock_ref == 0 \
@@ -434,6 +402,7 @@ class HiRadixCache(RadixCache):
             parent = node.parent
             del parent.children[node.key[:self._page_bytes]]
             node.parent = None
+            self._forget(node)
             values.append(node.host_value)
             removed.append(node)
             freed += node.num_tokens
@@ -498,7 +467,7 @@ class HiRadixCache(RadixCache):
         record.discard = any(r.discard for r in self._pending)
         for n in nodes:
             n.backup = record
-        self.inc_lock_ref(node)
+        self.lock(node)
         self._pending.append(record)
         self.writing_check(local_only=True)
 
@@ -555,7 +524,7 @@ class HiRadixCache(RadixCache):
                 for node in record.nodes:
                     node.backup = None
                 self._release_host_copies(record.nodes)
-            self.dec_lock_ref(record.lock_node)
+            self.unlock(record.lock_node)
         return done
 
     def _complete_backup(self, record: _Backup) -> None:
@@ -612,12 +581,12 @@ class HiRadixCache(RadixCache):
         # The prefix the pages will hang from is locked while host room is made: evicting it would waste the read.
         held = walk.node if walk.child is None else walk.child
         if held.parent is not None:
-            self.inc_lock_ref(held)
+            self.lock(held)
         try:
             host = self._alloc_host(pages * self.page_size)
         finally:
             if held.parent is not None:
-                self.dec_lock_ref(held)
+                self.unlock(held)
         if host is None:
             return None
         host = host.numpy()
@@ -734,7 +703,7 @@ class HiRadixCache(RadixCache):
             nodes.append(walker)
             walker = walker.parent
         nodes.reverse()
-        self.inc_lock_ref(node)  # the device prefix stays, and the host nodes cannot be host-evicted
+        self.lock(node)  # the device prefix stays, and the host nodes cannot be host-evicted
         try:
             short = tokens - self.token_allocator.available_size()
             if short > self.evictable_size():
@@ -753,14 +722,12 @@ class HiRadixCache(RadixCache):
                 return None
             slots, offset = device.cpu().numpy(), 0
             for n in nodes:
-                # Exact: it costs nothing once the Scheduler's inserts made the bitmap stale, and keeps it exact
-                # for a caller of the checked API, whose next insert would otherwise rebuild it.
-                self._to_device_tier(n, slots[offset:offset + n.num_tokens].copy(), exact=True)
+                self._to_device_tier(n, slots[offset:offset + n.num_tokens].copy())
                 offset += n.num_tokens
             self.stats.loaded_tokens += tokens
             return self._path_indices(node)
         finally:
-            self.dec_lock_ref(node)
+            self.unlock(node)
 
     # ---- whole tree ---------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -834,7 +801,7 @@ class HiRadixCache(RadixCache):
         slots = np.concatenate(host_values) if host_values else _NO_SLOTS
         if len(np.unique(slots)) != len(slots):
             _fail("the tree holds a host slot more than once")
-        if len(slots) and not self.host_allocator._held(slots).all():
+        if len(slots) and not self.host_allocator.allocated_mask(slots).all():
             _fail("the tree holds a host slot that the host allocator considers free")
         free = self.host_allocator.available_size()
         if self.storage_link is not None:

@@ -347,7 +347,7 @@ class HostSlotPool:
 def _handed_out(allocator, host_slots) -> np.ndarray:
     """`host_slots` as host int64 slots; raises unless `allocator` (a host pool's) has handed out every one."""
     host = as_index_array("host_slots", host_slots)
-    held = allocator._held(host)
+    held = allocator.allocated_mask(host)
     if np.count_nonzero(held) != len(host):
         raise ValueError(f"host_slots holds slot {host[~held][0]}, which this host pool has not handed out")
     return host
