@@ -1078,3 +1078,51 @@ def test_process_batch_result_refuses_bool_tokens(tokens):
     sched.process_batch_result(batch, [1, 0])  # the ints equal to True and False are tokens
     assert [r.output_ids for r in batch.reqs] == [[1], [0]]
 
+
+
+# ---- abort: the one release path ---------------------------------------------------------------------------
+def test_aborting_a_waiting_request_takes_it_off_the_queue():
+    sched = make_scheduler(256, max_running_requests=1)
+    a, b = Req("a", [1, 2, 3, 4], 5), Req("b", [1, 2, 9], 5)
+    sched.add_request(a)
+    sched.add_request(b)
+    sched.process_batch_result(sched.step(), [7])  # a runs; b waits for a row
+    sched.abort(b)
+    assert list(sched.waiting) == [] and b.status.value == "finished" and b.req_pool_idx is None
+    sched.check_invariants()
+    with pytest.raises(ValueError, match="request 'b' is not queued or running here"):
+        sched.abort(b)
+
+
+def test_aborting_a_running_request_caches_what_it_computed_and_releases_the_rest():
+    sched = make_scheduler(256, page_size=4)
+    a, b = Req("a", list(range(1, 11)), 20), Req("b", list(range(50, 60)), 20)
+    for req in (a, b):
+        sched.add_request(req)
+    model = FakeModel(sched)
+    for _ in range(4):  # a prefill and three decode steps: 13 tokens of KV, the last in a partial page
+        batch = sched.step()
+        sched.process_batch_result(batch, model.forward(batch))
+    free = sched.token_allocator.available_size()
+    sched.abort(a)
+    assert sched.running == [b] and a.status.value == "finished" and a.req_pool_idx is None
+    assert sched.token_allocator.available_size() > free  # its partial page went back
+    sched.check_invariants()  # and its owed tokens are no longer reserved
+    assert sched.tree_cache.match_prefix(list(a.input_ids) + a.output_ids).indices.numel() == 12  # whole pages
+    run(sched, [], model=model)
+    assert b.finished() and sched.tree_cache.protected_size() == 0
+
+
+def test_aborting_a_request_mid_chunked_prefill_or_in_a_pending_batch():
+    sched = make_scheduler(512, chunked_prefill_size=8)
+    a = Req("a", list(range(1, 30)), 4)
+    sched.add_request(a)
+    batch = sched.step()
+    with pytest.raises(RuntimeError, match="request 'a' is in the pending batch"):
+        sched.abort(a)
+    sched.process_batch_result(batch, [7])  # a middle chunk: a is the chunked request now
+    assert sched.chunked_req is a
+    sched.abort(a)
+    assert sched.chunked_req is None and sched.is_idle()
+    sched.check_invariants()
+    assert sched.tree_cache.protected_size() == 0 and sched.tree_cache.total_size() == 8
