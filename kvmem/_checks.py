@@ -58,6 +58,11 @@ def check_host_bytes(what: str, nbytes: int) -> None:
                          f"{total / 2**30:,.1f} GiB")
 
 
+def fail_invariant(message: str) -> None:
+    """Raises AssertionError naming a broken invariant of the radix cache (what `check_invariants` reports)."""
+    raise AssertionError(f"RadixCache invariant broken: {message}")
+
+
 def _int_kind(minimum: int | None, maximum: int | None) -> str:
     if maximum is not None:
         return f"{_int_kind(minimum, None)} (at most {maximum})"

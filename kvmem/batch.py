@@ -327,8 +327,8 @@ class ScheduleBatch:
         lists each request's slots (page_size 1) or page ids, read from its req_to_token row. Raises
         RuntimeError before `prepare_for_extend()` / `prepare_for_decode()`.
         """
-        # Imported here, as the kernels are below: Triton's import is a quarter of a second of every process
-        # that only schedules (a replay, a sweep's workers), and only a model's steps need metadata.
+        # Imported here, as the kernels are below: Triton's import is a large share of a process that only
+        # schedules (a replay, a sweep's workers), and only a model's steps need metadata.
         from kvmem.attention.metadata import decode_metadata, extend_metadata
 
         table = self.req_to_token_pool.req_to_token

@@ -29,14 +29,14 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from kvmem._checks import check_int, check_number
+from kvmem._checks import check_int, check_number, fail_invariant
 from kvmem._index import as_index_array
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.events.schema import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvmem.eviction import EvictionPolicy, EvictionPolicySpec
 from kvmem.eviction.turns import TurnTable
 from kvmem.page_hash import DIGEST_BYTES, chain_page_digests, event_hash, event_hashes, namespace_prefix
-from kvmem.radix_tree import TOKEN_BYTES, RadixTree, TreeNode, Walk, _fail, key_bytes
+from kvmem.radix_tree import TOKEN_BYTES, RadixTree, TreeNode, Walk, key_bytes
 from kvmem.req_to_token import ReqToTokenPool
 
 
@@ -542,13 +542,13 @@ class RadixCache(RadixTree):
         values = [node.value for node in self._check_tree()]
         slots = np.concatenate(values) if values else np.empty(0, dtype=np.int64)
         if len(slots) and slots.min() <= 0:
-            _fail(f"the tree holds slot {slots.min()} (slot 0 is padding)")
+            fail_invariant(f"the tree holds slot {slots.min()} (slot 0 is padding)")
         if len(np.unique(slots)) != len(slots):
-            _fail("the tree holds a slot more than once")
+            fail_invariant("the tree holds a slot more than once")
         if len(slots) and not self.token_allocator.allocated_mask(slots).all():
-            _fail("the tree holds a slot that token_allocator considers free")
+            fail_invariant("the tree holds a slot that token_allocator considers free")
         if np.count_nonzero(self._in_tree) != len(slots) or not self._in_tree[slots].all():
-            _fail("the ownership bitmap does not match the slots in the tree")
+            fail_invariant("the ownership bitmap does not match the slots in the tree")
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(page_size={self.page_size}, eviction_policy={self.eviction_policy!r}, "

@@ -138,7 +138,7 @@ class ReqToTokenPool:
                 host[row, p:s] = out[start:start + s - p]
                 start += s - p
             return
-        # Imported here: Triton's import is a quarter of a second of every process that only schedules.
+        # Imported here: Triton's import is a large share of a process that only schedules.
         from kvmem.kernels.req_to_token import _write_req_to_token
 
         device = self.device

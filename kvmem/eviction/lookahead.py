@@ -110,7 +110,7 @@ class Lookahead(EvictionPolicy):
         key, page = self._keys[rid], self._page_bytes
         start, end = node.depth * TOKEN_BYTES, (node.depth + node.num_tokens) * TOKEN_BYTES
         # startswith, not !=: bytes against a memoryview slice compares by memcmp, while a memoryview's own
-        # comparison unpacks item by item (about 15x slower on a 2 KB edge). The slice has the edge's length.
+        # comparison unpacks item by item. The slice has the edge's length.
         if len(key) < end + page or (node.parent is not None and not node.key.startswith(key[start:end])):
             return
         nxt = key[end:end + page].tobytes()

@@ -44,12 +44,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvmem._checks import check_int, check_number
+from kvmem._checks import check_int, check_number, fail_invariant
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.events.schema import MEDIUM_CPU_PINNED, AllBlocksCleared, KVCacheEvent
 from kvmem.eviction import EvictionPolicy, EvictionPolicySpec, make_policy
 from kvmem.radix_cache import MatchResult, RadixCache
-from kvmem.radix_tree import TOKEN_BYTES, TreeNode, _fail
+from kvmem.radix_tree import TOKEN_BYTES, TreeNode
 from kvmem.req_to_token import ReqToTokenPool
 from kvmem.tiers.backups import Backup, HostBackups, check_tp_group
 from kvmem.tiers.storage_link import PREFETCH_POLICIES, Prefetch, StorageLink
@@ -469,18 +469,18 @@ class HiRadixCache(HostBackups, StoragePrefetch, RadixCache):
             on_device = len(node.value) > 0
             parent = node.parent
             if on_device and parent.parent is not None and not len(parent.value):
-                _fail(f"node {node.id} is on device under a host-only parent")
+                fail_invariant(f"node {node.id} is on device under a host-only parent")
             if node.host_value is not None and parent.parent is not None and parent.host_value is None and not (
                     node.backup is not None and node.backup.discard):  # in flight, to be released when it lands
-                _fail(f"node {node.id} has a host copy but its parent {parent.id} has none")
+                fail_invariant(f"node {node.id} has a host copy but its parent {parent.id} has none")
             if not on_device and node.host_value is None:
-                _fail(f"node {node.id} is in neither tier")
+                fail_invariant(f"node {node.id} is in neither tier")
             device_children = sum(1 for c in node.children.values() if len(c.value))
             if device_children != node.device_children:
-                _fail(f"node {node.id}: device_children {node.device_children}, counted {device_children}")
+                fail_invariant(f"node {node.id}: device_children {node.device_children}, counted {device_children}")
             if node.host_value is not None:
                 if len(node.host_value) != node.num_tokens:
-                    _fail(f"node {node.id}: {len(node.host_value)} host slots for {node.num_tokens} tokens")
+                    fail_invariant(f"node {node.id}: {len(node.host_value)} host slots for {node.num_tokens} tokens")
                 host_values.append(node.host_value)
                 if not on_device and node.lock_ref == 0:
                     host_evictable += node.num_tokens
@@ -488,36 +488,36 @@ class HiRadixCache(HostBackups, StoragePrefetch, RadixCache):
                     host_protected += node.num_tokens
             should = not on_device and node.lock_ref == 0 and not node.children
             if should != (node.host_entry is not None):
-                _fail(f"node {node.id} is {'' if node.host_entry else 'not '}in the host-evictable set")
+                fail_invariant(f"node {node.id} is {'' if node.host_entry else 'not '}in the host-evictable set")
             if should and not self._host_policy.is_current(node, node.host_entry):
-                _fail(f"node {node.id}: host-evictable entry is stale")
+                fail_invariant(f"node {node.id}: host-evictable entry is stale")
             leaves += should
         for root in self._roots.values():
             if root.device_children != sum(1 for c in root.children.values() if len(c.value)):
-                _fail("a root's device_children count is wrong")
+                fail_invariant("a root's device_children count is wrong")
         if leaves != len(self._host_policy):
-            _fail(f"the host-evictable set has {len(self._host_policy)} entries for {leaves} host-only leaves")
+            fail_invariant(f"the host-evictable set has {len(self._host_policy)} entries for {leaves} host-only leaves")
         if (host_evictable, host_protected) != (self._host_evictable_size, self._host_protected_size):
-            _fail(f"host counters say evictable {self._host_evictable_size}, protected {self._host_protected_size};"
-                  f" the nodes hold {host_evictable} and {host_protected}")
+            fail_invariant(f"host counters say evictable {self._host_evictable_size}, protected "
+                           f"{self._host_protected_size}; the nodes hold {host_evictable} and {host_protected}")
         slots = np.concatenate(host_values) if host_values else NO_SLOTS
         if len(np.unique(slots)) != len(slots):
-            _fail("the tree holds a host slot more than once")
+            fail_invariant("the tree holds a host slot more than once")
         if len(slots) and not self.host_allocator.allocated_mask(slots).all():
-            _fail("the tree holds a host slot that the host allocator considers free")
+            fail_invariant("the tree holds a host slot that the host allocator considers free")
         free = self.host_allocator.available_size()
         if self.storage_link is not None:
             reading = sum(p.host_slots.size for p in self._prefetches.values()) + self.storage_link.late_tokens()
             if reading != self._prefetch_held:
-                _fail(f"{self._prefetch_held} host slots counted as prefetching, {reading} held by reads")
+                fail_invariant(f"{self._prefetch_held} host slots counted as prefetching, {reading} held by reads")
         if free + len(slots) + self._prefetch_held != self.host_allocator.size:
-            _fail(f"host: free {free} + held by the tree {len(slots)} + prefetching {self._prefetch_held} != "
-                  f"{self.host_allocator.size}")
+            fail_invariant(f"host: free {free} + held by the tree {len(slots)} + prefetching {self._prefetch_held} != "
+                           f"{self.host_allocator.size}")
 
     def _node_device_tokens(self, node: HiTreeNode) -> int:
         n = len(node.value)
         if n not in (0, node.num_tokens):
-            _fail(f"node {node.id}: {n} device slots for {node.num_tokens} tokens (all or none)")
+            fail_invariant(f"node {node.id}: {n} device slots for {node.num_tokens} tokens (all or none)")
         return n
 
     def _is_evictable_leaf(self, node: HiTreeNode) -> bool:
