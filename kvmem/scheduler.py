@@ -143,7 +143,8 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = SchedulerStats()
-        self.tails = DecodePageTails(self.page_size, lambda req: self._cache(req, finished=False))
+        self.tails = DecodePageTails(self.page_size, lambda req: self._cache(req, finished=False),
+                                     lambda: self.stats.decode_batches)
         self.ranker = PrefixRanker(tree_cache, self.tails, config.lpm_window)
         self._batch: ScheduleBatch | None = None
         # Output tokens the running requests have still to generate, kept up to date as they change: admission
