@@ -86,6 +86,14 @@ class DecodePageTails:
                 if not pages:
                     del self._pages[node]
 
+    def continues(self, node: TreeNode, page: bytes | None) -> bool:
+        """Whether a running request whose cached prefix ends at `node` has written `page` (a key's next page, as
+        bytes; None: the key has none) as its next full page: what `take` would find. Changes nothing."""
+        if page is None or node not in self._count:
+            return False
+        self._index_whole_pages()
+        return page in self._pages.get(node, ())
+
     def take(self, view: memoryview, node: TreeNode, matched: int) -> bool:
         """When a walk of a key (`view`, its bytes) ends at `node` after `matched` bytes, where a running request's
         cached prefix ends, and the key goes on with that request's next full page of output: caches the

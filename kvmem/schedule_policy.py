@@ -52,14 +52,16 @@ class PrefixRanker:
         ranks = []
         for req in islice(waiting, n):
             # The common case, inlined (the window is ranked at every step): a kept walk that is still current
-            # (RadixCache.walk_is_current, for a walk that matched something) and no running request's tail.
+            # (RadixCache.walk_is_current, for a walk that matched something) and that no running request's
+            # output pages continue.
             kept = walks.get(req)
             if kept is not None:
                 walk = kept.walk
                 child, node = walk.child, walk.node
                 if child is None:
-                    if node.parent is not None and node not in tails and (
-                            kept.next_page is None or kept.next_page not in node.children):
+                    page = kept.next_page
+                    if node.parent is not None and (page is None or page not in node.children) and (
+                            node not in tails or not tails.continues(node, page)):
                         ranks.append(kept.rank)
                         continue
                 elif child.parent is node:
