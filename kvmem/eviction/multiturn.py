@@ -28,7 +28,7 @@ the device policy's ghosts are the ones read. Only requests cached through `cach
 order is then LRU's. O(log n) per operation; the turn costs one dict lookup per request.
 
 The defaults (1,500 ticks a turn, at most 4, continuation 0.7) were chosen on the Mooncake conversation trace;
-the README shows what they buy there and on the other workloads. The idea of a conversation's turns as its
+docs/eviction.md shows what they buy there and on the other workloads. The idea of a conversation's turns as its
 reuse signal comes from that trace's statistics; the ghosts from ARC (Megiddo and Modha, FAST 2003).
 """
 
