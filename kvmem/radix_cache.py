@@ -17,7 +17,9 @@ Two surfaces: the SGLang-named public methods (`match_prefix`, `insert`, `inc_lo
 `cache_finished_req`, `cache_unfinished_req`, `evict`) check their arguments, then call the trusted one that a
 scheduler, which checked its requests where they entered, calls directly: `lock` / `unlock` / `move_lock` (a
 node a match returned), `cache_req` (a request whose row, slots and locked prefix the scheduler keeps), and the
-read-only walks that rank a waiting queue (`prefix_walk`, `walk_is_current`, `next_page`).
+read-only walks that rank a waiting queue (`prefix_walk`, `walk_is_current`, `next_page`). A request's memory
+goes back on one path, `release_req`, whether it finishes, is retracted or aborted, or its admission is undone.
+Both surfaces keep the same bookkeeping, exactly: the bitmap and the allocator's flags are right after every call.
 """
 
 from __future__ import annotations
@@ -77,7 +79,6 @@ class CachedRequest(Protocol):
     input_ids: array
     output_ids: list[int]
     namespace: str | None
-    turn: int | None  # its conversation turn: None until a policy that tracks turns infers it (see multiturn)
 
 
 class RadixCache(RadixTree):
