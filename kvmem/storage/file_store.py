@@ -167,10 +167,13 @@ class _Folder:
         pos, end = (segment.walked if onward else start), (segment.size if end is None else end)
         buf, at, want = b"", pos, _WALK_CHUNK
         while pos + RECORD_BYTES <= end:
-            if pos + min(RECORD_BYTES + HEADER_BYTES, end - pos) > at + len(buf):
+            need = min(RECORD_BYTES + HEADER_BYTES, end - pos)
+            if pos + need > at + len(buf):
                 try:
                     buf, at = os.pread(fd, min(want, end - pos), pos), pos
                 except OSError:
+                    return
+                if len(buf) < need:  # cut short since it was measured
                     return
             magic, kind, when, length = _RECORD.unpack_from(buf, pos - at)
             body, stop = pos + RECORD_BYTES, pos + RECORD_BYTES + length
