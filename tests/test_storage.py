@@ -348,6 +348,22 @@ def test_a_torn_record_at_a_segments_end_hides_only_the_pages_it_held(tmp_path):
     assert reopened.stats.corrupt == 0 and reopened.batch_get(keys, pool, slots) == 8
 
 
+def test_a_page_is_found_under_the_key_its_own_value_carries_whatever_file_holds_it(tmp_path):
+    # Segment files swapped between two folders: each page is still found under its own key, never another's.
+    _, host, slots = kv_world()
+    a, b = keys_of(PROMPT), keys_of(list(range(600, 632)))
+    FileStore(tmp_path / "x").batch_set(a, host, slots)
+    FileStore(tmp_path / "y").batch_set(b, host, slots)
+    forget_open_stores()
+    (x,), (y,) = (tmp_path / "x").iterdir(), (tmp_path / "y").iterdir()
+    x.rename(tmp_path / "y" / x.name)
+    y.rename(tmp_path / "x" / y.name)
+    store = FileStore(tmp_path / "x")
+    dst = host.allocator.alloc(len(PROMPT))
+    assert store.batch_exists(a) == 0 and store.batch_get(b, host, dst) == 8 and store.stats.corrupt == 0
+    assert all(torch.equal(p, q) for p, q in zip(host.host_rows(slots, 0), host.host_rows(dst, 0)))
+
+
 def test_a_store_whose_segment_another_process_deleted_writes_a_new_one(tmp_path):
     pool = HostSlotPool(64, PS)
     slots = pool.allocator.alloc(8 * PS)
