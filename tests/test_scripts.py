@@ -559,3 +559,22 @@ def test_continuation_oracle_refuses_bad_arguments_as_usage_errors(argv, option,
 def test_continuation_oracle_refuses_a_bad_trace_as_a_usage_error(tmp_path, monkeypatch, capsys):
     (tmp_path / "t.jsonl").write_text('{"input_ids": [1, 2], "output_len": 2}\n')
     usage_error("continuation_oracle.py", [str(tmp_path / "t.jsonl")], "argument trace", monkeypatch, capsys)
+
+
+def test_storage_footprint_counts_what_each_store_leaves_and_removes_it(tmp_path, monkeypatch, capsys):
+    from kvmem.replay.traces import default_trace_path
+
+    main = load_script("storage_footprint.py", monkeypatch)["main"]
+    assert main([str(default_trace_path()), "--stores", "file,sim", "--dir", str(tmp_path), "--",
+                 "--limit", "3", "--host-capacity-tokens", "400000", "--page-size", "16"]) == 0
+    files, sim = json.loads(capsys.readouterr().out)["rows"]
+    assert files["exit"] == sim["exit"] == 0 and files["stored_tokens"] == sim["stored_tokens"] > 0
+    assert files["files"] == 1 and files["bytes"] > 0 and "--storage file:DIR " in files["command"]
+    assert (sim["files"], sim["bytes"]) == (0, 0) and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, option", [(["t.jsonl", "--stores", "nfs"], "--stores"),
+                                          (["t.jsonl", "--dir", "/nonexistent-kvmem"], "--dir"),
+                                          (["t.jsonl", "--timeout-s", "0"], "--timeout-s")])
+def test_storage_footprint_refuses_bad_arguments_before_any_replay(argv, option, monkeypatch, capsys):
+    usage_error("storage_footprint.py", argv, option, monkeypatch, capsys)

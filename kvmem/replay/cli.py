@@ -22,7 +22,13 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvmem._checks import fraction_arg, non_negative_int_arg, positive_float_arg, positive_int_arg
+from kvmem._checks import (
+    fraction_arg,
+    non_negative_float_arg,
+    non_negative_int_arg,
+    positive_float_arg,
+    positive_int_arg,
+)
 from kvmem.replay.cluster_cli import add_cluster_arguments, cluster_runs, run_cluster
 from kvmem.replay.compare import DEFAULT_POLICIES
 from kvmem.replay.config import (
@@ -33,7 +39,7 @@ from kvmem.replay.config import (
     WRITE_POLICIES,
     ReplayConfig,
 )
-from kvmem.replay.cost import DEFAULT_MODEL, GPUS, RooflineCost
+from kvmem.replay.cost import DEFAULT_MODEL, DEFAULT_STORAGE_LATENCY_US, GPUS, RooflineCost
 from kvmem.replay.report import format_summary, require_matplotlib, write_sweep_plot
 from kvmem.replay.traces import Trace, TraceError, default_trace_path, read_trace
 
@@ -103,14 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_PCIE_GBPS:g}, PCIe 5 x16)")
     p.add_argument("--d2h-gbps", type=positive_float_arg, metavar="B",
                    help=f"device-to-host copy bandwidth, GB/s (default: as --h2d-gbps, {DEFAULT_PCIE_GBPS:g})")
-    p.add_argument("--storage", metavar="SPEC", help="a storage tier under the host tier: file:DIR (a directory, "
-                   "kept across runs) or mooncake:HOST:PORT (a Mooncake master; see kvmem.storage.mooncake_server)")
+    p.add_argument("--storage", metavar="SPEC", help="a storage tier under the host tier: sim[:CAPACITY_TOKENS] (a "
+                   "simulated store: its pages' keys, capacity and LRU eviction, no bytes written; for planning), "
+                   "file:DIR (a directory of segment files, kept across runs) or mooncake:HOST:PORT (a Mooncake "
+                   "master; see kvmem.storage.mooncake_server)")
     p.add_argument("--storage-metadata", metavar="URL",
                    help="the Mooncake metadata server (default P2PHANDSHAKE: none)")
     p.add_argument("--storage-capacity-tokens", type=positive_int_arg, metavar="N",
-                   help="what a file store may hold, in tokens (default: unbounded)")
+                   help="what a simulated or file store may hold, in tokens (default: unbounded)")
     p.add_argument("--storage-gbps", type=positive_float_arg, metavar="B",
                    help=f"storage bandwidth, GB/s (default {DEFAULT_STORAGE_GBPS:g})")
+    p.add_argument("--storage-latency-us", type=non_negative_float_arg, metavar="US",
+                   help=f"what a prefill reading from storage waits before its bytes flow, microseconds (default "
+                        f"{DEFAULT_STORAGE_LATENCY_US:g}; the --gpu clock charges it)")
     p.add_argument("--eviction-policy", choices=EVICTION_POLICIES,
                    help="which cached prefixes go first (default lru; belady: the offline optimum)")
     p.add_argument("--compare-policies", nargs="?", const=list(DEFAULT_POLICIES), type=_policy_list,
@@ -397,6 +408,7 @@ def _replay_config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
         h2d_gbps=h2d, d2h_gbps=args.d2h_gbps or h2d, storage=args.storage,
         storage_metadata=args.storage_metadata or "P2PHANDSHAKE", storage_capacity_tokens=args.storage_capacity_tokens,
         storage_gbps=args.storage_gbps or DEFAULT_STORAGE_GBPS,
+        storage_latency_us=DEFAULT_STORAGE_LATENCY_US if args.storage_latency_us is None else args.storage_latency_us,
         cache_decode_pages=args.cache_decode_pages, in_batch_prefix_caching=args.in_batch_prefix_caching,
         gpu=args.gpu, model=_model_name(args, None), tp=args.tp, pin_prefix_tokens=args.pin_prefix_tokens,
         pin_budget=args.pin_budget, **tiers)
@@ -411,7 +423,8 @@ def _check_tier_options(args: argparse.Namespace) -> None:
     if given and args.host_capacity_tokens is None and args.host_mem_gb is None:
         raise ValueError(f"{given[0][0]} needs a host tier (--host-capacity-tokens or --host-mem-gb)")
     for option, value in (("--storage-metadata", args.storage_metadata), ("--storage-gbps", args.storage_gbps),
-                          ("--storage-capacity-tokens", args.storage_capacity_tokens)):
+                          ("--storage-capacity-tokens", args.storage_capacity_tokens),
+                          ("--storage-latency-us", args.storage_latency_us)):
         if value is not None and args.storage is None:
             raise ValueError(f"{option} needs a storage tier (--storage)")
 
@@ -436,13 +449,14 @@ def _is_regular_file(path: str) -> bool:
 
 
 def _check_storage(config: ReplayConfig) -> None:
-    """Opens the storage tier once before the replay, so that an unreachable store is a one-line error."""
+    """Opens the storage tier once before the replay, as the replay will, so that an unreachable store, or a cap its
+    disk cannot hold, is a one-line error."""
     if config.storage is None:
         return
-    from kvmem.storage import open_store
+    from kvmem.replay.simulator import open_storage
 
     try:
-        open_store(config.storage, metadata_server=config.storage_metadata).close()
+        open_storage(config).close()
     except OSError as e:
         raise RuntimeError(f"--storage {config.storage}: {e.strerror or e}") from None
 
