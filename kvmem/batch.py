@@ -21,6 +21,7 @@ import torch
 from kvmem._checks import check_int
 from kvmem._paging import num_new_pages
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
+from kvmem.page_hash import encode_namespace
 from kvmem.radix_cache import RadixCache
 from kvmem.req_to_token import ReqToTokenPool
 from kvmem.timing import PhaseTimer
@@ -71,8 +72,8 @@ class Req:
         self.input_ids: array = ids
         self.max_new_tokens = check_int(f"request {rid!r}: max_new_tokens", max_new_tokens, minimum=1)
         self.priority = check_int(f"request {rid!r}: priority", priority, minimum=-2**63, maximum=2**63 - 1)
-        if namespace is not None and not isinstance(namespace, str):
-            raise TypeError(f"request {rid!r}: namespace must be a str or None, got {type(namespace).__name__}")
+        if namespace is not None:
+            encode_namespace(f"request {rid!r}: namespace", namespace)
         self.namespace = namespace
         self.status = ReqStatus.NEW
         self._output_ids: list[int] = []

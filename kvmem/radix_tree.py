@@ -37,7 +37,7 @@ from sortedcontainers import SortedList
 from kvmem._checks import check_int
 from kvmem._index import TOKEN_BYTES, as_index_array
 from kvmem.eviction import EvictionPolicySpec, make_policy
-from kvmem.page_hash import DIGEST_BYTES
+from kvmem.page_hash import DIGEST_BYTES, encode_namespace
 
 
 class TreeNode:
@@ -147,10 +147,9 @@ class RadixTree:
         evictable sets and the slots: a prefix cached in one is never matched from another."""
         if namespace is None:
             return self.root_node
-        if not isinstance(namespace, str):
-            raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")
-        root = self._roots.get(namespace)
+        root = self._roots.get(namespace) if type(namespace) is str else None
         if root is None:
+            encode_namespace("namespace", namespace)  # before the root exists: it names every page below it
             root = self._roots[namespace] = self._new_root()
         return root
 

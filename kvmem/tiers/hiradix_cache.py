@@ -43,6 +43,7 @@ host copy the tree holds (copies of device nodes, locked or loading host-only no
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvmem._checks import check_int
+from kvmem._checks import check_int, check_number
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.events.schema import MEDIUM_CPU_PINNED, AllBlocksCleared, KVCacheEvent
 from kvmem.eviction import EvictionPolicy, EvictionPolicySpec, make_policy
@@ -59,7 +60,7 @@ from kvmem.radix_cache import MatchResult, RadixCache
 from kvmem.radix_tree import TOKEN_BYTES, TreeNode, _fail, key_bytes
 from kvmem.req_to_token import ReqToTokenPool
 from kvmem.tiers.host_pool import Transfer
-from kvmem.tiers.storage_link import Prefetch, StorageLink
+from kvmem.tiers.storage_link import PREFETCH_POLICIES, Prefetch, StorageLink
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 _NO_SLOTS = np.empty(0, dtype=np.int64)  # the value of a node that is not on device
@@ -144,6 +145,15 @@ class HiRadixCache(RadixCache):
         if getattr(host_pool, "device_pool", None) is not None and host_pool.device_pool.size != token_allocator.size:
             raise ValueError(f"host_pool backs a device pool of {host_pool.device_pool.size} tokens, but "
                              f"token_allocator has {token_allocator.size}")
+        _check_tp_group(tp_group)
+        if prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"prefetch_policy must be one of {PREFETCH_POLICIES}, got {prefetch_policy!r}")
+        check_number("prefetch_timeout_s", prefetch_timeout_s, 0)
+        owner = getattr(host_pool, "_cache", None)
+        if owner is not None and owner() is not None:
+            # Each cache hands out the pool's slots through its allocator as if it were alone: two would
+            # overwrite each other's host copies.
+            raise ValueError("host_pool already backs another HiRadixCache; give each cache its own host pool")
         if host_eviction_policy is None:
             if isinstance(eviction_policy, EvictionPolicy):
                 raise ValueError("host_eviction_policy is needed when eviction_policy is a policy object: a policy "
@@ -163,6 +173,7 @@ class HiRadixCache(RadixCache):
             self._turns = self._host_policy
         self._names = self._names or link is not None  # storage keys are page digests
         self.host_pool = host_pool
+        host_pool._cache = weakref.ref(self)
         self.host_allocator = host_allocator
         self.write_policy = write_policy
         self.tp_group = tp_group
@@ -842,6 +853,17 @@ class HiRadixCache(RadixCache):
 
     def _is_evictable_leaf(self, node: HiTreeNode) -> bool:
         return node.lock_ref == 0 and len(node.value) > 0 and node.device_children == 0
+
+
+def _check_tp_group(tp_group) -> None:
+    """Raises unless `tp_group` is None or a torch.distributed process group: anything else would fail only at
+    the first all-reduce, with a backup already in flight that no later check could complete."""
+    if tp_group is None:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_available() or not isinstance(tp_group, dist.ProcessGroup):
+        raise TypeError(f"tp_group must be a torch.distributed ProcessGroup or None, got {type(tp_group).__name__}")
 
 
 def _all_reduce_min(values, group):

@@ -158,9 +158,7 @@ class StorageLink:
         try:
             return self.storage.batch_exists(keys)
         except Exception:  # noqa: BLE001 - a store that raises is a store that failed: a miss
-            stats = getattr(self.storage, "stats", None)
-            if stats is not None:
-                stats.failed_ops += 1
+            _count_failure(self.storage)
             return 0
 
     def read(self, namespace, key: bytes, start: int, digests: bytes, host_slots: np.ndarray) -> Prefetch:
@@ -185,12 +183,16 @@ class StorageLink:
             if not future.done():
                 break
             taken = i + 1
+            chunk = min(step, prefetch.pages - i * step)
             try:
                 loaded = int(future.result())
             except Exception:  # noqa: BLE001 - a store that raises is a store that failed: a miss
                 loaded = 0
+            if not 0 <= loaded <= chunk:  # a store that miscounts: nothing it read can be trusted to be there
+                _count_failure(self.storage)
+                loaded = 0
             pages += loaded
-            if loaded < min(step, prefetch.pages - i * step):  # the pages after a gap hang from nothing
+            if loaded < chunk:  # the pages after a gap hang from nothing
                 break
         reading = np.zeros(prefetch.pages, dtype=bool)
         ps = self.host_pool.page_size
@@ -228,3 +230,10 @@ class StorageLink:
         """Waits for every queued write and read, then stops the worker."""
         self._closed = True
         self._worker.shutdown(wait=True)
+
+
+def _count_failure(storage) -> None:
+    """Counts a failed call in the store's stats (a store without stats counts nothing)."""
+    stats = getattr(storage, "stats", None)
+    if stats is not None:
+        stats.failed_ops += 1
