@@ -1,0 +1,65 @@
+"""Which engine replays a configuration: the compiled one (`kvmem.replay.native_replay`) where it is built and
+covers the configuration, else the Python reference (`kvmem.replay.simulator`), never silently: `fallback_note`
+is the one line that says why.
+
+`kvmem-replay --engine native|python` picks one (default: $KVMEM_ENGINE, else native); both give the same report,
+timings aside, wherever the native engine runs. Torch-free until the Python engine is actually used.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+ENGINES = ("native", "python")
+ENV = "KVMEM_ENGINE"
+
+
+def requested_engine(flag: str | None = None) -> str:
+    """--engine's value, else $KVMEM_ENGINE's, else "native"; ValueError for a name that is neither engine."""
+    if flag is not None:
+        name, source = flag, "--engine"
+    else:
+        name, source = os.environ.get(ENV, "native") or "native", ENV
+    if name not in ENGINES:
+        raise ValueError(f"{source} must be one of {', '.join(ENGINES)}, got {name!r}")
+    return name
+
+
+def fallback_reason(engine: str, config) -> str | None:
+    """Why a replay of `config` asked of `engine` runs on the Python engine instead; None when it runs on `engine`."""
+    if engine == "python":
+        return None
+    from kvmem.replay import native_replay
+
+    native = native_replay.load_native()
+    if isinstance(native, ImportError):
+        return f"the native engine is not built ({native})"
+    what = native_replay.unsupported(config)
+    return None if what is None else f"the native engine does not cover {what} yet"
+
+
+def engine_for(engine: str, config) -> str:
+    """The engine that replays `config` when `engine` is asked for."""
+    return engine if fallback_reason(engine, config) is None else "python"
+
+
+def fallback_note(engine: str, configs: Sequence) -> str | None:
+    """One line for stderr when some of `configs` (the replays of one command) fall back to the Python engine."""
+    reasons = [r for r in (fallback_reason(engine, c) for c in configs) if r is not None]
+    if not reasons:
+        return None
+    which = "" if len(reasons) == len(configs) else f" ({len(reasons)} of {len(configs)} replays)"
+    return f"{'; '.join(dict.fromkeys(reasons))}: the Python engine replays{which or ' it'}"
+
+
+def replay(requests, config, progress: bool = False, engine: str = "native"):
+    """The ReplayReport of `config` over `requests` from `engine`, or from the Python engine where the native one
+    cannot run it (say so with `fallback_note`)."""
+    if engine_for(engine, config) == "native":
+        from kvmem.replay import native_replay
+
+        return native_replay.replay(requests, config, progress)
+    from kvmem.replay.simulator import replay as python_replay  # imports torch
+
+    return python_replay(requests, config, progress)
