@@ -30,13 +30,18 @@ def fallback_reason(engine: str, config) -> str | None:
     """Why a replay of `config` asked of `engine` runs on the Python engine instead; None when it runs on `engine`."""
     if engine == "python":
         return None
+    built, what = _native_gap(config)
+    return what if not built else None if what is None else f"the native engine does not cover {what} yet"
+
+
+def _native_gap(config) -> tuple[bool, str | None]:
+    """(whether the native engine is built, then what of `config` it does not cover, else why it is not built)."""
     from kvmem.replay import native_replay
 
     native = native_replay.load_native()
     if isinstance(native, ImportError):
-        return f"the native engine is not built ({native})"
-    what = native_replay.unsupported(config)
-    return None if what is None else f"the native engine does not cover {what} yet"
+        return False, f"the native engine is not built ({native})"
+    return True, native_replay.unsupported(config)
 
 
 def engine_for(engine: str, config) -> str:
@@ -46,11 +51,19 @@ def engine_for(engine: str, config) -> str:
 
 def fallback_note(engine: str, configs: Sequence) -> str | None:
     """One line for stderr when some of `configs` (the replays of one command) fall back to the Python engine."""
-    reasons = [r for r in (fallback_reason(engine, c) for c in configs) if r is not None]
-    if not reasons:
+    if engine == "python":
         return None
-    which = "" if len(reasons) == len(configs) else f" ({len(reasons)} of {len(configs)} replays)"
-    return f"{'; '.join(dict.fromkeys(reasons))}: the Python engine replays{which or ' it'}"
+    gaps = [_native_gap(c) for c in configs]
+    if not gaps[0][0]:
+        reason = gaps[0][1]
+    else:
+        whats = [what for _, what in gaps if what is not None]
+        if not whats:
+            return None
+        reason = f"the native engine does not cover {', '.join(dict.fromkeys(whats))} yet"
+        if len(whats) < len(configs):
+            return f"{reason}: the Python engine replays those {len(whats)} of the {len(configs)} replays"
+    return f"{reason}: the Python engine replays {'it' if len(configs) == 1 else 'them'}"
 
 
 def replay(requests, config, progress: bool = False, engine: str = "native"):

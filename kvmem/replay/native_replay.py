@@ -60,9 +60,9 @@ def unsupported(config, cost=None, policies=None) -> str | None:
     if config.host_capacity_tokens is not None:
         return "a host tier"
     if config.eviction_policy not in NATIVE_POLICIES:
-        return f"eviction policy {config.eviction_policy}"
+        return f"{config.eviction_policy} eviction"
     if policies:
-        return "eviction policy objects"
+        return "eviction by policy objects"
     if cost is not None and type(cost) not in (StepCost, RooflineCost):
         return f"cost model {type(cost).__name__}"
     return None
