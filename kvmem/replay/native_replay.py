@@ -17,6 +17,7 @@ Torch-free: numpy and the replay's torch-free modules only, so that a planner's 
 
 from __future__ import annotations
 
+import importlib
 import sys
 import time
 from array import array
@@ -44,10 +45,14 @@ def load_native():
     """The compiled module, or the ImportError that says why it is not there (not built, or built for another
     Python)."""
     try:
-        from kvmem.replay import _native
+        return importlib.import_module("kvmem.replay._native")
+    except ModuleNotFoundError as e:
+        if e.name != "kvmem.replay._native":
+            return e
+        return ImportError("kvmem.replay._native is missing: the install found no working C++ compiler; with one, "
+                           "pip install -e . builds it")
     except ImportError as e:
         return e
-    return _native
 
 
 def native_built() -> bool:

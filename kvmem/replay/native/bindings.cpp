@@ -2,7 +2,6 @@
 // its only caller and checks every argument before it gets here).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
 
 #include <memory>
 #include <string>
@@ -134,8 +133,10 @@ struct PyReplica {
 struct PyReplay {
   std::shared_ptr<Trace> trace;
   kvmem::SingleReplay replay;
-  PyReplay(const py::dict& config, std::shared_ptr<Trace> t, std::vector<int32_t> order, std::vector<double> arrivals)
-      : trace(std::move(t)), replay(config_of(config), &trace->tokens, std::move(order), std::move(arrivals)) {}
+  PyReplay(const py::dict& config, std::shared_ptr<Trace> t, Array<int32_t> order, Array<double> arrivals)
+      : trace(std::move(t)),
+        replay(config_of(config), &trace->tokens, std::vector<int32_t>(order.data(), order.data() + order.size()),
+               std::vector<double>(arrivals.data(), arrivals.data() + arrivals.size())) {}
 };
 
 }  // namespace
@@ -166,7 +167,7 @@ PYBIND11_MODULE(_native, m) {
       .def("report", [](const PyReplica& p) { return report_of(p.replica); });
 
   py::class_<PyReplay>(m, "Replay")
-      .def(py::init<const py::dict&, std::shared_ptr<Trace>, std::vector<int32_t>, std::vector<double>>())
+      .def(py::init<const py::dict&, std::shared_ptr<Trace>, Array<int32_t>, Array<double>>())
       .def("advance", [](PyReplay& p, int64_t max_steps) { return p.replay.advance(max_steps); })
       .def_property_readonly("finished", [](const PyReplay& p) { return p.replay.replica.report.finished; })
       .def_property_readonly("start_s", [](const PyReplay& p) -> py::object {
