@@ -195,6 +195,11 @@ def test_the_native_trace_reads_the_tokens_a_trace_request_holds():
         assert native.output(i).tolist() == request.output_tokens().tolist()
 
 
+def test_the_output_seeds_of_a_mooncake_trace_are_the_trace_s():
+    trace = read_trace(HEAD, limit=50)
+    assert native_replay._mooncake_seeds(trace).tolist() == [trace._output_seed(i) for i in range(len(trace))]
+
+
 def test_the_admission_constants_are_the_scheduler_s():
     defaults = SchedulerConfig()
     assert native_replay.ADMISSION == {name: getattr(defaults, name) for name in native_replay.ADMISSION}

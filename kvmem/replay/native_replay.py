@@ -110,7 +110,7 @@ def native_trace(native, requests: Sequence[TraceRequest]):
     tokens (explicit, or drawn in the engine from the seed `TraceRequest.output_tokens` would draw them from)."""
     n = len(requests)
     if isinstance(requests, MooncakeTrace):
-        seeds = np.fromiter((requests._output_seed(i) for i in range(n)), dtype=np.uint64, count=n)
+        seeds = _mooncake_seeds(requests)
         no_outputs = np.zeros(n + 1, dtype=np.int64)
         return native.Trace.from_blocks(requests.hash_ids, requests.block_offsets, requests.input_lens,
                                         requests.output_lens, seeds, np.empty(0, np.int32), no_outputs)
@@ -143,6 +143,22 @@ def native_trace(native, requests: Sequence[TraceRequest]):
     out_tokens = np.concatenate(rows).astype(np.int32) if rows else np.empty(0, np.int32)
     return native.Trace.from_tokens(np.ascontiguousarray(prompts, dtype=np.int32), offsets, output_lens, seeds,
                                     out_tokens, out_offsets)
+
+
+def _mooncake_seeds(trace: MooncakeTrace) -> np.ndarray:
+    """Every request's MooncakeTrace._output_seed (a digest of its hash ids and its input length, as int64 bytes),
+    from one array that holds each request's hash ids followed by its input length: one digest call a request."""
+    n, offsets = len(trace), trace.block_offsets
+    ends = offsets[1:] + np.arange(n)  # where request i's input length goes
+    is_len = np.zeros(len(trace.hash_ids) + n, dtype=bool)
+    is_len[ends] = True
+    ids = np.empty(len(is_len), dtype=np.int64)
+    ids[is_len] = trace.input_lens
+    ids[~is_len] = trace.hash_ids
+    raw = memoryview(ids.tobytes())
+    starts = (offsets[:-1] + np.arange(n)) * 8
+    return np.fromiter((_digest_seed(raw[a:b], b"mooncake") for a, b in zip(starts.tolist(), (ends * 8 + 8).tolist())),
+                       dtype=np.uint64, count=n)
 
 
 def _arrival_order(requests: Sequence[TraceRequest], honour: bool) -> tuple[np.ndarray, np.ndarray]:
