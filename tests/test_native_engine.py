@@ -11,6 +11,7 @@ pages. Skipped, with the reason, where the native module is not built.
 from __future__ import annotations
 
 import dataclasses
+import math
 from unittest import mock
 
 import numpy as np
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 
 from kvmem.replay import native_replay
 from kvmem.replay.config import ReplayConfig
+from kvmem.replay.cost import StepCost
 from kvmem.replay.simulator import replay as python_replay
 from kvmem.replay.synthetic import GENERATORS
 from kvmem.replay.traces import BLOCK_SIZE, MooncakeTrace, TraceRequest, _output_draws, default_trace_path, read_trace
@@ -198,6 +200,25 @@ def test_the_native_trace_reads_the_tokens_a_trace_request_holds():
 def test_the_output_seeds_of_a_mooncake_trace_are_the_trace_s():
     trace = read_trace(HEAD, limit=50)
     assert native_replay._mooncake_seeds(trace).tolist() == [trace._output_seed(i) for i in range(len(trace))]
+
+
+def test_a_replica_driven_from_python_replays_as_the_single_replay():
+    # A cluster drives its replicas this way (run_until the next arrival, then route it): one replica must give the
+    # single replay's report.
+    trace = GENERATORS["synthetic-agent"](120, seed=2, arrival_rate=4.0)
+    config = ReplayConfig(capacity_tokens=20_000, max_context_len=trace.max_context_len, page_size=4)
+    native_trace = native_replay.native_trace(NATIVE, trace)
+    replica = NATIVE.Replica(native_replay._engine_config(config, StepCost()), native_trace)
+    order, arrivals = native_replay._arrival_order(trace, True)
+    for i, arrival in zip(order.tolist(), arrivals.tolist()):
+        replica.run_until(arrival)
+        replica.clock = max(replica.clock, arrival)
+        assert replica.add_request(i, arrival) == ""
+    replica.run_until(math.inf)
+    assert replica.is_idle()
+    stepped, whole = replica.report(), native_replay.replay(trace, config)
+    assert stepped["requests"] == whole.requests and stepped["cached_tokens"] == whole.cached_tokens
+    assert stepped["time_s"].tolist() == list(whole.time_s) and stepped["ttft_s"].tolist() == list(whole.ttft_s)
 
 
 def test_the_admission_constants_are_the_scheduler_s():
