@@ -31,7 +31,7 @@ std::shared_ptr<Trace> trace_from_blocks(Array<int64_t> hash_ids, Array<int64_t>
                                          Array<uint64_t> seeds, Array<int32_t> out_tokens,
                                          Array<int64_t> out_offsets) {
   auto t = std::make_shared<Trace>();
-  t->keep = {hash_ids, block_offsets, input_lens};
+  t->keep = {hash_ids, block_offsets, out_tokens, out_offsets};
   t->tokens.set_blocks(hash_ids.data(), block_offsets.data(), input_lens.data(), input_lens.size());
   t->tokens.set_outputs(output_lens.data(), seeds.data(), out_tokens.data(), out_offsets.data());
   return t;
@@ -41,7 +41,7 @@ std::shared_ptr<Trace> trace_from_tokens(Array<int32_t> tokens, Array<int64_t> o
                                          Array<uint64_t> seeds, Array<int32_t> out_tokens,
                                          Array<int64_t> out_offsets) {
   auto t = std::make_shared<Trace>();
-  t->keep = {tokens, offsets};
+  t->keep = {tokens, offsets, out_tokens, out_offsets};
   t->tokens.set_prompts(tokens.data(), offsets.data(), output_lens.size());
   t->tokens.set_outputs(output_lens.data(), seeds.data(), out_tokens.data(), out_offsets.data());
   return t;
@@ -147,8 +147,12 @@ PYBIND11_MODULE(_native, m) {
   py::class_<Trace, std::shared_ptr<Trace>>(m, "Trace")
       .def_static("from_blocks", &trace_from_blocks)
       .def_static("from_tokens", &trace_from_tokens)
-      .def("token", [](const Trace& t, int32_t r, int64_t pos) { return t.tokens.token(r, pos); })
-      .def("output", [](const Trace& t, int32_t r) {
+      .def("token", [](Trace& t, int32_t r, int64_t pos) {
+        t.tokens.take_output(r);
+        return t.tokens.token(r, pos);
+      })
+      .def("output", [](Trace& t, int32_t r) {
+        t.tokens.take_output(r);
         std::vector<int32_t> out;
         for (int64_t k = 0; k < t.tokens.output_len(r); ++k) out.push_back(t.tokens.token(r, t.tokens.input_len(r) + k));
         return to_numpy(out);

@@ -14,7 +14,7 @@ namespace kvmem {
 class SingleReplay {
  public:
   // order: the trace indices in arrival order; arrivals: each one's arrival (0 for all when they are not honoured).
-  SingleReplay(const ReplicaConfig& config, const TraceTokens* tokens, std::vector<int32_t> order,
+  SingleReplay(const ReplicaConfig& config, TraceTokens* tokens, std::vector<int32_t> order,
                std::vector<double> arrivals)
       : replica(config, tokens), order_(std::move(order)), arrivals_(std::move(arrivals)) {}
 

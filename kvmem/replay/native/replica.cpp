@@ -59,7 +59,7 @@ double CostModel::prefill_seconds_saved(int64_t cached) const {
 
 // ---- Replica ----------------------------------------------------------------------------------------------------
 
-Replica::Replica(const ReplicaConfig& config, const TraceTokens* tokens)
+Replica::Replica(const ReplicaConfig& config, TraceTokens* tokens)
     : config_(config), tokens_(tokens), page_size_(config.page_size),
       slots_{config.capacity_tokens, config.capacity_tokens},
       tree_(tokens, &slots_, config.page_size, config.eviction_policy,
@@ -77,6 +77,7 @@ Rejection Replica::add_request(int32_t rid, double arrival) {
     ++report.rejected;
     return Rejection::kContext;
   }
+  tokens_->take_output(rid);
   Request r;
   r.rid = rid;
   r.input_len = input_len;

@@ -92,7 +92,7 @@ struct ReplicaReport {
 
 class Replica {
  public:
-  Replica(const ReplicaConfig& config, const TraceTokens* tokens);
+  Replica(const ReplicaConfig& config, TraceTokens* tokens);
 
   double clock = 0.0;
   ReplicaReport report;
@@ -141,7 +141,7 @@ class Replica {
   int64_t round_up(int64_t tokens) const { return pages_for(tokens) * page_size_; }
 
   ReplicaConfig config_;
-  const TraceTokens* tokens_;
+  TraceTokens* tokens_;  // a request's output is taken when it is queued
   int64_t page_size_;
   SlotCount slots_;
   RadixTree tree_;

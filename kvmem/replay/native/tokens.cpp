@@ -136,17 +136,25 @@ void TraceTokens::set_prompts(const int32_t* tokens, const int64_t* offsets, int
 void TraceTokens::set_outputs(const int64_t* output_lens, const uint64_t* seeds, const int32_t* explicit_tokens,
                               const int64_t* explicit_offsets) {
   const int64_t n = size();
-  out_offsets_.assign(n + 1, 0);
-  for (int64_t r = 0; r < n; ++r) out_offsets_[r + 1] = out_offsets_[r] + output_lens[r];
-  out_tokens_.assign(out_offsets_[n], 0);
-  for (int64_t r = 0; r < n; ++r) {
-    int32_t* out = out_tokens_.data() + out_offsets_[r];
-    if (explicit_offsets != nullptr && explicit_offsets[r + 1] > explicit_offsets[r]) {
-      std::copy(explicit_tokens + explicit_offsets[r], explicit_tokens + explicit_offsets[r + 1], out);
-    } else {
-      draw_outputs(seeds[r], output_lens[r], out);
-    }
+  output_len_.assign(output_lens, output_lens + n);
+  seeds_.assign(seeds, seeds + n);
+  explicit_tokens_ = explicit_tokens;
+  explicit_offsets_ = explicit_offsets;
+  out_tokens_.clear();
+  out_start_.assign(n, -1);
+}
+
+void TraceTokens::take_output(int32_t r) {
+  if (out_start_[r] >= 0) return;
+  const int64_t start = static_cast<int64_t>(out_tokens_.size());
+  out_tokens_.resize(start + output_len_[r]);
+  int32_t* out = out_tokens_.data() + start;
+  if (explicit_offsets_[r + 1] > explicit_offsets_[r]) {
+    std::copy(explicit_tokens_ + explicit_offsets_[r], explicit_tokens_ + explicit_offsets_[r + 1], out);
+  } else {
+    draw_outputs(seeds_[r], output_len_[r], out);
   }
+  out_start_[r] = start;
 }
 
 int64_t TraceTokens::first_mismatch(int32_t a, int32_t b, int64_t from, int64_t to) const {

@@ -4,7 +4,8 @@
 // tokens each, the tokens a hash of (hash id, position): kvmem/replay/traces.py's block_token_ids, ported
 // exactly) or explicit token ids (a kvmem JSONL or synthetic trace: one int32 array with offsets). Outputs are
 // explicit, or drawn from a seed as traces.py's _output_draws draws them (Python's Mersenne Twister seeded
-// with the seed, randrange(10, 32000) per token), once for the whole trace.
+// with the seed, randrange(10, 32000) per token), each once, when a replica first queues its request: a request
+// that can never run is never drawn (a trace may claim a trillion output tokens).
 //
 // Every key of the radix tree is a run of some request's sequence at the same positions as in any other
 // request that shares it, so two keys are compared position by position: a block of two prompts with the
@@ -24,14 +25,17 @@ class TraceTokens {
   void set_blocks(const int64_t* hash_ids, const int64_t* block_offsets, const int64_t* input_lens, int64_t n);
   // Explicit prompts: request r's tokens are tokens[offsets[r]:offsets[r + 1]].
   void set_prompts(const int32_t* tokens, const int64_t* offsets, int64_t n);
-  // Outputs: request r's output_lens[r] tokens are explicit[explicit_offsets[r]:...] where that row is not
-  // empty, else drawn from seeds[r].
+  // Outputs: request r's output_lens[r] tokens are explicit_tokens[explicit_offsets[r]:...] where that row is
+  // not empty, else drawn from seeds[r]. The explicit arrays are read when a request's output is first needed:
+  // the caller keeps them alive.
   void set_outputs(const int64_t* output_lens, const uint64_t* seeds, const int32_t* explicit_tokens,
                    const int64_t* explicit_offsets);
+  // Makes request r's output tokens readable (once; later calls do nothing).
+  void take_output(int32_t r);
 
   int64_t size() const { return static_cast<int64_t>(input_len_.size()); }
   int64_t input_len(int32_t r) const { return input_len_[r]; }
-  int64_t output_len(int32_t r) const { return out_offsets_[r + 1] - out_offsets_[r]; }
+  int64_t output_len(int32_t r) const { return output_len_[r]; }
 
   int32_t token(int32_t r, int64_t pos) const {
     const int64_t n = input_len_[r];
@@ -39,7 +43,7 @@ class TraceTokens {
       if (blocks_) return block_token(mixed_block(r, pos / kBlockSize), pos % kBlockSize);
       return prompt_tokens_[prompt_offsets_[r] + pos];
     }
-    return out_tokens_[out_offsets_[r] + (pos - n)];
+    return out_tokens_[out_start_[r] + (pos - n)];  // take_output(r) came first
   }
 
   // The first position in [from, to) where requests a and b hold different tokens, or `to`.
@@ -60,8 +64,12 @@ class TraceTokens {
   const int32_t* prompt_tokens_ = nullptr;
   const int64_t* prompt_offsets_ = nullptr;
   std::vector<int64_t> input_len_;
+  std::vector<int64_t> output_len_;
+  std::vector<uint64_t> seeds_;
+  const int32_t* explicit_tokens_ = nullptr;
+  const int64_t* explicit_offsets_ = nullptr;
   std::vector<int32_t> out_tokens_;
-  std::vector<int64_t> out_offsets_;
+  std::vector<int64_t> out_start_;  // where request r's output starts in out_tokens_ (-1: not taken yet)
 };
 
 // `n` draws of randrange(low, high) from Python's random.Random(seed) (seed >= 0), as traces._randrange_bulk
