@@ -11,6 +11,7 @@ pages. Skipped, with the reason, where the native module is not built.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from unittest import mock
 
@@ -24,7 +25,15 @@ from kvmem.replay.config import ReplayConfig
 from kvmem.replay.cost import StepCost
 from kvmem.replay.simulator import replay as python_replay
 from kvmem.replay.synthetic import GENERATORS
-from kvmem.replay.traces import BLOCK_SIZE, MooncakeTrace, TraceRequest, _output_draws, default_trace_path, read_trace
+from kvmem.replay.traces import (
+    BLOCK_SIZE,
+    MooncakeTrace,
+    TraceRequest,
+    _output_draws,
+    default_trace_path,
+    read_trace,
+    write_jsonl,
+)
 from kvmem.scheduler import Scheduler, SchedulerConfig
 
 NATIVE = native_replay.load_native()
@@ -165,6 +174,21 @@ def test_the_conversation_trace_head_replays_the_same_on_both_engines(name):
 def test_synthetic_workloads_replay_the_same_on_both_engines(generator, options):
     trace = GENERATORS[generator](300, seed=3, arrival_rate=20.0)
     assert_same_report(trace, ReplayConfig(max_context_len=trace.max_context_len, **options))
+
+
+def test_a_kvmem_jsonl_trace_with_and_without_output_ids_replays_the_same_on_both_engines(tmp_path):
+    trace = GENERATORS["synthetic-chat"](150, seed=7, arrival_rate=10.0)
+    path = tmp_path / "t.jsonl"
+    write_jsonl([trace[i] for i in range(len(trace))], path)  # every output explicit
+    lines = path.read_text().splitlines()
+    for k in range(0, len(lines), 3):  # every third drawn again from its prompt, as kvmem and the peers draw it
+        record = json.loads(lines[k])
+        del record["output_ids"]
+        lines[k] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    jsonl = read_trace(path)
+    assert jsonl.output_token_ids is not None
+    assert_same_report(jsonl, ReplayConfig(capacity_tokens=12_000, max_context_len=jsonl.max_context_len, page_size=2))
 
 
 def test_retractions_and_rejections_replay_the_same_on_both_engines(capsys):
