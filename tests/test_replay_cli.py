@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmem.replay import cli
+from kvmem.replay import cli, native_replay
 from kvmem.replay.cli import DEFAULT_CAPACITY_TOKENS, main
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.report import ReplayReport, write_sweep_plot
@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def fake_replay(monkeypatch):
-    """Stands in for kvmem.replay.simulator.replay: admits every request with half its prompt cached."""
+    """Stands in for both engines' replay (kvmem.replay.simulator's and native_replay's): admits every request with
+    half its prompt cached."""
     calls = []
 
     def replay(requests, config, progress=False):
@@ -32,6 +33,7 @@ def fake_replay(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "kvmem.replay.simulator", types.SimpleNamespace(replay=replay,
                                                                                       open_storage=open_storage))
+    monkeypatch.setattr(native_replay, "replay", replay)
     monkeypatch.setattr(cli, "default_jobs", lambda: 1)  # sweeps in this process, where the stand-in is
     return calls
 

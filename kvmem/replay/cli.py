@@ -40,6 +40,7 @@ from kvmem.replay.config import (
     ReplayConfig,
 )
 from kvmem.replay.cost import DEFAULT_MODEL, DEFAULT_STORAGE_LATENCY_US, GPUS, RooflineCost
+from kvmem.replay.engine import ENGINES, fallback_note, fallback_reason, requested_engine
 from kvmem.replay.report import format_summary, require_matplotlib, write_sweep_plot
 from kvmem.replay.traces import Trace, TraceError, default_trace_path, read_trace
 
@@ -162,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=positive_int_arg, metavar="J",
                    help="replays run at once by --sweep and --compare-policies, in separate processes (default: the "
                         "cores)")
+    p.add_argument("--engine", choices=ENGINES,
+                   help="native: the compiled engine (the default where it is built and covers the configuration; "
+                        "else the Python engine runs, saying why); python: the reference (kvmem's Scheduler and "
+                        "RadixCache). Both give the same report. Default: $KVMEM_ENGINE, else native")
     p.add_argument("--json-only", action="store_true", help="no human summary on stderr, only the JSON report")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--seed", type=non_negative_int_arg, default=0,
@@ -210,6 +215,7 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
     try:
         if args.plot:
             require_matplotlib()
+        engine = requested_engine(args.engine)
         trace = _load_trace(args)
         config = _replay_config(args, trace)
         runs = None if tour else cluster_runs(args, config)
@@ -232,15 +238,21 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
     out = {"trace": trace.name, "format": trace_format, "skipped_lines": len(trace.skipped),
            "config": dataclasses.asdict(config)}
     if args.compare_policies:
-        return _compare(args, trace, config, [p.capacity_tokens for p in points] if points else None, out)
+        return _compare(args, trace, config, [p.capacity_tokens for p in points] if points else None, out, engine)
     if runs is not None:  # a cluster replay
+        if engine == "native":
+            reason = fallback_reason(engine, config) or "the native engine does not cover --replicas yet"
+            print(f"{PROG}: {reason}: the Python engine replays the cluster", file=sys.stderr)
         try:
             out = run_cluster(args, trace, config, runs, out)
         except RuntimeError as e:
             return _error(str(e))
     else:
+        note = fallback_note(engine, points or [config])
+        if note is not None:
+            print(f"{PROG}: {note}", file=sys.stderr)
         reports = replay_all(trace, points or [config], 1 if points is None else args.jobs or default_jobs(),
-                             progress)
+                             progress, engine)
         if points is None:
             out.update(reports[0].to_json())
         else:
@@ -273,20 +285,21 @@ def default_jobs() -> int:
     return os.cpu_count() or 1
 
 
-def replay_all(trace: Trace, configs: list[ReplayConfig], jobs: int, progress: bool) -> list:
-    """The ReplayReport of each config, in order: in this process (with a progress bar per replay) when
-    jobs is 1 or there is one config, else `jobs` at a time in worker processes (a bar over replays)."""
-    from kvmem.replay.simulator import replay  # imports torch: only once the arguments are good
+def replay_all(trace: Trace, configs: list[ReplayConfig], jobs: int, progress: bool, engine: str = "native") -> list:
+    """The ReplayReport of each config, in order, from `engine` (see kvmem.replay.engine): in this process (with a
+    progress bar per replay) when jobs is 1 or there is one config, else `jobs` at a time in worker processes (a
+    bar over replays)."""
+    from kvmem.replay.engine import replay  # the Python engine imports torch: only once the arguments are good
 
     if jobs == 1 or len(configs) == 1:
-        return [replay(trace, c, progress=progress) for c in configs]
+        return [replay(trace, c, progress, engine) for c in configs]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     # spawn, not fork: a forked child of a process that loaded torch and OpenBLAS may deadlock in their pools.
     with ProcessPoolExecutor(min(jobs, len(configs)), mp_context=multiprocessing.get_context("spawn"),
                              initializer=_set_worker_trace, initargs=(trace,)) as pool:
-        futures = [pool.submit(_replay_in_worker, c) for c in configs]
+        futures = [pool.submit(_replay_in_worker, c, engine) for c in configs]
         bar = None
         if progress:
             from tqdm import tqdm
@@ -308,10 +321,10 @@ def _set_worker_trace(trace: Trace) -> None:
     _worker_trace = trace
 
 
-def _replay_in_worker(config: ReplayConfig):
-    from kvmem.replay.simulator import replay
+def _replay_in_worker(config: ReplayConfig, engine: str):
+    from kvmem.replay.engine import replay
 
-    return replay(_worker_trace, config)
+    return replay(_worker_trace, config, engine=engine)
 
 
 def _title(trace: Trace, trace_format: str, config: ReplayConfig, tour: bool) -> str:
@@ -325,12 +338,12 @@ def _title(trace: Trace, trace_format: str, config: ReplayConfig, tour: bool) ->
 
 
 def _compare(args: argparse.Namespace, trace: Trace, config: ReplayConfig, capacities: list[int] | None,
-             out: dict) -> int:
+             out: dict, engine: str) -> int:
     from kvmem.replay.compare import compare_policies, format_table, write_policy_plot
 
     result = compare_policies(trace, config, args.compare_policies, capacities or [config.capacity_tokens],
                               args.jobs or default_jobs(),
-                              functools.partial(_load_trace, args))
+                              functools.partial(_load_trace, args), engine)
     if not args.json_only:
         print(format_table(result), file=sys.stderr)
     out["compare"] = result
