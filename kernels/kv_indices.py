@@ -30,9 +30,7 @@ from ._dispatch import (
 BLOCK = 1024
 # Each request is split over up to MAX_SPLITS programs so that the grid holds about PROGRAMS_PER_SM
 # programs per SM: with one program per request, a batch of a few long requests leaves most SMs idle while
-# one program walks a 32k-token row. On an H100 (scripts/bench_kv_indices.py) 1 x 32k tokens took 5.7 us
-# against 36.9 us for one program per request with 512-entry blocks, and 256 x 32k ran at 93% of a
-# device-to-device copy of the same bytes.
+# one program walks a 32k-token row (scripts/bench_kv_indices.py measures both layouts; docs/benchmarks.md).
 PROGRAMS_PER_SM = 8
 MAX_SPLITS = 32
 # The interpreter runs programs one after another, so on CPU only a token split (to exercise the split
@@ -186,9 +184,8 @@ def _num_splits(batch_size: int, device: torch.device) -> int:
 def _create_kv_indices_torch(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_start_idx, page_size,
                              kv_indices):
     # A loop over requests, not tokens: each request's entries are one strided slice of its row, copied with
-    # no temporaries. A vectorized gather needs several token-sized int64 temporaries and lost badly on the
-    # 2-core dev box (64 x 8k tokens: 33 ms vs 0.24 ms looped, 1 thread). On the host the slices are taken
-    # from numpy views, whose slicing costs a fraction of torch's (256 x 1k tokens: 164 us against 999 us).
+    # no temporaries. A vectorized gather needs several token-sized int64 temporaries and loses badly on the
+    # CPU. On the host the slices are taken from numpy views, whose slicing costs a fraction of torch's.
     rows, lens = req_pool_indices.tolist(), kv_lens.tolist()
     starts = [0] * len(lens) if kv_start_idx is None else kv_start_idx.tolist()
     first, last = int(kv_indptr[0]), int(kv_indptr[-1])
@@ -206,7 +203,7 @@ def _create_kv_indices_torch(req_to_token, req_pool_indices, kv_lens, kv_indptr,
         return
     if on_host and dst.min() >= 0:
         # Floor division equals the kernel's truncating one on non-negative ids, and numpy divides ints by a
-        # scalar about 10x faster than torch (25k ids: 3.5 us against 45 us).
+        # scalar faster than torch.
         np.floor_divide(dst, page_size, out=kv_indices.numpy()[first:last], casting="unsafe")
     else:
         kv_indices[first:last] = torch.div(gathered, page_size, rounding_mode="trunc")

@@ -147,10 +147,9 @@ def _write_req_to_token_host(table: np.ndarray, rows: np.ndarray, prefix: np.nda
                              out_cache_loc: np.ndarray, prefix_indices: np.ndarray | None,
                              prefix_indptr: np.ndarray | None) -> None:
     # On the host a slice copy per request into a numpy view of the table beats both the vectorized torch
-    # scatter (several token-sized index temporaries) and per-request torch slices (a few us of dispatch
-    # each): 32 requests x (1k prefix + 1k new tokens) took 65 us this way, checks included, against
-    # 862 us scattered and 231 us with torch slices. Numpy's assignment narrows int64 to the table's dtype
-    # by wrapping, as the kernel's stores do.
+    # scatter (several token-sized index temporaries) and per-request torch slices (torch's dispatch per
+    # slice; docs/benchmarks.md). Numpy's assignment narrows int64 to the table's dtype by wrapping, as the
+    # kernel's stores do.
     ends = np.cumsum(seq - prefix).tolist()
     starts = [0] + ends[:-1]
     for row, p, s, e0, e1 in zip(rows.tolist(), prefix.tolist(), seq.tolist(), starts, ends):

@@ -58,6 +58,11 @@ def check_host_bytes(what: str, nbytes: int) -> None:
                          f"{total / 2**30:,.1f} GiB")
 
 
+def fail_invariant(message: str) -> None:
+    """Raises AssertionError naming a broken invariant of the radix cache (what `check_invariants` reports)."""
+    raise AssertionError(f"RadixCache invariant broken: {message}")
+
+
 def _int_kind(minimum: int | None, maximum: int | None) -> str:
     if maximum is not None:
         return f"{_int_kind(minimum, None)} (at most {maximum})"
@@ -86,6 +91,7 @@ def _number_arg(kind: type, accepts, wording: str):
 positive_int_arg = _number_arg(int, lambda v: v > 0, "a positive int")
 non_negative_int_arg = _number_arg(int, lambda v: v >= 0, "a non-negative int")
 positive_float_arg = _number_arg(float, lambda v: 0 < v < math.inf, "a positive number")
+non_negative_float_arg = _number_arg(float, lambda v: 0 <= v < math.inf, "a non-negative number")
 fraction_arg = _number_arg(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
 
 

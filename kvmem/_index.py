@@ -3,10 +3,10 @@ works in (see kvmem/allocator.py for why numpy, not torch)."""
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 import torch
-
-TOKEN_BYTES = 8  # a token id in radix-tree keys: int64
 
 
 def as_index_array(name: str, value) -> np.ndarray:
@@ -32,3 +32,24 @@ def as_index_array(name: str, value) -> np.ndarray:
         if arr.size and not np.issubdtype(arr.dtype, np.integer):
             raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
     return arr if arr.dtype == np.int64 else arr.astype(np.int64)
+
+
+def key_bytes(name: str, key) -> memoryview:
+    """A byte view of `key` as native int64 token ids: zero-copy for an `array("q")` or a memoryview of one,
+    one C-speed conversion for a list or tuple, a cast for an integer tensor or numpy array."""
+    if isinstance(key, (bytes, bytearray, str)):
+        raise TypeError(f"{name} must be a sequence of int token ids, got {type(key).__name__}")
+    if isinstance(key, array) and key.typecode == "q":
+        buf = key
+    elif isinstance(key, memoryview) and key.format == "q" and key.ndim == 1:
+        buf = key  # a slice of an int64 array: zero-copy, unlike slicing the array itself
+    elif isinstance(key, (torch.Tensor, np.ndarray)):
+        buf = np.ascontiguousarray(as_index_array(name, key))
+    else:
+        try:
+            buf = array("q", key)
+        except TypeError as e:
+            raise TypeError(f"{name} must be a sequence of int token ids, got {type(key).__name__} ({e})") from None
+        except OverflowError:
+            raise ValueError(f"{name} holds a token id outside int64") from None
+    return memoryview(buf).cast("B")

@@ -5,6 +5,8 @@ Each helper works alike on ints, numpy arrays and torch tensors of non-negative 
 
 from __future__ import annotations
 
+TOKEN_BYTES = 8  # a token id as radix-tree keys and page hashes hold it: int64
+
 
 def pages_for(num_tokens, page_size: int):
     """Pages that `num_tokens` tokens occupy: ceil(num_tokens / page_size), written with floor division of

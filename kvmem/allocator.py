@@ -1,10 +1,15 @@
 """Level 2 slot allocators: which KV slots (`out_cache_loc`) are free.
 
 Slot 0 (page 0 when paged) is reserved as the padding slot, so usable slots are 1..size. The bookkeeping
-lives on the host in numpy arrays: a scheduler decides on the CPU, and a numpy fancy index costs about a
-tenth of a torch one there (measured 0.2 us vs 2.7 us per call on the 2-core dev box), which pays for
-checking every free against double frees and still keeps up with an allocator that checks nothing.
+lives on the host in numpy arrays: a scheduler decides on the CPU, and a numpy fancy index costs a fraction of
+a torch one there, which pays for checking every free against double frees and still keeps up with an
+allocator that checks nothing.
 Returned slot tensors are int64 copies on `device`; they stay valid however the allocator changes later.
+
+Each page is FREE, HELD (handed out) or CACHED (handed out, and marked by the prefix cache that holds it, so that
+the cache refuses it when a caller hands it in again as a new slot). The public methods check their arguments;
+kvmem's own layers, which checked them where they entered, call the trusted bodies: `alloc_extend_unchecked`,
+`alloc_decode_unchecked`, `free_owned`, `mark_cached`, `allocated_mask` and `cached_mask`.
 """
 
 from __future__ import annotations
@@ -27,31 +32,32 @@ class AllocatorState:
     """An opaque snapshot taken by `backup_state()`."""
 
     free_pages: np.ndarray
-    allocated: np.ndarray
+    allocated: np.ndarray  # each page's state (FREE, HELD, CACHED)
+
+
+FREE, HELD, CACHED = 0, 1, 2  # a page's state: free, handed out, handed out and held by a prefix cache
 
 
 class _PageStack:
-    """Free page ids 1..num_pages, handed out oldest-freed first, with a per-page allocated flag (set lazily:
-    see `_flag_popped` and `push_owned`)."""
+    """Free page ids 1..num_pages, handed out oldest-freed first, with a state per page (FREE, HELD, CACHED)."""
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         # Live free pages are buf[head:tail]; the buffer is twice the page count so that appends only
         # compact (move the live run to the front) once per num_pages frees: O(1) amortized.
         self._buf = np.empty(2 * num_pages, dtype=np.int64)
-        # Entry num_pages + 1 is a sentinel that stays False like page 0: `take(mode="clip")` sends every
+        # Entry num_pages + 1 is a sentinel that stays FREE like page 0: `take(mode="clip")` sends every
         # out-of-range page to one of the two, so a single gather checks range and ownership together.
-        self._allocated = np.zeros(num_pages + 2, dtype=np.bool_)
-        self._mark = np.zeros(num_pages + 1, dtype=np.int64)
+        self._state = np.zeros(num_pages + 2, dtype=np.uint8)
+        self._scratch = np.zeros(num_pages + 1, dtype=np.int64)
         self._arange = np.arange(num_pages + 1, dtype=np.int64)
         self.clear()
 
     def clear(self) -> None:
         self._buf[:self.num_pages] = self._arange[1:]
-        self._head = self._flagged = 0
+        self._head = 0
         self._tail = self.num_pages
-        self._allocated[:] = False
-        self._stale = False  # the flags miss frees made by push_owned: rebuilt from the free list when read
+        self._state[:] = FREE
 
     def num_free(self) -> int:
         return self._tail - self._head
@@ -63,30 +69,14 @@ class _PageStack:
             raise ValueError(f"cannot take {n} pages")
         pages = self._buf[self._head:self._head + n].copy()
         self._head += n
+        self._state[pages] = HELD
         return pages
-
-    def _flag_popped(self) -> None:
-        """Sets the allocated flag of the pages popped since the last call, buf[_flagged:head].
-
-        pop() leaves this to the next reader of the flags, so that an alloc costs one slice copy (4096 slots:
-        2.7 us instead of 6.2 us with the scatter, measured) and a burst of allocs pays a single scatter.
-        After frees that left the flags stale, every flag is set again from the free list instead."""
-        if self._stale:
-            flags = self._allocated
-            flags[1:self.num_pages + 1] = True
-            flags[self._buf[self._head:self._tail]] = False
-            self._stale = False
-            self._flagged = self._head
-        elif self._flagged < self._head:
-            self._allocated[self._buf[self._flagged:self._head]] = True
-            self._flagged = self._head
 
     def check_free(self, name: str, pages: np.ndarray) -> None:
         """Raises unless `pages` are distinct, in range and allocated. Changes nothing."""
-        self._flag_popped()
         n = len(pages)
-        # count_nonzero rather than min/max/all: each of those reductions costs about 1 us on a short array.
-        if np.count_nonzero(self._allocated.take(pages, mode="clip")) != n:
+        # count_nonzero rather than min/max/all: the cheapest full reduction on a short array.
+        if np.count_nonzero(self._state.take(pages, mode="clip")) != n:
             self._raise_not_freeable(name, pages)
         if self.has_repeats(pages):
             raise ValueError(f"{name} holds a page more than once")
@@ -100,8 +90,8 @@ class _PageStack:
         if n > self.num_pages + 1:
             return True
         order = self._arange[:n]
-        self._mark[pages] = order
-        return bool(np.count_nonzero(self._mark[pages] != order))
+        self._scratch[pages] = order
+        return bool(np.count_nonzero(self._scratch[pages] != order))
 
     def _raise_not_freeable(self, name: str, pages: np.ndarray) -> None:
         low, high = pages.min(), pages.max()
@@ -109,57 +99,52 @@ class _PageStack:
             raise ValueError(f"{name}: slot/page {low} is {'the padding slot 0' if low == 0 else 'negative'}")
         if high > self.num_pages:
             raise IndexError(f"{name}: page {high} out of range [1, {self.num_pages}]")
-        held = self._allocated[pages]
-        raise ValueError(f"{name}: page {pages[~held][0]} is not allocated (double free?)")
+        free = self._state[pages] == FREE
+        raise ValueError(f"{name}: page {pages[free][0]} is not allocated (double free?)")
 
-    def push_owned(self, pages: np.ndarray) -> None:
-        """Returns pages that an owner which keeps them allocated and distinct hands back (the radix tree, the
-        scheduler for its requests), leaving their flags stale: the next reader of the flags rebuilds them
-        from the free list, once for any number of such frees (O(pages)). A scheduler's evictions and finishes
-        free hundreds of millions of slots over a long trace and nothing reads the flags between them: two
-        scatters (the allocation's flag and the free's) per slot were a tenth of a replay."""
-        self.push(pages)  # first: a compaction in push brings stale flags up to date without these pages
-        self._stale = True
+    def mark_free(self, pages: np.ndarray) -> None:
+        """Marks allocated, distinct `pages` (checked by `check_free`, or owned by the caller) FREE."""
+        self._state[pages] = FREE
+
+    def mark_cached(self, pages: np.ndarray) -> None:
+        """Marks held, distinct `pages` CACHED."""
+        self._state[pages] = CACHED
 
     def push(self, pages: np.ndarray) -> None:
-        """Returns pages already validated by `check_free` and marked free by `mark_free`."""
+        """Appends pages whose flags are cleared already to the free list."""
         n = len(pages)
         if self._tail + n > len(self._buf):
-            self._flag_popped()  # the move below overwrites buf[_flagged:head]
             live = self._tail - self._head
             self._buf[:live] = self._buf[self._head:self._tail]
-            self._head = self._flagged = 0
+            self._head = 0
             self._tail = live
         self._buf[self._tail:self._tail + n] = pages
         self._tail += n
 
-    def mark_free(self, pages: np.ndarray) -> None:
-        self._flag_popped()  # up to date first: flagging the pops later would mark these pages allocated again
-        self._allocated[pages] = False
-
     def unlisted(self, pages: np.ndarray, starts: np.ndarray) -> np.ndarray:
         """[n] bool: True where pages[i] (each in 0..num_pages) is not among `starts`. Works in a scratch
         array, so it allocates nothing per call."""
-        self._mark[pages] = -1
-        self._mark[starts] = 0
-        return self._mark[pages] != 0
+        self._scratch[pages] = -1
+        self._scratch[starts] = 0
+        return self._scratch[pages] != 0
 
-    def is_allocated(self, pages: np.ndarray) -> np.ndarray:
-        if len(pages):  # a check of no pages (an extend with no partial page) leaves stale flags to later
-            self._flag_popped()
-        return self._allocated.take(pages, mode="clip")
+    def count(self, state: int) -> int:
+        """Pages in `state`."""
+        return int(np.count_nonzero(self._state == state))
+
+    def states(self, pages: np.ndarray) -> np.ndarray:
+        """[n] uint8: each page's state (FREE for one out of range)."""
+        return self._state.take(pages, mode="clip")
 
     def backup(self) -> AllocatorState:
-        self._flag_popped()
-        return AllocatorState(self._buf[self._head:self._tail].copy(), self._allocated.copy())
+        return AllocatorState(self._buf[self._head:self._tail].copy(), self._state.copy())
 
     def restore(self, state: AllocatorState) -> None:
         n = len(state.free_pages)
         self._buf[:n] = state.free_pages
-        self._head = self._flagged = 0
+        self._head = 0
         self._tail = n
-        self._allocated[:] = state.allocated
-        self._stale = False
+        self._state[:] = state.allocated
 
 
 class _SlotAllocator:
@@ -176,7 +161,7 @@ class _SlotAllocator:
         check_host_bytes(f"an allocator of size {size}", (size // page_size + 2) * 33 + 8 * page_size)
         self.size = size
         self.page_size = page_size
-        self._on_cpu = self.device.type == "cpu"  # cached: reading torch.device.type costs 0.2 us per alloc
+        self._on_cpu = self.device.type == "cpu"  # cached: reading torch.device.type is a call per alloc
         self._pages = _PageStack(size // page_size)
         self._group: list[np.ndarray] | None = None
 
@@ -198,20 +183,12 @@ class _SlotAllocator:
         self._pages.check_free("slots", pages)
         self._release_pages(pages)
 
-    def _free_owned(self, slots: np.ndarray, lazy: bool = True) -> None:
-        """free's body for a caller that owns `slots` ([n] host int64): the radix tree, or the scheduler for its
-        requests. They are allocated and distinct (the tree's ownership bitmap and the requests' rows keep them
-        so), so they are not checked again: the gather and the repeat test cost more than the free itself.
-        lazy: leave the allocated flags stale (see _PageStack.push_owned), for an owner that no checked call
-        follows (the Scheduler's path); False keeps them exact, as free does, for a tree used through its
-        checked API, whose next insert would otherwise rebuild every flag (O(capacity) per insert)."""
-        if len(slots) == 0:
-            return
-        pages = self._pages_of("slots", slots)
-        if lazy and self._group is None:
-            self._pages.push_owned(pages)
-        else:  # a group's frees are checked against the flags until it ends: keep them up to date
-            self._release_pages(pages)
+    def free_owned(self, slots: np.ndarray) -> None:
+        """free's trusted body, for an owner of `slots` ([n] host int64): the radix tree for its nodes, the
+        scheduler for its requests' rows. The owner keeps them allocated and distinct, so they are not checked
+        again; their states are kept exact all the same."""
+        if len(slots):
+            self._release_pages(self._pages_of("slots", slots))
 
     def _release_pages(self, pages: np.ndarray) -> None:
         self._pages.mark_free(pages)
@@ -246,12 +223,26 @@ class _SlotAllocator:
 
     def is_allocated(self, slots: torch.Tensor) -> torch.Tensor:
         """[n] bool: True where the slot is currently handed out (out-of-range and slot 0 are False)."""
-        return torch.from_numpy(self._held(as_index_array("slots", slots)))
+        return torch.from_numpy(self.allocated_mask(as_index_array("slots", slots)))
 
-    def _held(self, slots: np.ndarray) -> np.ndarray:
-        """is_allocated of host int64 slots, as a numpy array: for kvmem's own checks, whose slots are arrays
-        already (the tensor round trip cost a 512-slot insert check about 10 us)."""
-        return self._pages.is_allocated(slots if self.page_size == 1 else slots // self.page_size)
+    def allocated_mask(self, slots: np.ndarray) -> np.ndarray:
+        """is_allocated of in-range host int64 slots, as a numpy array: for kvmem's own checks (the tree's, the
+        host pools'), whose slots are arrays already."""
+        return self._pages.states(slots if self.page_size == 1 else slots // self.page_size) != FREE
+
+    def cached_size(self) -> int:
+        """Slots (tokens) in pages marked cached: O(pages), for invariant checks."""
+        return self._pages.count(CACHED) * self.page_size
+
+    def cached_mask(self, slots: np.ndarray) -> np.ndarray:
+        """[n] bool: True where a host int64 slot's page is marked cached (`mark_cached`)."""
+        return self._pages.states(slots if self.page_size == 1 else slots // self.page_size) == CACHED
+
+    def mark_cached(self, slots: np.ndarray) -> None:
+        """Trusted: marks handed-out host int64 slots (whole pages, each listed from its first slot) as held by a
+        prefix cache, which tells them from a request's when it checks what it is given. They free as any others.
+        """
+        self._pages.mark_cached(slots if self.page_size == 1 else slots[::self.page_size] // self.page_size)
 
     def backup_state(self) -> AllocatorState:
         """A snapshot to roll back to with `restore_state` (e.g. after a speculative step)."""
@@ -333,7 +324,7 @@ class PagedTokenAllocator(_SlotAllocator):
         prefix, seq, last = self._check_extend_args(prefix_lens, seq_lens, last_loc)
         if np.count_nonzero(seq - prefix > self.size):  # more than the pool holds: short, and never summed
             return None
-        return self._alloc_extend(prefix, seq, last)
+        return self.alloc_extend_unchecked(prefix, seq, last)
 
     def alloc_decode(self, seq_lens, last_loc) -> torch.Tensor | None:
         """One slot per request for its token seq_lens[i]-1 (seq_lens count the new token): [bs] int64, or None.
@@ -351,9 +342,9 @@ class PagedTokenAllocator(_SlotAllocator):
             i = int(np.flatnonzero(seq < 1)[0])
             raise ValueError(f"request {i}: seq_lens must be >= 1, got {seq[i]}")
         self._check_last_loc(seq - 1, last)
-        return self._alloc_decode(seq - 1, last)
+        return self.alloc_decode_unchecked(seq - 1, last)
 
-    def _alloc_decode(self, kv_lens: np.ndarray, last: np.ndarray) -> torch.Tensor | None:
+    def alloc_decode_unchecked(self, kv_lens: np.ndarray, last: np.ndarray) -> torch.Tensor | None:
         """alloc_decode's body (int64 arrays, checked by the caller): a request holding kv_lens[i] tokens gets the
         slot after last[i], or the first slot of a new page when its pages are full (in batch order)."""
         full = kv_lens % self.page_size == 0
@@ -364,8 +355,8 @@ class PagedTokenAllocator(_SlotAllocator):
         out[full] = pages * self.page_size
         return self._to_slots_tensor(out)
 
-    def _alloc_extend(self, prefix: np.ndarray, seq: np.ndarray, last: np.ndarray) -> torch.Tensor | None:
-        """alloc_extend's body, for callers that checked its arguments (ScheduleBatch): int64 arrays."""
+    def alloc_extend_unchecked(self, prefix: np.ndarray, seq: np.ndarray, last: np.ndarray) -> torch.Tensor | None:
+        """alloc_extend's body, for a caller that checked its arguments (ScheduleBatch): int64 arrays."""
         pages = self._pages.pop(int(num_new_pages(prefix, seq, self.page_size).sum()))
         if pages is None:
             return None
@@ -421,7 +412,7 @@ class PagedTokenAllocator(_SlotAllocator):
                 f"request {i}: last_loc {last[i]} is not the slot of token {prefix[i] - 1} "
                 f"(offset {last[i] % ps} in its page, expected {(prefix[i] - 1) % ps})")
         pages = last[partial] // ps
-        held = self._pages.is_allocated(pages)
+        held = self._pages.states(pages) == HELD  # a partial page is a request's, never the tree's
         if np.count_nonzero(held) != len(held):
             i = int(np.flatnonzero(partial)[~held][0])
             raise ValueError(f"request {i}: last_loc {last[i]} is not the slot of token {prefix[i] - 1} in an "
@@ -450,8 +441,8 @@ def _paged_slots(prefix: np.ndarray, seq: np.ndarray, last: np.ndarray, pages: n
         if len(slots) == total:
             return slots
         starts = (np.cumsum(new_pages) - new_pages) * ps
-        # A slice per request (leaving the tail of its last page) beat a mask built with numpy: 20-60% less
-        # time for 8 to 256 requests, measured.
+        # A slice per request (leaving the tail of its last page): cheaper than a mask built with numpy for
+        # the batch sizes a scheduler builds.
         return np.concatenate([slots[s:s + n] for s, n in zip(starts.tolist(), extend.tolist())])
     fill = np.minimum(extend, -prefix % ps)
     new_pages = num_new_pages(prefix, seq, ps)

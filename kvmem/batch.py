@@ -12,7 +12,6 @@ import enum
 from array import array
 from collections.abc import Sequence
 from itertools import compress
-from time import perf_counter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,9 +20,10 @@ import torch
 from kvmem._checks import check_int
 from kvmem._paging import num_new_pages
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
+from kvmem.page_hash import encode_namespace
 from kvmem.radix_cache import RadixCache
 from kvmem.req_to_token import ReqToTokenPool
-from kvmem.timing import PhaseTimer
+from kvmem.timing import NO_TIMER, NullTimer, PhaseTimer
 
 if TYPE_CHECKING:
     from kvmem.attention.metadata import PagedKVMetadata
@@ -71,13 +71,13 @@ class Req:
         self.input_ids: array = ids
         self.max_new_tokens = check_int(f"request {rid!r}: max_new_tokens", max_new_tokens, minimum=1)
         self.priority = check_int(f"request {rid!r}: priority", priority, minimum=-2**63, maximum=2**63 - 1)
-        if namespace is not None and not isinstance(namespace, str):
-            raise TypeError(f"request {rid!r}: namespace must be a str or None, got {type(namespace).__name__}")
+        if namespace is not None:
+            encode_namespace(f"request {rid!r}: namespace", namespace)
         self.namespace = namespace
         self.status = ReqStatus.NEW
-        self._output_ids: list[int] = []
+        self.output_ids: list[int] = []  # the tokens generated so far
         self.req_pool_idx: int | None = None
-        self._kv_len = 0
+        self.kv_len = 0  # leading tokens of input_ids + output_ids whose KV slots are in the req_to_token row
         self.prefix_indices: torch.Tensor = _EMPTY
         self.last_node = None
         self.cache_protected_len = 0
@@ -87,55 +87,6 @@ class Req:
         # Tokens this extend step brings the row up to; below len(fill_ids) while chunked prefill goes on.
         self.extend_end = 0
         self.num_retractions = 0
-        self.turn: int | None = None  # its conversation turn, once a policy that tracks turns has inferred it
-        # Scheduler.run_decode advances the running batch in arrays; a request in it catches up when read: the
-        # scheduler whose runs it is in, that scheduler's run clock when it was last up to date, and the list its
-        # outputs come from.
-        self._runner = None
-        self._run_clock_seen = 0
-        self._run_outputs: list | None = None
-
-    @property
-    def output_ids(self) -> list[int]:
-        """The tokens generated so far."""
-        if self._runner is not None and self._runner._run_clock != self._run_clock_seen:
-            self._catch_up()
-        return self._output_ids
-
-    @output_ids.setter
-    def output_ids(self, value: list[int]) -> None:
-        self._output_ids = value
-
-    @property
-    def kv_len(self) -> int:
-        """Leading tokens of input_ids + output_ids whose KV slots are in the request's req_to_token row."""
-        if self._runner is not None and self._runner._run_clock != self._run_clock_seen:
-            self._catch_up()
-        return self._kv_len
-
-    @kv_len.setter
-    def kv_len(self, value: int) -> None:
-        self._kv_len = value
-
-    def _catch_up(self) -> None:
-        """Takes the output tokens of the decode runs since it was last up to date."""
-        clock = self._runner._run_clock
-        behind = clock - self._run_clock_seen
-        out = self._output_ids
-        n = len(out)
-        out.extend(self._run_outputs[n:n + behind])
-        self._kv_len += behind
-        self._run_clock_seen = clock
-
-    def _sync(self) -> None:
-        """Catches up with the decode runs, if it is behind."""
-        if self._runner is not None and self._runner._run_clock != self._run_clock_seen:
-            self._catch_up()
-
-    def _leave_runs(self) -> None:
-        """Catches up with the decode runs and stops following them (it finishes or is retracted)."""
-        self._sync()
-        self._runner = None
 
     @property
     def fill_ids(self) -> array:
@@ -160,7 +111,6 @@ class Req:
         return self.extend_end < len(self.input_ids) + len(self.output_ids)
 
     def reset_for_retract(self) -> None:
-        self._leave_runs()
         self.status = ReqStatus.RETRACTED
         self.req_pool_idx = None
         self.kv_len = 0
@@ -239,7 +189,7 @@ class ScheduleBatch:
     @classmethod
     def _of(cls, reqs: list[Req], req_to_token_pool: ReqToTokenPool,
             token_allocator: TokenAllocator | PagedTokenAllocator, tree_cache: RadixCache, *,
-            timer: PhaseTimer | None = None, cache_decode_pages: bool = False) -> ScheduleBatch:
+            timer: PhaseTimer | NullTimer = NO_TIMER, cache_decode_pages: bool = False) -> ScheduleBatch:
         """A batch over parts already known to belong together (the Scheduler's, checked when it was built).
         timer: times "alloc" and "evict" (see Scheduler); cache_decode_pages: see `retract_decode`."""
         batch = cls.__new__(cls)
@@ -259,7 +209,7 @@ class ScheduleBatch:
         self.out_cache_loc = _EMPTY
         self.retracted: list[Req] = []
         self.evicted_tokens = 0
-        self.timer: PhaseTimer | None = None
+        self.timer: PhaseTimer | NullTimer = NO_TIMER
         self.cache_decode_pages = False
 
     def batch_size(self) -> int:
@@ -318,7 +268,8 @@ class ScheduleBatch:
             r.cache_protected_len = r.prefix_indices.numel()
             r.status = ReqStatus.RUNNING
         self._set_lens(prefix, seq, out)
-        self._write_extend(is_new)
+        self.req_to_token_pool.write_extend(self.req_pool_indices.tolist(), prefix.tolist(), seq.tolist(), out,
+                                            [r.prefix_indices if n else None for r, n in zip(reqs, is_new)])
         for r, s in zip(reqs, seq.tolist()):
             r.kv_len = s
         return True
@@ -341,10 +292,10 @@ class ScheduleBatch:
         self._prepare_for_decode(prefix)
 
     def _prepare_for_decode(self, prefix: np.ndarray | None = None) -> None:
-        """prepare_for_decode's body, for running requests with room left (the Scheduler's, which brought them up
-        to date with its decode runs)."""
+        """prepare_for_decode's body, for running requests with room left (the Scheduler's: add_request checked
+        that they fit max_context_len)."""
         if prefix is None:
-            prefix = np.fromiter((r._kv_len for r in self.reqs), dtype=np.int64, count=len(self.reqs))
+            prefix = self._kv_lens()
         self.forward_mode = ForwardMode.DECODE
         need = self._decode_need(prefix)
         if need > self.token_allocator.available_size() + self.tree_cache.evictable_size():
@@ -360,26 +311,13 @@ class ScheduleBatch:
         if not reqs:
             self._set_lens(prefix, seq, _EMPTY, rows)
             return
-        out = self._write_decode(prefix, rows)
+        with self.timer.phase("alloc"):
+            out = alloc_decode_slots(self.req_to_token_pool, self.token_allocator, prefix, rows)
         if out is None:  # cannot happen: retraction leaves room for every remaining request
             raise RuntimeError("decode allocation failed after eviction and retraction")
         for r in reqs:
-            r._kv_len += 1
+            r.kv_len += 1
         self._set_lens(prefix, seq, out, rows)
-
-    def _write_decode(self, prefix: np.ndarray, rows: np.ndarray) -> torch.Tensor | None:
-        """Allocates each request's slot for its token at position `prefix` and writes it into its req_to_token
-        row `rows`; returns the slots, or None (nothing changed) when they are short. A decode step's, and each
-        step of the Scheduler's decode runs, so that a run takes the very slots its steps would."""
-        out = self._alloc_decode(prefix, rows)
-        if out is None:
-            return None
-        host = self.req_to_token_pool.host_view
-        if host is not None:
-            host[rows, prefix] = out.cpu().numpy()
-        else:
-            self.req_to_token_pool.req_to_token[torch.from_numpy(rows), torch.from_numpy(prefix)] = out.to(torch.int32)
-        return out
 
     def attention_metadata(self) -> PagedKVMetadata:
         """FlashInfer's paged-KV arrays for this step (see `kvmem.attention`), on req_to_token's device.
@@ -389,8 +327,8 @@ class ScheduleBatch:
         lists each request's slots (page_size 1) or page ids, read from its req_to_token row. Raises
         RuntimeError before `prepare_for_extend()` / `prepare_for_decode()`.
         """
-        # Imported here, as the kernels are below: Triton's import is a quarter of a second of every process
-        # that only schedules (a replay, a sweep's workers), and only a model's steps need metadata.
+        # Imported here, as the kernels are below: Triton's import is a large share of a process that only
+        # schedules (a replay, a sweep's workers), and only a model's steps need metadata.
         from kvmem.attention.metadata import decode_metadata, extend_metadata
 
         table = self.req_to_token_pool.req_to_token
@@ -421,30 +359,20 @@ class ScheduleBatch:
                 break
             if ps == 1 or victim.kv_len % ps == 0:
                 need -= ps
-            self._release(victim)
+            self._retract(victim)
             retracted.append(victim)
         if retracted:
             gone = set(map(id, retracted))
             self.reqs[:] = [r for r in self.reqs if id(r) not in gone]
         return retracted
 
-    def _release(self, req: Req) -> None:
+    def _retract(self, req: Req) -> None:
         if self.cache_decode_pages:
-            self.tree_cache._cache_req(req, finished=False, checked=False)
-        own = self._own_slots(req)
-        if len(own):
-            self.token_allocator.free(own)
-        self.req_to_token_pool.free(req.req_pool_idx)
-        if req.last_node is not None:
-            self.tree_cache.dec_lock_ref(req.last_node)
+            self.tree_cache.cache_req(req, finished=False)
+        self.tree_cache.release_req(req, cache=False)
         req.reset_for_retract()
         # Queued again: a policy that looks ahead learns it before the eviction that follows a retraction.
         self.tree_cache.request_waiting(req.rid, req.match_key(), req.namespace)
-
-    def _own_slots(self, req: Req) -> torch.Tensor:
-        """The slots of the row that belong to the request, not the tree."""
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        return row[req.cache_protected_len:req.kv_len].to(torch.int64)
 
     def _kv_lens(self) -> np.ndarray:
         reqs = self.reqs
@@ -471,90 +399,25 @@ class ScheduleBatch:
         return alloc()
 
     def _evict(self, num_tokens: int) -> None:
-        timer = self.timer
-        t0 = perf_counter() if timer is not None else 0.0
-        self.evicted_tokens += self.tree_cache.evict(num_tokens)
-        if timer is not None:
-            timer.add("evict", perf_counter() - t0)
-
-    def _alloc_decode(self, prefix: np.ndarray, rows: np.ndarray):
-        timer = self.timer
-        t0 = perf_counter() if timer is not None else 0.0
-        if self.page_size == 1:
-            out = self.token_allocator.alloc(len(prefix))
-        else:
-            # Every running request holds >= 1 token: one gather reads each one's last slot (only those whose
-            # page has room use it).
-            host = self.req_to_token_pool.host_view
-            if host is not None:
-                last = host[rows, prefix - 1].astype(np.int64)
-            else:
-                table = self.req_to_token_pool.req_to_token
-                last = table[torch.from_numpy(rows), torch.from_numpy(prefix - 1)].cpu().numpy().astype(np.int64)
-            out = self.token_allocator._alloc_decode(prefix, last)
-        if timer is not None:
-            timer.add("alloc", perf_counter() - t0)
-        return out
+        with self.timer.phase("evict"):
+            self.evicted_tokens += self.tree_cache.evict(num_tokens)
 
     def _alloc_extend(self, prefix: np.ndarray, seq: np.ndarray, last_loc: np.ndarray):
-        timer = self.timer
-        t0 = perf_counter() if timer is not None else 0.0
-        if self.page_size == 1:
-            out = self.token_allocator.alloc(int((seq - prefix).sum()))
-        else:
-            out = self.token_allocator._alloc_extend(prefix, seq, last_loc)
-        if timer is not None:
-            timer.add("alloc", perf_counter() - t0)
-        return out
+        with self.timer.phase("alloc"):
+            if self.page_size == 1:
+                return self.token_allocator.alloc(int((seq - prefix).sum()))
+            return self.token_allocator.alloc_extend_unchecked(prefix, seq, last_loc)
 
-    def _last_loc(self, prefix: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    def _last_loc(self, prefix: np.ndarray) -> np.ndarray:
         """Slot of each request's token prefix-1 where that token ends a partial page (else -1): paged
         allocation continues that page. A new request's prefix comes from the tree in whole pages, so
-        only rows already written (chunked and decoding requests) are read. `rows`: the requests'
-        req_to_token rows, when the caller has them."""
+        only rows already written (chunked and decoding requests) are read."""
         last = np.full(len(prefix), -1, dtype=np.int64)
         partial = np.flatnonzero(prefix % self.page_size)
         if len(partial):
-            if rows is None:
-                rows = np.fromiter((self.reqs[i].req_pool_idx for i in partial.tolist()), np.int64, len(partial))
-            else:
-                rows = rows[partial]
-            host = self.req_to_token_pool.host_view
-            if host is not None:
-                last[partial] = host[rows, prefix[partial] - 1]
-            else:
-                last[partial] = self.req_to_token_pool.req_to_token[torch.from_numpy(rows),
-                                                                    torch.from_numpy(prefix[partial] - 1)].cpu().numpy()
+            rows = np.fromiter((self.reqs[i].req_pool_idx for i in partial.tolist()), np.int64, len(partial))
+            last[partial] = self.req_to_token_pool.slots_at(rows, prefix[partial] - 1)
         return last
-
-    def _write_extend(self, is_new: list[bool]) -> None:
-        """Writes every request's `out_cache_loc` slots and the new requests' cached prefixes (a chunked
-        request's prefix is in its row already) into req_to_token, in one kernel launch (on the host: a slice
-        copy per request, as the kernel's host path does, without concatenating the prefixes first)."""
-        host = self.req_to_token_pool.host_view
-        if host is not None and self.out_cache_loc.device.type == "cpu":
-            out, start = self.out_cache_loc.numpy(), 0
-            rows, prefix, seq = (t.tolist() for t in (self.req_pool_indices, self.prefix_lens, self.seq_lens))
-            for r, new, row, p, s in zip(self.reqs, is_new, rows, prefix, seq):
-                if new and p:
-                    host[row, :p] = r.prefix_indices.cpu().numpy()
-                host[row, p:s] = out[start:start + s - p]
-                start += s - p
-            return
-        from kvmem.kernels.req_to_token import _write_req_to_token  # see attention_metadata
-
-        table = self.req_to_token_pool.req_to_token
-        counts = np.fromiter((r.prefix_indices.numel() if n else 0 for r, n in zip(self.reqs, is_new)),
-                             dtype=np.int64, count=len(is_new))
-        prefix = ()
-        if counts.any():
-            indptr = np.zeros(len(counts) + 1, dtype=np.int64)
-            np.cumsum(counts, out=indptr[1:])
-            parts = [r.prefix_indices for r, n in zip(self.reqs, is_new) if n]
-            prefix = ((parts[0] if len(parts) == 1 else torch.cat(parts)).to(table.device),
-                      torch.from_numpy(indptr).to(table.device))
-        _write_req_to_token(table, self.req_pool_indices.to(table.device), self.prefix_lens.to(table.device),
-                            self.seq_lens.to(table.device), self.out_cache_loc.to(table.device), *prefix)
 
     def _set_lens(self, prefix: np.ndarray, seq: np.ndarray, out: torch.Tensor, rows: np.ndarray | None = None) -> None:
         if rows is None:
@@ -562,5 +425,52 @@ class ScheduleBatch:
         self.req_pool_indices = torch.from_numpy(rows)
         self.prefix_lens = torch.from_numpy(prefix)
         self.seq_lens = torch.from_numpy(seq)
-        self.extend_lens = torch.from_numpy(seq - prefix)  # numpy's subtraction: a third of torch's cost here
+        self.extend_lens = torch.from_numpy(seq - prefix)
         self.out_cache_loc = out
+
+
+def alloc_decode_slots(req_to_token_pool: ReqToTokenPool, token_allocator: TokenAllocator | PagedTokenAllocator,
+                       kv_lens: np.ndarray, rows: np.ndarray) -> torch.Tensor | None:
+    """Trusted: allocates each running request's slot for its token at position kv_lens[i] ([bs] int64; every
+    request holds at least one token) and writes it into its req_to_token row rows[i]; returns the slots, or None
+    (nothing changed) when they are short."""
+    if token_allocator.page_size == 1:
+        out = token_allocator.alloc(len(kv_lens))
+    else:
+        # Only the requests whose page has room use their last slot, but one gather reads every request's.
+        last = req_to_token_pool.slots_at(rows, kv_lens - 1)
+        out = token_allocator.alloc_decode_unchecked(kv_lens, last)
+    if out is not None:
+        req_to_token_pool.set_slots_at(rows, kv_lens, out)
+    return out
+
+
+def token_ids(next_token_ids, name: str = "next_token_ids") -> array:
+    """Token ids (the sampled tokens, or a run's outputs) as an int64 array, converted in one C-level pass
+    (a tensor read token by token costs a 0-d tensor and an int() per token). Raises TypeError for non-integer
+    tokens."""
+    if isinstance(next_token_ids, torch.Tensor) and next_token_ids.device.type == "meta":
+        raise ValueError(f"{name} is on the 'meta' device, which holds no values")
+    if isinstance(next_token_ids, (torch.Tensor, np.ndarray)):
+        if next_token_ids.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(next_token_ids.shape)}")
+        if next_token_ids.dtype in (torch.bool, np.bool_):
+            raise TypeError(f"{name} must hold int token ids, got dtype {next_token_ids.dtype}")
+        next_token_ids = next_token_ids.tolist()
+    elif isinstance(next_token_ids, (list, tuple)) and _holds_a_bool(next_token_ids):
+        raise TypeError(f"{name} must hold int token ids, got a bool")  # array("q") would store 1
+    try:
+        return array("q", next_token_ids)
+    except TypeError as e:
+        raise TypeError(f"{name} must hold int token ids ({e})") from None
+    except OverflowError:
+        raise ValueError(f"{name} holds a token id outside int64") from None
+
+
+def _holds_a_bool(ids: list | tuple) -> bool:
+    # `in` scans in C, but finds the ints 1 and 0 too (True == 1): only then is each element's type looked at.
+    try:
+        maybe = True in ids or False in ids
+    except (TypeError, ValueError):  # an element == True could not say (an array): look at every type
+        maybe = True
+    return maybe and any(type(t) is bool for t in ids)

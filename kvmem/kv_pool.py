@@ -180,8 +180,8 @@ class _KVPool:
         if loc.device != self.device:
             raise ValueError(f"{name} is on {loc.device}, the pool on {self.device}")
         # Slot values are checked on host tensors only, as kernels/ does: on CUDA the check would read loc
-        # back (a sync: 54 us per call on an H100, measured, i.e. per layer per step) and a CUDA graph cannot
-        # sync at all. On the host a negative slot would otherwise wrap around silently.
+        # back (a sync per call, i.e. per layer per step) and a CUDA graph cannot sync at all. On the host a
+        # negative slot would otherwise wrap around silently.
         if loc.numel() and not loc.is_cuda:
             low, high = torch.stack(torch.aminmax(loc)).tolist()
             if low < 0 or high >= self.num_slots:

@@ -36,10 +36,20 @@ def namespace_prefix(namespace: str | None) -> bytes:
     """The bytes every page digest of `namespace` starts with (the version tag and the namespace)."""
     if namespace is None:
         return PAGE_HASH_VERSION + b"\x00"
-    if not isinstance(namespace, str):
-        raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")
-    encoded = namespace.encode("utf-8")
+    encoded = encode_namespace("namespace", namespace)
     return PAGE_HASH_VERSION + b"\x01" + len(encoded).to_bytes(8, "little") + encoded
+
+
+def encode_namespace(name: str, namespace: str) -> bytes:
+    """`namespace` (a str) as UTF-8; raises naming `name` for another type or a str UTF-8 cannot encode (a lone
+    surrogate): a namespace is hashed into every page name, so one that cannot be must be refused where it
+    enters, before a tree or a request holds it."""
+    if not isinstance(namespace, str):
+        raise TypeError(f"{name} must be a str or None, got {type(namespace).__name__}")
+    try:
+        return namespace.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} {namespace!r} cannot be encoded as UTF-8 ({e.reason} at {e.start})") from None
 
 
 def page_digests(token_ids, page_size: int, *, parent: bytes | None = None,

@@ -8,10 +8,19 @@ what makes it a cache over a slot allocator: slot ownership, indices on the allo
 seam through which requests enter it (`cache_finished_req`, `cache_unfinished_req`).
 
 The tree is host bookkeeping, like the allocator's: tensors exist only at the edges (`MatchResult.indices`
-on the allocator's device, slots handed to the allocator). A host bitmap of the slots the tree owns rejects,
-at insert, a slot that the tree already holds for another prefix: otherwise the mistake surfaces later as a
-double free deep inside `evict`. Page size > 1: `insert` takes whole pages only and raises otherwise,
-because a partial page is owned by its request, not the tree (`cache_*_req` cut it off themselves).
+on the allocator's device, slots handed to the allocator). The tree marks the slots it takes in the allocator
+(`mark_cached`), so that insert rejects a slot that the tree already holds for another prefix: otherwise the
+mistake surfaces later as a double free deep inside `evict`. Page size > 1: `insert` takes whole pages only and
+raises otherwise, because a partial page is owned by its request, not the tree (`cache_*_req` cut it off
+themselves).
+
+Two surfaces: the SGLang-named public methods (`match_prefix`, `insert`, `inc_lock_ref`, `dec_lock_ref`,
+`cache_finished_req`, `cache_unfinished_req`, `evict`) check their arguments, then call the trusted one that a
+scheduler, which checked its requests where they entered, calls directly: `lock` / `unlock` / `move_lock` (a
+node a match returned), `cache_req` (a request whose row, slots and locked prefix the scheduler keeps), and the
+read-only walks that rank a waiting queue (`prefix_walk`, `walk_is_current`, `next_page`). A request's memory
+goes back on one path, `release_req`, whether it finishes, is retracted or aborted, or its admission is undone.
+Both surfaces keep the same bookkeeping, exactly: the allocator's page states are right after every call.
 """
 
 from __future__ import annotations
@@ -23,13 +32,14 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from kvmem._checks import check_int, check_number
+from kvmem._checks import check_int, check_number, fail_invariant
 from kvmem._index import as_index_array
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.events.schema import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from kvmem.eviction import EvictionPolicySpec
+from kvmem.eviction import EvictionPolicy, EvictionPolicySpec
+from kvmem.eviction.turns import TurnTable
 from kvmem.page_hash import DIGEST_BYTES, chain_page_digests, event_hash, event_hashes, namespace_prefix
-from kvmem.radix_tree import TOKEN_BYTES, RadixTree, TreeNode, Walk, _fail, key_bytes
+from kvmem.radix_tree import TOKEN_BYTES, RadixTree, TreeNode, Walk, key_bytes
 from kvmem.req_to_token import ReqToTokenPool
 
 
@@ -70,7 +80,6 @@ class CachedRequest(Protocol):
     input_ids: array
     output_ids: list[int]
     namespace: str | None
-    turn: int | None  # its conversation turn: None until a policy that tracks turns infers it (see multiturn)
 
 
 class RadixCache(RadixTree):
@@ -129,11 +138,21 @@ class RadixCache(RadixTree):
         self.req_to_token_pool = req_to_token_pool
         self.token_allocator = token_allocator
         self.device = token_allocator.device
-        self._in_tree = np.zeros(token_allocator.size + page_size, dtype=np.bool_)  # slots some node holds
-        self._in_tree_stale = False  # it misses slots the tree took unchecked (see _own)
         self._on_cpu = self.device.type == "cpu"
-        self._turns = self._policy if self._policy.tracks_turns else None  # the tier policy that wants turns
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._turns: TurnTable | None = None
+        self._turn_policy: EvictionPolicy | None = None
+        self._track_turns([self._policy])
+
+    def _track_turns(self, policies: list[EvictionPolicy]) -> None:
+        """Gives the policies that rank by conversation turns one table (`kvmem.eviction.turns`) to read; the
+        first of them infers each request's turn."""
+        tracking = [p for p in policies if p.tracks_turns]
+        if tracking:
+            self._turns = self._turns or TurnTable()
+            self._turn_policy = self._turn_policy or tracking[0]
+            for policy in tracking:
+                policy.turns = self._turns
 
     # ---- match and insert ---------------------------------------------------------------------------
     def match_prefix(self, key, namespace: str | None = None) -> MatchResult:
@@ -146,11 +165,14 @@ class RadixCache(RadixTree):
         and hit count along the path.
         """
         view = key_bytes("key", key)
-        node = self._walk_to_node(self._descend(view, len(view) - len(view) % self._page_bytes,
-                                                self._root(namespace)))
+        node = self._walk_to_node(self.prefix_walk(view, namespace))
         if node.parent is None:
             return MatchResult(self._empty, node)
         self._touch(node, hit=True)
+        return self._matched(node)
+
+    def _matched(self, node: TreeNode) -> MatchResult:
+        """match_prefix's result for the node its walk ended at (touched): a hook for a tiered cache."""
         if node.entry is not None:
             self._rekey(node)
         return MatchResult(self._path_indices(node), node)
@@ -159,11 +181,11 @@ class RadixCache(RadixTree):
         """How many leading tokens of `key` `match_prefix` would return (whole pages, in any tier), without
         changing the tree: no split, no access-time or hit-count update, no index gather. A scheduler ranks
         its waiting queue with this and matches for real only the requests it admits."""
-        return self._prefix_walk(key_bytes("key", key), namespace).num_tokens
+        return self.prefix_walk(key_bytes("key", key), namespace).num_tokens
 
-    def _prefix_walk(self, view: memoryview, namespace: str | None) -> Walk:
-        """prefix_len's walk of a key's bytes (see key_bytes): where it stopped, to check later whether it still
-        stops there (RadixTree._walk_is_current) instead of walking again."""
+    def prefix_walk(self, view: memoryview, namespace: str | None) -> Walk:
+        """Trusted: prefix_len's walk of a key's bytes (`key_bytes`), which changes nothing; keep it to check
+        later whether it still stops there (`walk_is_current`) instead of walking again."""
         return self._descend(view, len(view) - len(view) % self._page_bytes, self._root(namespace))
 
     def insert(self, key, value: torch.Tensor, priority: int = 0, namespace: str | None = None) -> int:
@@ -175,37 +197,60 @@ class RadixCache(RadixTree):
         Raises, changing nothing, on an empty or misaligned key, a length mismatch, a non-integer value,
         or new slots that are 0, not allocated, not whole pages, or already in the tree.
         """
-        return self._insert(key, value, priority, namespace)[0]
-
-    def _insert(self, key, value, priority: int, namespace: str | None = None, *, checked: bool = True,
-                below: TreeNode | None = None, turn: int = 0) -> tuple[int, TreeNode]:
-        """insert's body: returns (tokens already cached, the node whose path is `key`). `checked=False` is for
-        the Scheduler's own requests, whose keys are whole pages and whose slots it took from the allocator:
-        it skips the argument and slot checks (key: an int64 array; value: host int64 slots). `below`: a node
-        of the tree whose path the caller knows `key` continues (a request's locked prefix): key and value
-        are what follows that path, and the walk starts there instead of at the root."""
         view = key_bytes("key", key)
-        nbytes = len(view)
-        if checked:
-            value, priority = self._check_insert(view, value, priority)
-        walk = self._descend(view, nbytes, self._root(namespace) if below is None else below)
+        value, priority = self._check_insert(view, value, priority)
+        walk = self._descend(view, len(view), self._root(namespace))
+        on_device = walk.num_tokens - self._device_gap(walk)
+        if on_device * TOKEN_BYTES < len(view):
+            self._check_new_slots(value[on_device:])
+        return self._grow(view, value, priority, namespace, walk)[0]  # nothing in it raises: all checked
+
+    def _insert(self, view: memoryview, value: np.ndarray, priority: int, namespace: str | None,
+                below: TreeNode, turn: int = 0) -> tuple[int, TreeNode]:
+        """insert's trusted body for a key (`view`: its whole pages' bytes) that continues the path of `below` (a
+        request's locked prefix, or a root): `value` are host int64 slots the caller took from the allocator.
+        Returns (tokens of the key already on device, the node whose path ends with the key)."""
+        return self._grow(view, value, priority, namespace, self._descend(view, len(view), below), turn)
+
+    def _grow(self, view: memoryview, value: np.ndarray, priority: int, namespace: str | None, walk: Walk,
+              turn: int = 0) -> tuple[int, TreeNode]:
+        """Caches the key whose walk is `walk`: the tree takes value's slots for the tokens beyond what it holds
+        on device (a new leaf, and `_revive_path` for the tokens a lower tier holds), stamps the path as inserted
+        at `priority` (and `turn`, for a policy that tracks turns), and names the new pages."""
         matched = walk.num_tokens
-        grows = matched * TOKEN_BYTES < nbytes
+        on_device = matched - self._device_gap(walk)
+        grows = matched * TOKEN_BYTES < len(view)
+        last = self._walk_to_node(walk)
+        if on_device < matched:
+            self._revive_path(last, value[on_device:matched])
+        self._touch(last, hit=False, priority=priority)
+        turns = self._turns
+        if turns is not None:
+            turns.stamp_path(last, turn)
         if grows:
             new_slots = value[matched:]
-            if checked:
-                self._check_new_slots(new_slots)
-        # Nothing below raises: the tree changes only once the whole call is known to be valid.
-        last = self._walk_to_node(walk)
-        self._touch(last, hit=False, priority=priority, turn=turn)
-        if grows:
-            last = self._add_leaf(last, view[matched * TOKEN_BYTES:].tobytes(), new_slots.copy(), priority, turn)
-            self._own(new_slots, exact=checked)
+            last = self._add_leaf(last, view[matched * TOKEN_BYTES:].tobytes(), new_slots.copy(), priority)
+            if turns is not None:
+                turns.stamp(last, turn)
+            self._add_evictable(last)
+            self._own(new_slots)
             if self._names:
                 self._name_pages(last, namespace)
         elif last.entry is not None:
             self._rekey(last)
-        return matched, last
+        if grows or on_device < matched:
+            self._inserted(last)
+        return on_device, last
+
+    def _device_gap(self, walk: Walk) -> int:
+        """Tokens of a walk's path that the device does not hold (a lower tier does): none in a one-tier cache."""
+        return 0
+
+    def _revive_path(self, last: TreeNode, slots: np.ndarray) -> None:
+        """Puts the path's tokens that only a lower tier held (`_device_gap`) on device, in `slots`."""
+
+    def _inserted(self, last: TreeNode) -> None:
+        """An insert put new device slots on the path root..last: a hook for a tier below the device."""
 
     def _check_insert(self, view: memoryview, value, priority) -> tuple[np.ndarray, int]:
         """insert's argument checks: returns value as host int64 slots and priority as an int."""
@@ -254,13 +299,13 @@ class RadixCache(RadixTree):
     def _check_new_slots(self, s: np.ndarray) -> None:
         """Raises unless the slots the tree is about to own are valid: allocated (so never slot 0), whole
         pages, and not already cached under another prefix."""
-        held = self.token_allocator._held(s)
+        held = self.token_allocator.allocated_mask(s)
         # count_nonzero: a third of the cost of .all()/.any() on a few hundred bools
         if np.count_nonzero(held) != len(s):
             bad = s[~held][0]
             raise ValueError(f"value holds slot {bad}, " + ("the padding slot" if bad == 0 else
                                                             "which token_allocator has not handed out"))
-        cached = self._ownership().take(s)
+        cached = self.token_allocator.cached_mask(s)
         if np.count_nonzero(cached):
             raise ValueError(f"value holds slot {s[cached][0]}, which the tree already caches for another prefix")
         ps = self.page_size
@@ -289,33 +334,21 @@ class RadixCache(RadixTree):
 
     def _release(self, values: list[np.ndarray]) -> None:
         """Gives the slots of removed nodes back to the allocator in one call."""
-        slots = values[0] if len(values) == 1 else np.concatenate(values)
-        # An exact bitmap means a tree used through its checked API: its next insert reads the allocator's flags,
-        # so they stay exact too (stale, that insert would rebuild them all). The Scheduler's path is stale.
-        exact = not self._in_tree_stale
-        if exact:
-            self._in_tree[slots] = False
-        self.token_allocator._free_owned(slots, lazy=not exact)
+        self.token_allocator.free_owned(values[0] if len(values) == 1 else np.concatenate(values))
 
-    def _own(self, slots: np.ndarray, exact: bool) -> None:
-        """Marks `slots` the tree's in its ownership bitmap, which only checked inserts (and the invariant
-        check) read. The Scheduler's unchecked inserts and load-backs leave the bitmap stale instead, and the
-        next reader rebuilds it from the tree, once: over a long trace they would set, and evictions clear, a
-        bit for every slot, where nothing reads it."""
-        if exact and not self._in_tree_stale:
-            self._in_tree[slots] = True
-        else:
-            self._in_tree_stale = True
+    def _own(self, slots: np.ndarray) -> None:
+        """Marks `slots` the tree's in the allocator (what insert checks a value against)."""
+        self.token_allocator.mark_cached(slots)
 
-    def _ownership(self) -> np.ndarray:
-        """The ownership bitmap, rebuilt from the tree's nodes if it is stale."""
-        if self._in_tree_stale:
-            bitmap = self._in_tree
-            bitmap[:] = False
-            for node in self._all_nodes():
-                bitmap[node.value] = True
-            self._in_tree_stale = False
-        return self._in_tree
+    def _split(self, child: TreeNode, into_child: int) -> TreeNode:
+        head = super()._split(child, into_child)
+        if self._turns is not None:
+            self._turns.split(head, child)
+        return head
+
+    def _forget(self, node: TreeNode) -> None:
+        if self._turns is not None:
+            self._turns.forget(node)
 
     # ---- page names and events ---------------------------------------------------------------------
     def _name_pages(self, node: TreeNode, namespace: str | None) -> None:
@@ -346,94 +379,140 @@ class RadixCache(RadixTree):
 
         Inserts tokens (input_ids + output_ids)[:aligned] with their slots from the request's row, frees (in
         one allocator call) its duplicates and its partial tail (see `CachedRequest`), then frees the row,
-        unlocks `req.last_node` and sets `req.req_pool_idx` to None.
+        unlocks `req.last_node` and sets `req.req_pool_idx` to None. Raises, changing nothing, for a request
+        whose row, lengths, locked prefix or own slots are not as `CachedRequest` draws them.
         """
-        self._cache_req(req, finished=True)
+        self._check_request(req)
+        self.cache_req(req, finished=True)
 
     def cache_unfinished_req(self, req: CachedRequest) -> None:
         """Caches a running request's whole pages so far (after a prefill chunk) and moves its lock there.
 
         Its row then points at the tree's slots for tokens [0, aligned) (its own duplicates are freed),
         `last_node` / `prefix_indices` / `cache_protected_len` describe that prefix, and the partial tail
-        [aligned, kv_len) stays the request's.
+        [aligned, kv_len) stays the request's. Raises, changing nothing, as cache_finished_req does.
         """
-        self._cache_req(req, finished=False)
+        self._check_request(req)
+        self.cache_req(req, finished=False)
 
-    def _cache_req(self, req: CachedRequest, finished: bool, *, checked: bool = True) -> None:
-        """cache_finished_req / cache_unfinished_req. `checked=False` is the Scheduler's path: its requests'
-        rows hold slots its batches took from the allocator, and their locked prefix (`last_node`) is the path
-        of their first cache_protected_len tokens, so the insert starts there, skips re-checking the slots,
-        and frees without the allocator's checks."""
-        row = _check_row(req) if checked else req.req_pool_idx
-        kv_len, protected = req.kv_len, req.cache_protected_len
+    def cache_req(self, req: CachedRequest, finished: bool) -> None:
+        """Trusted body of cache_finished_req (`finished`) / cache_unfinished_req, for a scheduler's request: its
+        row holds slots its batches took from the allocator, and `last_node` (locked, or None for nothing) is the
+        path of its first cache_protected_len tokens, so the insert starts there."""
+        row, kv_len, protected = req.req_pool_idx, req.kv_len, req.cache_protected_len
         aligned = kv_len - kv_len % self.page_size
         if not finished and aligned <= protected:
             return
-        table, host = self.req_to_token_pool.req_to_token, self.req_to_token_pool.host_view
-        below = not checked and req.last_node is not None
-        # The row from `start` on: a finished request inserted from its prefix node needs nothing before it.
-        start, end = (protected if finished and below else 0), (kv_len if finished else aligned)
-        slots = host[row, start:end].astype(np.int64) if host is not None else as_index_array(
-            "req_to_token", table[row, start:end])
-        cached, node = protected, req.last_node
+        pool, locked = self.req_to_token_pool, req.last_node
+        if locked is None:
+            locked = self._root(req.namespace)
+        # The row from `start` on: a finished request needs nothing before its prefix, an unfinished one's row
+        # becomes its prefix_indices.
+        start = protected if finished else 0
+        slots = pool.row_slots(row, start, kv_len if finished else aligned)
+        cached, node = protected, locked
         if aligned > protected:
             turn = 0 if self._turns is None else self._request_turn(req, aligned)
-            if below:
-                new, node = self._insert(request_token_ids(req, aligned, protected),
-                                         slots[protected - start:aligned - start], req.priority, req.namespace,
-                                         checked=False, below=node, turn=turn)
-                cached = protected + new
-            else:
-                cached, node = self._insert(request_token_ids(req, aligned), slots[:aligned], req.priority,
-                                            req.namespace, checked=checked, turn=turn)
-        free = self.token_allocator.free if checked else self.token_allocator._free_owned
+            new, node = self._insert(memoryview(request_token_ids(req, aligned, protected)).cast("B"),
+                                     slots[protected - start:aligned - start], req.priority, req.namespace,
+                                     locked, turn)
+            cached = protected + new
         if finished:
-            spare = np.concatenate((slots[protected - start:cached - start], slots[aligned - start:]))
-            if len(spare):
-                free(torch.from_numpy(spare) if checked else spare)
-            if checked:
-                self.req_to_token_pool.free(row)
-            else:
-                self.req_to_token_pool._free_row(row)
-            if req.last_node is not None:
-                if checked:
-                    self.dec_lock_ref(req.last_node)
-                else:
-                    self._unlock(req.last_node)
+            self.token_allocator.free_owned(np.concatenate((slots[:cached - start], slots[aligned - start:])))
+            pool.free_row(row)
+            self.unlock(locked)
             req.req_pool_idx = None
+            if self._turns is not None:
+                self._turns.forget_request(req)
             return
         if cached > protected:
             # Another request cached these tokens meanwhile: the row takes the tree's slots, its own go back.
-            duplicates = slots[protected:cached]
-            free(torch.from_numpy(duplicates) if checked else duplicates)
+            self.token_allocator.free_owned(slots[protected:cached])
             indices = self._path_indices(node)
-            table[row, protected:cached] = indices[protected:cached].to(table.dtype)
+            pool.set_row_slots(row, protected, indices[protected:cached])
         else:
             indices = self._to_device(slots)  # the row's slots are the path's: no gather from the tree
-        if below:
-            self._lock_below(node, req.last_node)  # the insert went on from last_node: node is below it
-        else:
-            # Lock the new node before unlocking the old one, so a shared path never turns evictable between.
-            self.inc_lock_ref(node)
-            if req.last_node is not None:
-                self.dec_lock_ref(req.last_node)
+        self.move_lock(locked, node)  # the insert went on from the locked node: node is below it
         req.last_node = node
         req.prefix_indices = indices
         req.cache_protected_len = aligned
 
+    def release_req(self, req: CachedRequest, *, cache: bool) -> None:
+        """Trusted: frees a scheduler's request's memory, the one path for a finish, a retraction and an abort.
+        `cache`: its whole pages enter the tree first (`cache_req(req, finished=True)`); else its own slots go
+        back unread (a retraction). A request that was matched but never given a row (an admission undone) only
+        drops its lock."""
+        if req.req_pool_idx is None:
+            if req.last_node is not None:
+                self.unlock(req.last_node)
+            return
+        if cache:
+            self.cache_req(req, finished=True)
+            return
+        row = req.req_pool_idx
+        self.token_allocator.free_owned(self.req_to_token_pool.row_slots(row, req.cache_protected_len, req.kv_len))
+        self.req_to_token_pool.free_row(row)
+        if req.last_node is not None:
+            self.unlock(req.last_node)
+        req.req_pool_idx = None
+
     def _request_turn(self, req: CachedRequest, aligned: int) -> int:
-        """The conversation turn of `req`, as the tier policy that tracks turns infers it from the prefix the
-        request matched: taken at its first insert, while last_node and cache_protected_len still describe its
-        admission's match (at least a page follows it, up to `aligned`), then kept in `req.turn` for its later
-        inserts. Requests admitted in one batch that continue the same prefix read it one after another, so they
-        count as consecutive turns."""
-        turn = getattr(req, "turn", None)
+        """The conversation turn of `req`, as the policy that tracks turns infers it from the prefix the request
+        matched: taken at its first insert, while last_node and cache_protected_len still describe its
+        admission's match (at least a page follows it, up to `aligned`), then kept in the turn table for its
+        later inserts. Requests admitted in one batch that continue the same prefix read it one after another,
+        so they count as consecutive turns."""
+        turn = self._turns.request(req)
         if turn is None:
             node = req.last_node if req.last_node is not None else self._root(req.namespace)
             matched = req.cache_protected_len
             rest = request_token_ids(req, max(aligned, len(req.input_ids)), matched)  # not just the first chunk
-            turn = req.turn = self._turns.request_turn(node, rest, matched, len(req.input_ids))
+            turn = self._turn_policy.request_turn(node, rest, matched, len(req.input_ids))
+            self._turns.set_request(req, turn)
         return turn
+
+    def _check_request(self, req: CachedRequest) -> None:
+        """Raises unless `req` is as `CachedRequest` draws it: an allocated row, 0 <= cache_protected_len <=
+        kv_len <= its tokens, a last_node of this tree whose path is exactly its first cache_protected_len
+        tokens, and, after them, slots of its own (allocated, distinct, none the tree's)."""
+        rid = getattr(req, "rid", req)
+        row = req.req_pool_idx
+        pool = self.req_to_token_pool
+        if row is None:
+            raise ValueError(f"request {rid!r} has no req_to_token row (req_pool_idx is None)")
+        if not isinstance(row, (int, np.integer)) or isinstance(row, bool) or not 0 <= row < pool.size \
+                or pool.is_free(row):
+            raise ValueError(f"request {rid!r}: req_pool_idx {row!r} is not an allocated row of req_to_token_pool")
+        kv_len, protected = req.kv_len, req.cache_protected_len
+        tokens = len(req.input_ids) + len(req.output_ids)
+        if not 0 <= protected <= kv_len <= min(tokens, pool.max_context_len):
+            raise ValueError(f"request {rid!r}: need 0 <= cache_protected_len ({protected}) <= kv_len ({kv_len}) "
+                             f"<= its {tokens} tokens")
+        node = req.last_node
+        if node is None:
+            if protected:
+                raise ValueError(f"request {rid!r}: cache_protected_len {protected} with no last_node locking it")
+        else:
+            self._check_node(node)
+            view = memoryview(request_token_ids(req, protected)).cast("B")
+            walk = self._descend(view, len(view), self._root(req.namespace))
+            if walk.node is not node or walk.child is not None or walk.num_tokens != protected:
+                raise ValueError(f"request {rid!r}: last_node is not the path of its first {protected} tokens "
+                                 f"(cache_protected_len)")
+            if node.parent is not None and node.lock_ref <= 0:
+                raise ValueError(f"request {rid!r}: last_node {node.id} is not locked")
+        own = pool.row_slots(row, protected, kv_len)  # the request's own slots: allocated, not the tree's
+        if len(own):
+            held = self.token_allocator.allocated_mask(own)
+            if np.count_nonzero(held) != len(own):
+                raise ValueError(f"request {rid!r}: its row holds slot {own[~held][0]}, which token_allocator has "
+                                 f"not handed out")
+            cached = self.token_allocator.cached_mask(own)
+            if np.count_nonzero(cached):
+                raise ValueError(f"request {rid!r}: its row holds slot {own[cached][0]} after cache_protected_len, "
+                                 f"which the tree caches")
+            if len(np.unique(own)) != len(own):
+                raise ValueError(f"request {rid!r}: its row lists a slot more than once")
 
     # ---- whole tree ---------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -449,6 +528,8 @@ class RadixCache(RadixTree):
         if values:
             self._release(values)
         self._init_root()
+        if self._turns is not None:
+            self._turns.clear_nodes()
         if self._event_sink is not None:
             self._event_sink(AllBlocksCleared())
 
@@ -456,19 +537,18 @@ class RadixCache(RadixTree):
         """Raises AssertionError naming the first broken invariant: tree links and child keys, node sizes
         (whole pages), lock refs (non-negative, a child never above its parent), the size counters, the
         evictable set (exactly the unlocked leaves, each under its current policy key), and the slots
-        (distinct, never slot 0, allocated in the allocator, matching the tree's ownership bitmap)."""
+        (distinct, never slot 0, and exactly the slots the allocator has marked cached)."""
         values = [node.value for node in self._check_tree()]
         slots = np.concatenate(values) if values else np.empty(0, dtype=np.int64)
         if len(slots) and slots.min() <= 0:
-            _fail(f"the tree holds slot {slots.min()} (slot 0 is padding)")
+            fail_invariant(f"the tree holds slot {slots.min()} (slot 0 is padding)")
         if len(np.unique(slots)) != len(slots):
-            _fail("the tree holds a slot more than once")
-        if len(slots) and not self.token_allocator._held(slots).all():
-            _fail("the tree holds a slot that token_allocator considers free")
-        if self._in_tree_stale:  # a rebuilt bitmap would match by construction: check the bits kept so far
-            return
-        if np.count_nonzero(self._in_tree) != len(slots) or not self._in_tree[slots].all():
-            _fail("the ownership bitmap does not match the slots in the tree")
+            fail_invariant("the tree holds a slot more than once")
+        if len(slots) and not self.token_allocator.cached_mask(slots).all():
+            fail_invariant("the tree holds a slot that token_allocator has not marked cached (or considers free)")
+        if self.token_allocator.cached_size() != len(slots):
+            fail_invariant(f"token_allocator marks {self.token_allocator.cached_size()} slots cached; the tree holds "
+                           f"{len(slots)}")
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(page_size={self.page_size}, eviction_policy={self.eviction_policy!r}, "
@@ -486,12 +566,3 @@ def request_token_ids(req: CachedRequest, end: int, start: int = 0) -> array | m
     out = array("q", memoryview(ids)[start:]) if start < n else array("q")
     out.extend(req.output_ids[max(start - n, 0):end - n])
     return out
-
-
-def _check_row(req: CachedRequest) -> int:
-    if req.req_pool_idx is None:
-        raise ValueError(f"request {getattr(req, 'rid', req)!r} has no req_to_token row (req_pool_idx is None)")
-    if not 0 <= req.cache_protected_len <= req.kv_len:
-        raise ValueError(f"request {getattr(req, 'rid', req)!r}: need 0 <= cache_protected_len "
-                         f"({req.cache_protected_len}) <= kv_len ({req.kv_len})")
-    return req.req_pool_idx

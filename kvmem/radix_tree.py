@@ -2,18 +2,17 @@
 evictable leaves. It knows nothing of allocators or requests; `RadixCache` (and the tiered cache) build on
 it and decide what a node's value is and where its slots go when it is evicted.
 
-Design choices, each for a measured reason:
+Design choices, each for a measured reason (the figures: docs/benchmarks.md):
 
 - Keys are `bytes` holding native int64 token ids (8 bytes a token, as SGLang's `array("q")`). A query is
   turned once into a zero-copy byte view (free for an `array("q")`, one C-speed conversion for a list), and
   each edge is compared with `edge_key.startswith(query_view[matched:end])`: a memcmp at an offset, with
   no copy of the query, so a walk costs O(len(key)) bytes compared in total. Slicing the rest of the key at
-  every node (what SGLang's tree does) costs O(len(key)) per node instead: 1.6 ms per copy of a 256k-token
-  key here, against 44 us for the startswith of the same length. Bytes also compare and hash fast, and
+  every node (what SGLang's tree does) costs O(len(key)) per node instead, which dominates long prompts.
+  Bytes also compare and hash fast, and
   `bytes` of the first page (8 * page_size bytes) serves as the child key for every page size.
-- Node values are numpy arrays: on this CPU a numpy slice, copy or concatenate costs a fraction of the torch
-  op (slice 0.15 us against 1 us, `len()` 0.05 us against 0.35 us), which is most of what insert and evict
-  do per node.
+- Node values are numpy arrays: on the CPU a numpy slice, copy or concatenate costs a fraction of the torch
+  op, and those are most of what insert and evict do per node.
 - Evictable leaves (unlocked, childless) are held by the eviction policy (`kvmem.eviction`), told where a
   node gains or loses that status or changes a field its order reads; eviction asks it for victims one at a
   time: O(k log n), and nothing ever scans the tree outside `check_invariants`/`reset`. Pinned leaves
@@ -27,17 +26,17 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from collections import OrderedDict
 from typing import NamedTuple
 
 import numpy as np
-import torch
 from sortedcontainers import SortedList
 
-from kvmem._checks import check_int
-from kvmem._index import TOKEN_BYTES, as_index_array
+from kvmem._checks import check_int, fail_invariant
+from kvmem._index import key_bytes
+from kvmem._paging import TOKEN_BYTES
 from kvmem.eviction import EvictionPolicySpec, make_policy
-from kvmem.page_hash import DIGEST_BYTES
+from kvmem.page_hash import DIGEST_BYTES, encode_namespace
+from kvmem.pins import PrefixPins
 
 
 class TreeNode:
@@ -46,8 +45,7 @@ class TreeNode:
     `children` maps the bytes of a child's first page to the child. `lock_ref` counts the requests using
     the node's prefix; `last_access` and `created` are logical-clock ticks, `hit_count` counts the matches
     that reached it, `priority` is the highest request priority inserted through it, `depth` is the tokens on
-    the path above it, `turn` is the highest conversation turn of a request inserted through it (0 unless a
-    policy of the cache `tracks_turns`: kvmem.eviction.multiturn), and `id` (unique, increasing) breaks ties.
+    the path above it, and `id` (unique, increasing) breaks ties.
     `entry` is its record in the evictable set, or None when it is not there; `pin` is 0, or the order of its
     newest pin (`RadixTree.pin`).
     `page_digests` (its pages' 32-byte `kvmem.page_hash` digests, concatenated) is kept only by a cache that
@@ -56,7 +54,7 @@ class TreeNode:
     """
 
     __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "hit_count", "created",
-                 "priority", "turn", "id", "entry", "page_digests", "depth", "pin")
+                 "priority", "id", "entry", "page_digests", "depth", "pin")
 
     def __init__(self, key: bytes, value: np.ndarray, parent: TreeNode | None, created: int, id: int) -> None:
         self.key = key
@@ -68,7 +66,6 @@ class TreeNode:
         self.hit_count = 0
         self.created = created
         self.priority = 0
-        self.turn = 0
         self.id = id
         self.entry = None
         self.page_digests: bytes | None = None
@@ -105,7 +102,7 @@ class Walk(NamedTuple):
         return (self.matched + self.into_child) // TOKEN_BYTES
 
 
-class RadixTree:
+class RadixTree(PrefixPins):
     """Nodes, walks, splits, lock references and the evictable set, over values the subclass owns.
 
     Sizes are in tokens: `total_size() == evictable_size() + protected_size()`. A tiered subclass overrides the
@@ -131,11 +128,7 @@ class RadixTree:
         self._roots: dict[str | None, TreeNode] = {None: self.root_node}
         self._clock = 0
         self._policy.clear()
-        self._pinned.clear()
-        self._pins: OrderedDict[tuple, tuple[TreeNode, int]] = OrderedDict()  # (namespace, key) -> (node, tokens)
-        self._pins_per_node: dict[TreeNode, int] = {}
-        self._pinned_tokens = 0
-        self._pin_seq = 0
+        self._clear_pins()
         self._evictable_size = 0
         self._protected_size = 0
 
@@ -147,10 +140,9 @@ class RadixTree:
         evictable sets and the slots: a prefix cached in one is never matched from another."""
         if namespace is None:
             return self.root_node
-        if not isinstance(namespace, str):
-            raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")
-        root = self._roots.get(namespace)
+        root = self._roots.get(namespace) if type(namespace) is str else None
         if root is None:
+            encode_namespace("namespace", namespace)  # before the root exists: it names every page below it
             root = self._roots[namespace] = self._new_root()
         return root
 
@@ -186,15 +178,16 @@ class RadixTree:
             return Walk(node, matched, child, _common_prefix_bytes(key, view, matched, limit, page_bytes))
         return Walk(node, matched, None, 0)
 
-    def _next_page(self, view: memoryview, walk: Walk) -> bytes | None:
-        """The bytes of the page of `view` after where `walk` (a `_descend` of it) stopped at a whole node: what
-        a later walk would look up there; None when the key ends there, or the walk stopped inside an edge."""
+    def next_page(self, view: memoryview, walk: Walk) -> bytes | None:
+        """Trusted: the bytes of the page of `view` after where `walk` (a `_descend` of it) stopped at a whole
+        node: what a later walk would look up there; None when the key ends there, or the walk stopped inside an
+        edge."""
         end = walk.matched + self._page_bytes
         return view[walk.matched:end].tobytes() if walk.child is None and end <= len(view) else None
 
-    def _walk_is_current(self, walk: Walk, next_page: bytes | None, namespace: str | None) -> bool:
-        """Whether `walk`, an earlier `_descend` of a key whose page after it is `next_page` (`_next_page`), is
-        still where a walk of that key would stop. A check of one node, not a walk.
+    def walk_is_current(self, walk: Walk, next_page: bytes | None, namespace: str | None) -> bool:
+        """Trusted: whether `walk`, an earlier `_descend` of a key whose page after it is `next_page`, is still
+        where a walk of that key would stop. A check of one node, not a walk.
 
         Nodes leave the tree only as leaves (their parent set to None), keys change only by splits (which keep
         a path's tokens), and a walk goes further only through a child with the key's next page: so the walk
@@ -225,7 +218,6 @@ class RadixTree:
         head.last_access = child.last_access
         head.hit_count = child.hit_count
         head.priority = child.priority
-        head.turn = child.turn
         parent.children[child.key[:self._page_bytes]] = head
         child.key = child.key[into_child:]
         child.value = child.value[k:].copy()
@@ -240,33 +232,34 @@ class RadixTree:
             self._rekey(child)  # it is shorter now
         return head
 
-    def _add_leaf(self, parent: TreeNode, key: bytes, value: np.ndarray, priority: int, turn: int = 0) -> TreeNode:
+    def _add_leaf(self, parent: TreeNode, key: bytes, value: np.ndarray, priority: int) -> TreeNode:
+        """Links a new unlocked leaf under `parent` and counts its tokens evictable; its caller then puts it in the
+        evictable set (`_add_evictable`), once whatever its policy ranks it by is stamped on it."""
         leaf = self.node_class(key, value, parent, self._clock, next(self._ids))
         leaf.priority = priority
-        leaf.turn = turn
         if parent.entry is not None:
             self._remove_evictable(parent)
         parent.children[key[:self._page_bytes]] = leaf
         self._evictable_size += len(value)
-        self._add_evictable(leaf)
         return leaf
 
-    def _touch(self, last: TreeNode, *, hit: bool, priority: int | None = None, turn: int = 0) -> None:
+    def _touch(self, last: TreeNode, *, hit: bool, priority: int | None = None) -> None:
         """Advances the clock and stamps the path root..last as accessed now (and matched, or inserted at
-        `priority` and `turn`). Its caller re-keys `last` if it is an evictable leaf (no other node on the path
-        is)."""
+        `priority`). Its caller re-keys `last` if it is an evictable leaf (no other node on the path is)."""
         self._clock += 1
         now, node = self._clock, last
         while node.parent is not None:
             node.last_access = now
             if hit:
                 node.hit_count += 1
-            if priority is not None:
-                if node.priority < priority:
-                    node.priority = priority
-                if node.turn < turn:
-                    node.turn = turn
+            if priority is not None and node.priority < priority:
+                node.priority = priority
             node = node.parent
+
+    @property
+    def clock(self) -> int:
+        """The logical clock: ticks once per match or insert (what `last_access` and `created` hold)."""
+        return self._clock
 
     def _path_values(self, node: TreeNode) -> list[np.ndarray]:
         """The values of the nodes root..node, in path order."""
@@ -276,78 +269,6 @@ class RadixTree:
             node = node.parent
         values.reverse()
         return values
-
-    # ---- pins ---------------------------------------------------------------------------------------
-    def pin(self, key, namespace: str | None = None) -> int:
-        """Pins the cached prefix of `key` (whole pages, in `namespace`): its leaves go only when nothing
-        unpinned is left to evict, so a pin never blocks a request that needs the memory. Pins past the pin
-        budget (pinned tokens, each pin counting its whole prefix) degrade, oldest first, to ordinary cached
-        prefixes. Pinning a key again refreshes its pin (newest, and as deep as the tree holds now). Returns
-        the tokens pinned (0 when nothing of `key` is cached, or the pin alone exceeds the budget)."""
-        view = key_bytes("key", key)
-        nbytes = len(view) - len(view) % self._page_bytes
-        name = (namespace, view[:nbytes].tobytes())
-        node = self._pin_target(self._walk_to_node(self._descend(view, nbytes, self._root(namespace))))
-        old = self._pins.pop(name, None)
-        if old is not None:
-            self._drop_pin(*old)
-        if node.parent is None:
-            return 0
-        tokens = node.depth + node.num_tokens
-        if tokens > self._pin_budget:  # alone past the budget: it pins nothing, and must cost the other pins nothing
-            return 0
-        self._pins[name] = (node, tokens)
-        self._pins_per_node[node] = self._pins_per_node.get(node, 0) + 1
-        self._pinned_tokens += tokens
-        self._pin_seq += 1
-        self._set_pin(node, self._pin_seq)
-        while self._pinned_tokens > self._pin_budget:
-            self._drop_pin(*self._pins.popitem(last=False)[1])
-        return tokens
-
-    def unpin(self, key, namespace: str | None = None) -> int:
-        """Releases the pin of `key` (as given to `pin`); returns the tokens it pinned (0 if it had none:
-        never pinned, degraded, or its prefix was evicted)."""
-        view = key_bytes("key", key)
-        if namespace is not None and not isinstance(namespace, str):
-            raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")
-        record = self._pins.pop((namespace, view[:len(view) - len(view) % self._page_bytes].tobytes()), None)
-        if record is None:
-            return 0
-        self._drop_pin(*record)
-        return record[1]
-
-    def pinned_size(self) -> int:
-        """Tokens pinned (each pin counting its whole prefix); at most the pin budget."""
-        return self._pinned_tokens
-
-    def _pin_target(self, node: TreeNode) -> TreeNode:
-        """The node a pin of the prefix root..node marks (a tiered tree: the part its device tier holds)."""
-        return node
-
-    def _drop_pin(self, node: TreeNode, tokens: int) -> None:
-        self._pinned_tokens -= tokens
-        count = self._pins_per_node[node] - 1
-        if count:
-            self._pins_per_node[node] = count
-        else:
-            del self._pins_per_node[node]
-            self._set_pin(node, 0)
-
-    def _drop_pins_of(self, node: TreeNode) -> None:
-        """A pinned leaf is being evicted: its pins go with it (a scan of the pins, which the budget keeps few)."""
-        for name in [name for name, (pinned, _) in self._pins.items() if pinned is node]:
-            self._pinned_tokens -= self._pins.pop(name)[1]
-        del self._pins_per_node[node]
-        node.pin = 0
-
-    def _set_pin(self, node: TreeNode, pin: int) -> None:
-        if node.entry is None:
-            node.pin = pin
-            return
-        self._remove_evictable(node)
-        node.pin = pin
-        self._add_evictable(node)
 
     # ---- what the scheduler is about to need ------------------------------------------------------------
     def request_waiting(self, rid, key, namespace: str | None = None) -> None:
@@ -374,7 +295,8 @@ class RadixTree:
 
         Raises, changing nothing, if `node` is not a node of this tree (evicted, from before reset(), or
         another tree's)."""
-        self._lock_below(node, self._check_node(node))
+        self._check_node(node)
+        self.lock(node)
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Releases one `inc_lock_ref(node)`; nodes nobody uses become evictable. The root is a no-op.
@@ -386,25 +308,31 @@ class RadixTree:
             return
         if node.lock_ref <= 0:
             raise ValueError(f"dec_lock_ref on node {node.id}, which is not locked (lock_ref {node.lock_ref})")
-        self._unlock(node)
+        self.unlock(node)
 
-    def _lock_below(self, node: TreeNode, ancestor: TreeNode) -> None:
-        """Locks the nodes from `node` up to, not including, its `ancestor`. With a root as the ancestor it is
-        inc_lock_ref's body; with a request's locked last node it is inc_lock_ref(node) then
-        dec_lock_ref(ancestor), only the nodes between them changing, so the walk stops there instead of going
-        to the root twice (a request's lock moving down its own path as it is cached)."""
-        while node is not ancestor:
+    def lock(self, node: TreeNode) -> None:
+        """inc_lock_ref's trusted body, for a node the caller knows is in this tree (one a match just returned)."""
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self._protect(node)
             node.lock_ref += 1
             node = node.parent
 
-    def _unlock(self, node: TreeNode) -> None:
-        """dec_lock_ref's body, for a locked node of the tree (checked there, or a request's own last node)."""
+    def unlock(self, node: TreeNode) -> None:
+        """dec_lock_ref's trusted body, for a node of this tree that the caller locked."""
         while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._unprotect(node)
+            node = node.parent
+
+    def move_lock(self, locked: TreeNode, node: TreeNode) -> None:
+        """Trusted: lock(node) then unlock(locked), for a `node` below the `locked` one on its path (a request's
+        lock moving down its own prefix as more of it is cached); only the nodes between them change."""
+        while node is not locked:
+            if node.lock_ref == 0:
+                self._protect(node)
+            node.lock_ref += 1
             node = node.parent
 
     def _protect(self, node: TreeNode) -> None:
@@ -492,8 +420,12 @@ class RadixTree:
         parent = node.parent
         del parent.children[node.key[:self._page_bytes]]
         node.parent = None
+        self._forget(node)
         if not parent.children and parent.lock_ref == 0 and parent.parent is not None:
             self._add_evictable(parent)
+
+    def _forget(self, node: TreeNode) -> None:
+        """`node` has left the tree: a hook for what a subclass keeps per node outside it."""
 
     def _all_nodes(self) -> list[TreeNode]:
         """Every node but the roots."""
@@ -518,7 +450,7 @@ class RadixTree:
         page_bytes, ps = self._page_bytes, self.page_size
         for root in self._roots.values():
             if root.key or root.parent is not None or root.lock_ref or root.entry is not None:
-                _fail("a root must have an empty key, no parent, no lock and no evictable entry")
+                fail_invariant("a root must have an empty key, no parent, no lock and no evictable entry")
         evictable = protected = leaves = 0
         nodes = []
         stack = list(self._roots.values())
@@ -527,18 +459,18 @@ class RadixTree:
             for first, child in node.children.items():
                 n = child.num_tokens
                 if child.parent is not node:
-                    _fail(f"node {child.id}: parent is not node {node.id}, which lists it as a child")
+                    fail_invariant(f"node {child.id}: parent is not node {node.id}, which lists it as a child")
                 if first != child.key[:page_bytes]:
-                    _fail(f"node {child.id} is filed under a child key that is not its first page")
+                    fail_invariant(f"node {child.id} is filed under a child key that is not its first page")
                 if n == 0 or n % ps or len(child.key) % TOKEN_BYTES:
-                    _fail(f"node {child.id}: {len(child.key)} key bytes (must be {n} > 0 tokens in whole pages "
-                          f"of {ps})")
+                    fail_invariant(f"node {child.id}: {len(child.key)} key bytes (must be {n} > 0 tokens in whole "
+                                   f"pages of {ps})")
                 if child.depth != node.depth + node.num_tokens:
-                    _fail(f"node {child.id}: depth {child.depth}, but its parent's path ends at "
-                          f"{node.depth + node.num_tokens} tokens")
+                    fail_invariant(f"node {child.id}: depth {child.depth}, but its parent's path ends at "
+                                   f"{node.depth + node.num_tokens} tokens")
                 if child.lock_ref < 0 or (node.parent is not None and child.lock_ref > node.lock_ref):
-                    _fail(f"node {child.id}: lock_ref {child.lock_ref} (parent {node.lock_ref}) must be "
-                          f">= 0 and at most its parent's")
+                    fail_invariant(f"node {child.id}: lock_ref {child.lock_ref} (parent {node.lock_ref}) must be "
+                                   f">= 0 and at most its parent's")
                 device = self._node_device_tokens(child)
                 if child.lock_ref:
                     protected += device
@@ -549,18 +481,18 @@ class RadixTree:
                 nodes.append(child)
                 stack.append(child)
         if evictable != self._evictable_size or protected != self._protected_size:
-            _fail(f"counters say evictable {self._evictable_size}, protected {self._protected_size}; "
-                  f"the nodes hold {evictable} and {protected}")
+            fail_invariant(f"counters say evictable {self._evictable_size}, protected {self._protected_size}; "
+                           f"the nodes hold {evictable} and {protected}")
         held = len(self._policy) + len(self._pinned)
         if leaves != held:
-            _fail(f"the evictable sets hold {held} entries for {leaves} unlocked leaves")
+            fail_invariant(f"the evictable sets hold {held} entries for {leaves} unlocked leaves")
         self._check_pins()
         return nodes
 
     def _node_device_tokens(self, node: TreeNode) -> int:
         """The tokens `node` holds in the (device) tier the sizes count; checks its value against its key."""
         if len(node.value) != node.num_tokens:
-            _fail(f"node {node.id}: {node.num_tokens} tokens and {len(node.value)} slots (must be equal)")
+            fail_invariant(f"node {node.id}: {node.num_tokens} tokens and {len(node.value)} slots (must be equal)")
         return len(node.value)
 
     def _is_evictable_leaf(self, node: TreeNode) -> bool:
@@ -569,8 +501,8 @@ class RadixTree:
     def _check_evictable_entry(self, node: TreeNode) -> None:
         should = self._is_evictable_leaf(node)
         if should != (node.entry is not None):
-            _fail(f"node {node.id} (lock_ref {node.lock_ref}, {len(node.children)} children) is "
-                  f"{'' if node.entry is not None else 'not '}in the evictable set")
+            fail_invariant(f"node {node.id} (lock_ref {node.lock_ref}, {len(node.children)} children) is "
+                           f"{'' if node.entry is not None else 'not '}in the evictable set")
         if not should:
             return
         if node.pin:
@@ -578,40 +510,8 @@ class RadixTree:
         else:
             current = self._policy.is_current(node, node.entry)
         if not current:
-            _fail(f"node {node.id}: its evictable entry is stale or missing from its {self.eviction_policy} set")
-
-    def _check_pins(self) -> None:
-        counts: dict[TreeNode, int] = {}
-        tokens = 0
-        for node, n in self._pins.values():
-            counts[node] = counts.get(node, 0) + 1
-            tokens += n
-            if not node.pin or n != node.depth + node.num_tokens or node.parent is None:
-                _fail(f"pinned node {node.id} is not marked, out of the tree, or not {n} tokens deep")
-        if counts != self._pins_per_node or tokens != self._pinned_tokens or tokens > max(self._pin_budget, 0):
-            _fail(f"pins: {tokens} tokens on {len(counts)} nodes against counters {self._pinned_tokens} on "
-                  f"{len(self._pins_per_node)} (budget {self._pin_budget})")
-
-
-def key_bytes(name: str, key) -> memoryview:
-    """A byte view of `key` as native int64 token ids: zero-copy for an `array("q")` or a memoryview of one,
-    one C-speed conversion for a list or tuple, a cast for an integer tensor or numpy array."""
-    if isinstance(key, (bytes, bytearray, str)):
-        raise TypeError(f"{name} must be a sequence of int token ids, got {type(key).__name__}")
-    if isinstance(key, array) and key.typecode == "q":
-        buf = key
-    elif isinstance(key, memoryview) and key.format == "q" and key.ndim == 1:
-        buf = key  # a slice of an int64 array: zero-copy, unlike slicing the array itself
-    elif isinstance(key, (torch.Tensor, np.ndarray)):
-        buf = np.ascontiguousarray(as_index_array(name, key))
-    else:
-        try:
-            buf = array("q", key)
-        except TypeError as e:
-            raise TypeError(f"{name} must be a sequence of int token ids, got {type(key).__name__} ({e})") from None
-        except OverflowError:
-            raise ValueError(f"{name} holds a token id outside int64") from None
-    return memoryview(buf).cast("B")
+            fail_invariant(f"node {node.id}: its evictable entry is stale or missing from its {self.eviction_policy} "
+                           "set")
 
 
 def _common_prefix_bytes(key: bytes, view: memoryview, start: int, limit: int, page_bytes: int) -> int:
@@ -626,7 +526,3 @@ def _common_prefix_bytes(key: bytes, view: memoryview, start: int, limit: int, p
         else:
             hi = mid
     return lo * page_bytes
-
-
-def _fail(message: str) -> None:
-    raise AssertionError(f"RadixCache invariant broken: {message}")

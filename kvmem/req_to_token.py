@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,8 +35,8 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
-        # The same memory as a numpy array when the table is on the host (None on a GPU): the scheduler's
-        # small gathers and scatters cost a few us less through numpy than through torch's dispatch.
+        # The same memory as a numpy array when the table is on the host (None on a GPU): the trusted accessors'
+        # small gathers and scatters go through numpy there, cheaper than torch's dispatch.
         self.host_view: np.ndarray | None = self.req_to_token.numpy() if self.device.type == "cpu" else None
         # A stack of free rows: pop from the end so that recently freed (cache-warm) rows are reused first.
         self._free_rows: list[int] = list(range(size - 1, -1, -1))
@@ -44,6 +45,10 @@ class ReqToTokenPool:
     def available_size(self) -> int:
         """Number of free rows."""
         return len(self._free_rows)
+
+    def is_free(self, row: int) -> bool:
+        """Whether `row` (in [0, size)) is free."""
+        return self._is_free[row]
 
     def alloc(self, n: int = 1) -> list[int] | None:
         """Hands out `n` rows, or returns None (nothing changed) when fewer than `n` are free."""
@@ -71,11 +76,6 @@ class ReqToTokenPool:
             self._is_free[r] = True
         self._free_rows.extend(reversed(rows))
 
-    def _free_row(self, row: int) -> None:
-        """free's body for one row its owner knows is allocated (the radix cache, for a Scheduler's request)."""
-        self._is_free[row] = True
-        self._free_rows.append(row)
-
     def write(self, index, values) -> None:
         """`req_to_token[index] = values`, with `index` a row, a (row, slice) pair or any tensor index.
 
@@ -95,6 +95,70 @@ class ReqToTokenPool:
             raise TypeError(f"index {index!r} does not address req_to_token: {str(e).splitlines()[0]}") from None
         except RuntimeError as e:
             raise ValueError(f"values do not fit req_to_token[index]: {str(e).splitlines()[0]}") from None
+
+    # ---- trusted accessors: kvmem's own layers, whose rows and positions were checked where they entered ------
+    def row_slots(self, row: int, start: int, end: int) -> np.ndarray:
+        """Slots of tokens start..end-1 of `row`: [end - start] int64 on the host (a copy)."""
+        if self.host_view is not None:
+            return self.host_view[row, start:end].astype(np.int64)
+        return self.req_to_token[row, start:end].cpu().numpy().astype(np.int64)
+
+    def slots_at(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The slot of token positions[i] of rows[i]: [n] int64 on the host."""
+        if self.host_view is not None:
+            return self.host_view[rows, positions].astype(np.int64)
+        return self.req_to_token[torch.from_numpy(rows), torch.from_numpy(positions)].cpu().numpy().astype(np.int64)
+
+    def set_slots_at(self, rows: np.ndarray, positions: np.ndarray, slots: torch.Tensor) -> None:
+        """Writes slots[i] ([n] int64, any device) as token positions[i] of rows[i]."""
+        if self.host_view is not None:
+            self.host_view[rows, positions] = slots.cpu().numpy()
+        else:
+            self.req_to_token[torch.from_numpy(rows), torch.from_numpy(positions)] = slots.to(self.device, torch.int32)
+
+    def set_row_slots(self, row: int, start: int, slots: np.ndarray | torch.Tensor) -> None:
+        """Writes `slots` ([n] int64, host array or tensor) as tokens start..start+n-1 of `row`."""
+        if self.host_view is not None:
+            self.host_view[row, start:start + len(slots)] = slots.cpu().numpy() if isinstance(
+                slots, torch.Tensor) else slots
+        else:
+            values = slots if isinstance(slots, torch.Tensor) else torch.from_numpy(slots)
+            self.req_to_token[row, start:start + len(values)] = values.to(self.device, torch.int32)
+
+    def write_extend(self, rows: list[int], prefix_lens: list[int], seq_lens: list[int], out_cache_loc: torch.Tensor,
+                     prefixes: list[torch.Tensor | None]) -> None:
+        """Writes an extend batch into its rows: request i's slots for tokens prefix_lens[i]..seq_lens[i]-1 (its
+        share of `out_cache_loc`, requests in batch order) and, where prefixes[i] is not None, its cached prefix
+        at tokens 0..len-1 (a chunked request's prefix is in its row already)."""
+        if self.host_view is not None and out_cache_loc.device.type == "cpu":
+            host, out, start = self.host_view, out_cache_loc.numpy(), 0
+            for row, p, s, prefix in zip(rows, prefix_lens, seq_lens, prefixes):
+                if prefix is not None and p:
+                    host[row, :p] = prefix.cpu().numpy()
+                host[row, p:s] = out[start:start + s - p]
+                start += s - p
+            return
+        # Imported here: Triton's import is a large share of a process that only schedules.
+        from kvmem.kernels.req_to_token import _write_req_to_token
+
+        device = self.device
+        counts = np.array([0 if prefix is None else prefix.numel() for prefix in prefixes], dtype=np.int64)
+        prefix = ()
+        if counts.any():
+            indptr = np.zeros(len(counts) + 1, dtype=np.int64)
+            np.cumsum(counts, out=indptr[1:])
+            parts = [p for p in prefixes if p is not None]
+            prefix = ((parts[0] if len(parts) == 1 else torch.cat(parts)).to(device),
+                      torch.from_numpy(indptr).to(device))
+        as_tensor = functools.partial(torch.tensor, device=device)
+        _write_req_to_token(self.req_to_token, as_tensor(rows), as_tensor(prefix_lens), as_tensor(seq_lens),
+                            out_cache_loc.to(device), *prefix)
+
+    def free_row(self, row: int) -> None:
+        """free's trusted body for one row its owner knows is allocated (the radix cache, for a Scheduler's
+        request)."""
+        self._is_free[row] = True
+        self._free_rows.append(row)
 
     def clear(self) -> None:
         """Frees every row."""

@@ -293,12 +293,12 @@ class AllocatorModel(RuleBasedStateMachine):
     @precondition(lambda self: self.held)
     @rule(i=st.integers(0, 100), n=st.integers(1, 3), then_free=st.booleans())
     def owned_frees(self, i, n, then_free):
-        # The tree's and the scheduler's frees leave the flags stale; a checked call after any number of them
-        # still refuses a slot freed that way and takes one that is held.
+        # The tree's and the scheduler's trusted frees keep the flags exact: a checked call after any number of them
+        # refuses a slot freed that way and takes one that is held.
         freed = []
         for _ in range(min(n, len(self.held))):
             run = self.held.pop(i % len(self.held))
-            self.a._free_owned(np.asarray(run, dtype=np.int64))
+            self.a.free_owned(np.asarray(run, dtype=np.int64))
             freed.append(run)
         with pytest.raises(ValueError, match="not allocated"):
             self.a.free(torch.tensor(freed[-1][:self.ps]))
@@ -407,19 +407,19 @@ def test_an_owned_free_of_one_page_or_of_nothing(page_size):
 
     alloc = TokenAllocator(64) if page_size == 1 else PagedTokenAllocator(64, page_size)
     slots = alloc.alloc(page_size)
-    alloc._free_owned(np.empty(0, dtype=np.int64))
+    alloc.free_owned(np.empty(0, dtype=np.int64))
     assert alloc.available_size() == 64 - page_size
-    alloc._free_owned(slots.numpy().astype(np.int64)[:1])  # a page is named by its first slot
+    alloc.free_owned(slots.numpy().astype(np.int64)[:1])  # a page is named by its first slot
     assert alloc.available_size() == 64 and not alloc.is_allocated(slots).any()
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_owned_free_gives_slots_back_like_free_even_before_their_flags_are_set(page_size):
+def test_owned_free_gives_slots_back_like_free(page_size):
     import numpy as np
 
     alloc = TokenAllocator(64) if page_size == 1 else PagedTokenAllocator(64, page_size)
-    slots = alloc.alloc(16)  # handed out, their allocated flags not yet written (lazily, on the next read)
-    alloc._free_owned(slots.numpy().astype(np.int64))
+    slots = alloc.alloc(16)
+    alloc.free_owned(slots.numpy().astype(np.int64))
     assert alloc.available_size() == 64
     assert not alloc.is_allocated(slots).any()
     with pytest.raises(ValueError, match="not allocated"):

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 from kvmem.engine import Engine, build_model  # noqa: E402
 
 # Relative L2 error of each sampled step's logits against the fp32 model on the same tokens, by KV storage
-# (measured 0.003, 0.017, 0.037, 0.061 at worst on the tiny models; the README documents these bounds).
+# (measured 0.003, 0.017, 0.037, 0.061 at worst on the tiny models; docs/engine.md documents these bounds).
 KV_LOGIT_TOLERANCE = {"int8": 0.01, "fp8_e4m3": 0.04, "fp8_e5m2": 0.08, "int4": 0.12}
 MAX_NEW = 8
 # With this workload (8 prompts of 14..65 tokens sharing up to 40), capacity 112, chunks of 32 and 6 running

@@ -10,6 +10,7 @@ from kvmem import HiRadixCache, PagedTokenAllocator, Req, ReqToTokenPool, Schedu
 from kvmem.eviction import ARC, EVICTION_POLICIES, GDSF, S3FIFO, KeyedPolicy, Lookahead, MultiTurn, TwoQ, make_policy
 from kvmem.eviction.base import lru
 from kvmem.eviction.queues import QueuedPolicy
+from kvmem.eviction.turns import TurnTable
 from kvmem.radix_cache import RadixCache
 from kvmem.tiers import HostSlotPool
 from tests.test_radix_cache import cached_sequences, make_cache, put, tree_nodes
@@ -568,12 +569,19 @@ def test_the_scheduler_tells_the_cache_what_its_queue_will_match():
 
 # ---- multiturn ------------------------------------------------------------------------------------------------
 def serve(sched, req):
-    """Runs `req` alone to its end, every token sampled as 7."""
+    """Runs `req` alone to its end, every token sampled as 7; returns the conversation turn the cache inferred for
+    it (None when no policy of the cache tracks turns)."""
+    turns, seen = sched.tree_cache._turns, {}
+    if turns is not None:
+        record = turns.set_request
+        turns.set_request = lambda r, turn: (seen.__setitem__(r, turn), record(r, turn))
     sched.add_request(req)
     while not sched.is_idle():
         batch = sched.step()
         sched.process_batch_result(batch, [7] * batch.batch_size())
-    return req
+    if turns is not None:
+        del turns.set_request
+    return seen.get(req)
 
 
 def multiturn_scheduler(policy=None, size=64):
@@ -587,7 +595,7 @@ def test_multiturn_counts_a_conversations_turns_and_keeps_a_later_turn_over_a_ne
     first = serve(sched, Req("a", seq(10, 12), max_new_tokens=2))
     second = serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=2))  # matches 12 of 16 tokens
     other = serve(sched, Req("c", seq(50, 12), max_new_tokens=2))                 # newer, a first prompt
-    assert (first.turn, second.turn, other.turn) == (0, 1, 0)
+    assert (first, second, other) == (0, 1, 0)
     # a's output (b went another way after a's prompt), then c's output and prompt, though c came last
     assert cache.evict(14) == 14
     assert cache.match_prefix(seq(50, 12)).indices.numel() == 0
@@ -598,7 +606,7 @@ def test_multiturn_counts_a_conversations_turns_and_keeps_a_later_turn_over_a_ne
 def test_multiturn_a_short_match_is_a_shared_system_prompt_not_a_previous_turn():
     sched, _ = multiturn_scheduler()
     serve(sched, Req("a", seq(0, 4) + seq(10, 12), max_new_tokens=1))
-    assert serve(sched, Req("b", seq(0, 4) + seq(50, 12), max_new_tokens=1)).turn == 0  # 4 of 16 matched
+    assert serve(sched, Req("b", seq(0, 4) + seq(50, 12), max_new_tokens=1)) == 0  # 4 of 16 matched
 
 
 def test_multiturn_recognises_a_conversation_whose_history_was_evicted_by_its_ghost():
@@ -608,17 +616,17 @@ def test_multiturn_recognises_a_conversation_whose_history_was_evicted_by_its_gh
     cache.evict(1000)  # the conversation's whole history goes
     assert cache.total_size() == 0
     back = serve(sched, Req("c", seq(10, 24) + seq(40, 8) + seq(60, 4), max_new_tokens=1))
-    assert back.turn == 2  # its evicted history was at turn 1
+    assert back == 2  # its evicted history was at turn 1
     sched, cache = multiturn_scheduler()
     serve(sched, Req("a", seq(10, 24), max_new_tokens=1))
     cache.evict(1000)
     # A prompt that starts with the same page is not that conversation: its 16 first tokens are checked.
-    assert serve(sched, Req("x", [10] + seq(900, 30), max_new_tokens=1)).turn == 0
+    assert serve(sched, Req("x", [10] + seq(900, 30), max_new_tokens=1)) == 0
     sched, cache = multiturn_scheduler(MultiTurn(ghosts=0))
     serve(sched, Req("a", seq(10, 24), max_new_tokens=2))
     serve(sched, Req("b", seq(10, 24) + seq(40, 8), max_new_tokens=2))
     cache.evict(1000)
-    assert serve(sched, Req("c", seq(10, 24) + seq(40, 8) + seq(60, 4), max_new_tokens=1)).turn == 0
+    assert serve(sched, Req("c", seq(10, 24) + seq(40, 8) + seq(60, 4), max_new_tokens=1)) == 0
 
 
 def test_multiturn_counts_turns_on_through_continuations_and_caps_the_head_start():
@@ -626,11 +634,13 @@ def test_multiturn_counts_turns_on_through_continuations_and_caps_the_head_start
     prompt, turns = seq(10, 12), []
     for k in range(3):
         prompt = prompt + seq(100 + 10 * k, 4)
-        turns.append(serve(sched, Req(k, prompt, max_new_tokens=1)).turn)
+        turns.append(serve(sched, Req(k, prompt, max_new_tokens=1)))
     assert turns == [0, 1, 2]
     policy = MultiTurn(turn_bonus=100, max_turns=2)
     node = next(node for node, _ in tree_nodes(cache))
-    node.turn, node.last_access = 5, 7
+    policy.turns = TurnTable()
+    policy.turns.stamp(node, 5)
+    node.last_access = 7
     assert policy._key(node) == 7 + 2 * 100
 
 
@@ -643,8 +653,7 @@ def test_multiturn_forgets_its_ghosts_on_reset_and_other_policies_never_infer_tu
     assert not cache._policy._ghosts
     sched, cache = multiturn_scheduler("lru")
     serve(sched, Req("a", seq(10, 12), max_new_tokens=2))
-    req = serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=2))
-    assert req.turn is None and all(node.turn == 0 for node, _ in tree_nodes(cache))
+    assert serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=2)) is None and cache._turns is None
 
 
 def test_multiturn_counts_turns_with_pages_and_chunked_prefill():
@@ -654,10 +663,10 @@ def test_multiturn_counts_turns_with_pages_and_chunked_prefill():
     prompt, turns = seq(10, 22), []
     for k in range(3):  # each turn's prompt is the last one's and 6 tokens more; chunks of 8 tokens
         prompt = prompt + seq(100 + 10 * k, 6)
-        turns.append(serve(sched, Req(k, prompt, max_new_tokens=3)).turn)
+        turns.append(serve(sched, Req(k, prompt, max_new_tokens=3)))
     assert turns == [0, 1, 2]
     cache.evict(1000)
-    assert serve(sched, Req("back", prompt + seq(200, 6), max_new_tokens=1)).turn == 3  # by its ghost
+    assert serve(sched, Req("back", prompt + seq(200, 6), max_new_tokens=1)) == 3  # by its ghost
     cache.check_invariants()
 
 
@@ -667,7 +676,7 @@ def test_multiturn_checks_a_ghost_against_the_whole_prompt_not_the_first_chunk()
     sched = Scheduler(pool, alloc, cache, SchedulerConfig(chunked_prefill_size=8))
     put(cache, seq(10, 24))
     cache.evict(1000)  # a 24-token leaf: its ghost holds 16 tokens, more than the first chunk's 8
-    assert serve(sched, Req("back", seq(10, 24) + seq(40, 8), max_new_tokens=1)).turn == 1
+    assert serve(sched, Req("back", seq(10, 24) + seq(40, 8), max_new_tokens=1)) == 1
 
 
 def test_multiturn_serves_a_host_tier_too():
@@ -675,7 +684,7 @@ def test_multiturn_serves_a_host_tier_too():
     cache = HiRadixCache(pool, alloc, HostSlotPool(256, 1), eviction_policy="lru", host_eviction_policy="multiturn")
     sched = Scheduler(pool, alloc, cache)
     serve(sched, Req("a", seq(10, 12), max_new_tokens=2))
-    assert serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=2)).turn == 1
+    assert serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=2)) == 1
     cache.check_invariants()
     # A device leaf that leaves with no host copy leaves its ghost with the host tier's policy.
     pool, alloc = ReqToTokenPool(4, 64), TokenAllocator(64)
@@ -685,7 +694,7 @@ def test_multiturn_serves_a_host_tier_too():
     serve(sched, Req("a", seq(10, 24), max_new_tokens=2))
     serve(sched, Req("b", seq(10, 24) + seq(40, 8), max_new_tokens=2))
     cache.evict(1000)
-    assert serve(sched, Req("c", seq(10, 24) + seq(40, 8) + seq(60, 4), max_new_tokens=1)).turn == 2
+    assert serve(sched, Req("c", seq(10, 24) + seq(40, 8) + seq(60, 4), max_new_tokens=1)) == 2
     cache.check_invariants()
 
 
@@ -699,7 +708,7 @@ def test_lookahead_over_multiturn_leaves_a_ghost_of_a_prefix_a_waiting_request_n
 def test_lookahead_over_multiturn_infers_turns_through_its_base():
     sched, cache = multiturn_scheduler("lookahead+multiturn")
     serve(sched, Req("a", seq(10, 12), max_new_tokens=2))
-    assert serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=2)).turn == 1
+    assert serve(sched, Req("b", seq(10, 12) + seq(30, 4), max_new_tokens=2)) == 1
     assert cache._policy.tracks_turns and not Lookahead().tracks_turns
     cache.check_invariants()
 
@@ -707,14 +716,14 @@ def test_lookahead_over_multiturn_infers_turns_through_its_base():
 def test_multiturn_a_match_of_exactly_the_continuation_share_continues_the_conversation():
     sched, _ = multiturn_scheduler(MultiTurn(continuation=0.5))
     serve(sched, Req("a", seq(10, 8), max_new_tokens=1))
-    assert serve(sched, Req("b", seq(10, 8) + seq(30, 8), max_new_tokens=1)).turn == 1  # 8 of 16
-    assert serve(sched, Req("c", seq(10, 7) + seq(50, 9), max_new_tokens=1)).turn == 0  # 7 of 16
+    assert serve(sched, Req("b", seq(10, 8) + seq(30, 8), max_new_tokens=1)) == 1  # 8 of 16
+    assert serve(sched, Req("c", seq(10, 7) + seq(50, 9), max_new_tokens=1)) == 0  # 7 of 16
 
 
 def test_multiturn_at_continuation_zero_a_prompt_that_matches_nothing_is_still_a_first_prompt():
     sched, _ = multiturn_scheduler(MultiTurn(continuation=0))
-    assert serve(sched, Req("a", seq(10, 8), max_new_tokens=1)).turn == 0
-    assert serve(sched, Req("b", seq(10, 2) + seq(30, 8), max_new_tokens=1)).turn == 1
+    assert serve(sched, Req("a", seq(10, 8), max_new_tokens=1)) == 0
+    assert serve(sched, Req("b", seq(10, 2) + seq(30, 8), max_new_tokens=1)) == 1
 
 
 @pytest.mark.parametrize("ghosts, remembered", [(1, "c"), (2, "bc")])
@@ -724,7 +733,7 @@ def test_multiturn_remembers_the_last_ghosts_evictions(ghosts, remembered):
     for name, prompt in prompts.items():
         serve(sched, Req(name, prompt, max_new_tokens=1))
     cache.evict(1000)  # a, b, c in that order
-    turns = {name: serve(sched, Req(name + "'", prompt + seq(900, 4), max_new_tokens=1)).turn
+    turns = {name: serve(sched, Req(name + "'", prompt + seq(900, 4), max_new_tokens=1))
              for name, prompt in prompts.items()}
     assert turns == {name: int(name in remembered) for name in "abc"}
 
@@ -735,7 +744,7 @@ def test_multiturn_finds_a_ghost_by_its_whole_first_page_when_pages_are_longer_t
     sched = Scheduler(pool, alloc, cache)
     serve(sched, Req("a", seq(10, 24), max_new_tokens=1))
     cache.evict(1000)
-    assert serve(sched, Req("b", seq(10, 24) + seq(40, 8), max_new_tokens=1)).turn == 1
+    assert serve(sched, Req("b", seq(10, 24) + seq(40, 8), max_new_tokens=1)) == 1
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -158,18 +158,18 @@ def test_an_evicted_backed_up_prefix_stays_on_host_and_loads_back_with_its_kv():
     w.check_content()
 
 
-def test_a_load_back_through_the_checked_api_keeps_the_ownership_bitmap_exact():
-    # A caller of the checked API that loads a prefix back and then inserts must not make each insert rebuild
-    # the bitmap from every node: the loaded slots are marked as they land.
+def test_a_load_back_marks_its_slots_cached_in_the_allocator():
+    # The loaded slots are the tree's the moment they land: a checked insert refuses them as another prefix's.
     w = World(device=16, host=64)
     key = tokens((100, 12))
     w.put(key)
     assert w.cache.evict(12) == 12
     m = w.cache.match_prefix(key)
-    w.cache.load_back(m.last_host_node, 12)
-    assert not w.cache._in_tree_stale
+    loaded = w.cache.load_back(m.last_host_node, 12)
+    assert w.alloc.cached_mask(loaded.numpy()).all()
+    with pytest.raises(ValueError, match="already caches for another prefix"):
+        w.cache.insert(tokens((500, 2)), loaded[:2])
     w.put(tokens((100, 12), (300, 4)))
-    assert not w.cache._in_tree_stale
     w.cache.check_invariants()
 
 

@@ -624,8 +624,8 @@ def test_a_kept_walk_said_current_is_the_walk_a_fresh_descent_takes(data):
     views = [key_bytes("key", k) for k in keys]
     kept = []
     for _ in range(data.draw(st.integers(1, 12))):
-        kept = [(v, cache._prefix_walk(v, None)) for v in views]
-        kept = [(v, w, cache._next_page(v, w)) for v, w in kept]
+        kept = [(v, cache.prefix_walk(v, None)) for v in views]
+        kept = [(v, w, cache.next_page(v, w)) for v, w in kept]
         for _ in range(data.draw(st.integers(1, 3))):
             op = data.draw(st.sampled_from(["insert", "evict", "match"]))
             tokens = data.draw(st.lists(st.integers(1, 3), min_size=page_size, max_size=12))
@@ -637,8 +637,8 @@ def test_a_kept_walk_said_current_is_the_walk_a_fresh_descent_takes(data):
             else:
                 cache.match_prefix(tokens)  # may split an edge
         for view, walk, page in kept:
-            if cache._walk_is_current(walk, page, None):
-                fresh = cache._prefix_walk(view, None)
+            if cache.walk_is_current(walk, page, None):
+                fresh = cache.prefix_walk(view, None)
                 assert (fresh.node, fresh.num_tokens) == (walk.node, walk.num_tokens)
         cache.check_invariants()
 
@@ -649,15 +649,15 @@ def test_a_kept_walk_goes_stale_when_its_end_is_evicted_or_the_tree_grows_past_i
     cache, _ = make_cache()
     put(cache, [1, 2, 3, 4])
     view = key_bytes("key", [1, 2, 3, 4, 5, 6])
-    walk = cache._prefix_walk(view, None)
-    page = cache._next_page(view, walk)
-    assert walk.num_tokens == 4 and cache._walk_is_current(walk, page, None)
+    walk = cache.prefix_walk(view, None)
+    page = cache.next_page(view, walk)
+    assert walk.num_tokens == 4 and cache.walk_is_current(walk, page, None)
     put(cache, [1, 2, 3, 4, 5])  # a child with the key's next token
-    assert not cache._walk_is_current(walk, page, None)
-    walk = cache._prefix_walk(view, None)
-    page = cache._next_page(view, walk)
+    assert not cache.walk_is_current(walk, page, None)
+    walk = cache.prefix_walk(view, None)
+    page = cache.next_page(view, walk)
     cache.evict(64)
-    assert not cache._walk_is_current(walk, page, None) and cache._prefix_walk(view, None).num_tokens == 0
+    assert not cache.walk_is_current(walk, page, None) and cache.prefix_walk(view, None).num_tokens == 0
 
 
 # ---- a request's tokens inserted from its locked prefix ------------------------------------------------------
@@ -674,11 +674,12 @@ def test_inserting_below_a_requests_prefix_node_builds_the_tree_an_insert_from_t
         tokens = list(range(1, 13)) + [70] * 8 + list(range(13, 17))
         slots = alloc.alloc(len(tokens))
         if below:
-            new, last = cache._insert(array("q", tokens[matched:]), slots[matched:].numpy(), 0, checked=False,
-                                      below=node)
+            new, last = cache._insert(memoryview(array("q", tokens[matched:])).cast("B"), slots[matched:].numpy(), 0,
+                                      None, node)
             new += matched
         else:
-            new, last = cache._insert(tokens, slots, 0)
+            new, last = cache._insert(memoryview(array("q", tokens)).cast("B"), slots.numpy(), 0, None,
+                                      cache.root_node)
         alloc.free(slots[:new])  # what was cached already stays the caller's
         trees.append((new, path_tokens(cache, last), cached_sequences(cache), cache.evictable_size()))
         cache.check_invariants()
@@ -759,11 +760,11 @@ def test_a_request_s_row_is_checked_before_it_is_cached():
     admit(cache, req, 3)
     req.kv_len, req.cache_protected_len = 2, 3
     assert message_of(lambda: cache.cache_finished_req(req)) == \
-        "request 'r1': need 0 <= cache_protected_len (3) <= kv_len (2)"
+        "request 'r1': need 0 <= cache_protected_len (3) <= kv_len (2) <= its 3 tokens"
     req.kv_len, req.cache_protected_len = 3, 0
     cache.req_to_token_pool.req_to_token[req.req_pool_idx, 2] = 30  # a slot nobody allocated
     assert message_of(lambda: cache.cache_finished_req(req)) == \
-        "value holds slot 30, which token_allocator has not handed out"
+        "request 'r1': its row holds slot 30, which token_allocator has not handed out"
 
 
 def test_a_finished_request_holding_only_its_cached_prefix_and_a_partial_page_releases_everything():
@@ -949,19 +950,17 @@ def corrupt(case):
         cache._pinned.add((0, -1, None))
         return cache, "the evictable sets hold 3 entries for 2 unlocked leaves"
     if case == "slot 0":
-        cache._in_tree[leaf.value] = False
         leaf.value = np.array([0, 1])
         return cache, "the tree holds slot 0 (slot 0 is padding)"
     if case == "twice":
-        cache._in_tree[leaf.value] = False
         leaf.value = head.value.copy()
         return cache, "the tree holds a slot more than once"
     if case == "freed":
         alloc.free(torch.from_numpy(leaf.value))
-        return cache, "the tree holds a slot that token_allocator considers free"
-    if case == "bitmap":
-        cache._in_tree[15] = True
-        return cache, "the ownership bitmap does not match the slots in the tree"
+        return cache, "the tree holds a slot that token_allocator has not marked cached (or considers free)"
+    if case == "marked":
+        alloc.mark_cached(alloc.alloc(2).numpy())
+        return cache, "token_allocator marks 8 slots cached; the tree holds 6"
     if case == "depth":
         leaf.depth += 2
         return cache, f"node {leaf.id}: depth 4, but its parent's path ends at 2 tokens"
@@ -989,7 +988,7 @@ def corrupt(case):
 
 @pytest.mark.parametrize("case", ["root", "root key", "root child", "parent", "child key", "whole pages", "lock",
                                   "slots", "entry", "extra entry", "stale entry", "counters", "set size", "slot 0",
-                                  "twice", "freed", "bitmap", "depth", "pin mark", "pin depth", "pin counters",
+                                  "twice", "freed", "marked", "depth", "pin mark", "pin depth", "pin counters",
                                   "pin budget", "pinned entry"])
 def test_check_invariants_names_the_invariant_that_broke(case):
     cache, message = corrupt(case)
@@ -1028,16 +1027,20 @@ def test_a_request_of_the_engine_s_own_class_is_named_by_its_repr_when_it_has_no
     req = SimpleNamespace(req_pool_idx=None, input_ids=[1, 2], output_ids=[], kv_len=0, cache_protected_len=0)
     assert message_of(lambda: cache.cache_finished_req(req)) == \
         f"request {req!r} has no req_to_token row (req_pool_idx is None)"
-    req.req_pool_idx, req.cache_protected_len = 0, 1
+    req.req_pool_idx = 0
     assert message_of(lambda: cache.cache_finished_req(req)) == \
-        f"request {req!r}: need 0 <= cache_protected_len (1) <= kv_len (0)"
+        f"request {req!r}: req_pool_idx 0 is not an allocated row of req_to_token_pool"
+    req.req_pool_idx, req.cache_protected_len = cache.req_to_token_pool.alloc(1)[0], 1
+    assert message_of(lambda: cache.cache_finished_req(req)) == \
+        f"request {req!r}: need 0 <= cache_protected_len (1) <= kv_len (0) <= its 2 tokens"
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("finished", [True, False])
-def test_the_scheduler_s_unchecked_caching_builds_what_the_checked_one_builds(page_size, finished):
-    # The Scheduler caches its own requests with checked=False: the insert starts below the locked prefix and the
-    # frees skip the allocator's checks. Tree, slots in use and the request's fields must come out the same.
+def test_the_scheduler_s_trusted_caching_builds_what_the_checked_one_builds(page_size, finished):
+    # The Scheduler caches its own requests with cache_req, which checks nothing: the insert starts below the
+    # locked prefix and the frees skip the allocator's checks. Tree, slots in use and the request's fields must come
+    # out as the checked cache_finished_req / cache_unfinished_req leave them.
     outcomes = []
     for checked in (True, False):
         cache, alloc = make_cache(size=128, page_size=page_size)
@@ -1046,7 +1049,7 @@ def test_the_scheduler_s_unchecked_caching_builds_what_the_checked_one_builds(pa
         req = Req("a", list(range(1, 11)) + [60, 61, 62], max_new_tokens=4)
         own = admit(cache, req, 12)  # 8 cached; 5 prompt tokens, 4 outputs, a page's slack
         req.output_ids, req.kv_len = [70, 71, 72, 73], 17
-        cache._cache_req(req, finished=finished, checked=checked)
+        cache_request(cache, req, finished, checked)
         cache.check_invariants()
         if not finished:  # its prefix is now its whole pages: the tree's slots, as many as cache_protected_len
             aligned = 17 // page_size * page_size
@@ -1066,8 +1069,8 @@ def namespace_nodes(cache, namespace):
 
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("finished", [True, False])
-def test_the_scheduler_s_unchecked_caching_keeps_priority_and_namespace_and_frees_what_a_twin_cached(page_size,
-                                                                                                     finished):
+def test_the_scheduler_s_trusted_caching_keeps_priority_and_namespace_and_frees_what_a_twin_cached(page_size,
+                                                                                                   finished):
     # As above, in a namespace, at a priority, and with a twin request that cached the same tokens while this
     # one ran: its own slots for them are duplicates, freed (or, unfinished, swapped for the tree's).
     outcomes = []
@@ -1089,7 +1092,7 @@ def test_the_scheduler_s_unchecked_caching_keeps_priority_and_namespace_and_free
         assert cache.insert(prompt, twin, priority=2, namespace="t") == 4
         alloc.free(twin[:4])
         req.output_ids, req.kv_len = [70, 71, 72, 73], 16
-        cache._cache_req(req, finished=finished, checked=checked)
+        cache_request(cache, req, finished, checked)
         cache.check_invariants()
         if not finished:  # the row holds the tree's slots for its whole pages now
             assert row[:16].tolist() == cache.match_prefix(prompt + [70, 71, 72, 73, 0], "t").indices.tolist()
@@ -1127,41 +1130,29 @@ def test_pins_are_named_by_their_whole_pages_and_evicted_oldest_pin_first():
     assert first.pin == later.pin == 0  # evicted with its pin, or unpinned: a node's pin is 0 again
 
 
-def test_a_checked_insert_after_the_schedulers_unchecked_ones_still_refuses_the_trees_own_slots():
-    # The Scheduler's inserts and the evictions after them leave the ownership bitmap stale; the next checked
-    # insert rebuilds it from the tree: a slot the tree holds is refused, one it evicted is taken.
+def cache_request(cache, req, finished, checked):
+    if checked:
+        (cache.cache_finished_req if finished else cache.cache_unfinished_req)(req)
+    else:
+        cache.cache_req(req, finished)
+
+
+def test_the_scheduler_s_inserts_and_evictions_keep_the_allocators_page_states_exact():
+    # Whoever inserts and evicts (the Scheduler's trusted path, or the checked API), the allocator's page states
+    # say exactly which slots are whose: a checked insert refuses a slot the tree holds and takes
+    # one it evicted, with no rebuild in between.
     from kvmem.scheduler import Scheduler
 
     tree, alloc = make_cache(64)
     sched = Scheduler(tree.req_to_token_pool, alloc, tree)
     sched.add_request(Req("a", list(range(1, 11)), 1))
-    sched.process_batch_result(sched.step(), [99])  # finishes: 10 tokens cached unchecked
+    sched.process_batch_result(sched.step(), [99])  # finishes: 10 tokens cached through cache_req
     held = tree.match_prefix(list(range(1, 11))).indices
-    assert tree._in_tree_stale and len(held) == 10
+    assert len(held) == 10 and alloc.cached_mask(held.numpy()).all()
     with pytest.raises(ValueError, match="already caches for another prefix"):
         tree.insert([500, 501], held[:2])
     assert tree.evict(64) == 10 and tree.total_size() == 0
+    assert alloc.cached_size() == 0 and not alloc.is_allocated(held).any()
     again = alloc.alloc(64)
-    assert tree.insert([500, 501], again[:2]) == 0 and not tree._in_tree_stale
-    tree.check_invariants()
-
-
-def test_a_tree_used_through_its_checked_api_keeps_the_allocators_flags_exact_across_evictions():
-    # Evictions of a tree whose bitmap is exact (checked inserts) free exactly, so the next checked insert reads
-    # flags as they are instead of rebuilding every one (O(capacity) per insert). Once the Scheduler's unchecked
-    # inserts have made the bitmap stale, evictions leave the allocator's flags stale too, as its frees do.
-    from kvmem.scheduler import Scheduler
-
-    tree, alloc = make_cache(64)
-    put(tree, list(range(1, 11)))
-    put(tree, list(range(20, 30)))
-    assert tree.evict(10) == 10
-    assert not tree._in_tree_stale and not alloc._pages._stale
-    put(tree, list(range(40, 45)))
-    assert not alloc._pages._stale
-    tree.check_invariants()
-    sched = Scheduler(tree.req_to_token_pool, alloc, tree)
-    sched.add_request(Req("a", list(range(100, 110)), 1))
-    sched.process_batch_result(sched.step(), [99])  # cached unchecked: the bitmap goes stale
-    assert tree._in_tree_stale and tree.evict(64) >= 10 and alloc._pages._stale
+    assert tree.insert([500, 501], again[:2]) == 0
     tree.check_invariants()

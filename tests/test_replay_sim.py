@@ -12,11 +12,11 @@ from kvmem import sizing
 from kvmem.eviction import EVICTION_POLICIES
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.cost import GPUS, MODEL_COMPUTE, RooflineCost, StepCost, cost_model
+from kvmem.replay.decode_runs import ReplayScheduler
 from kvmem.replay.report import ReplayReport, format_summary
 from kvmem.replay.simulator import ReplicaSim, replay
 from kvmem.replay.synthetic import multi_turn_chat
 from kvmem.replay.traces import TraceRequest, default_trace_path, read_trace
-from kvmem.scheduler import Scheduler
 
 TIMINGS = ("cache_op_seconds", "replay_seconds", "cache_op_breakdown_s")
 
@@ -38,7 +38,7 @@ def test_a_replay_with_decode_runs_reports_what_stepping_one_by_one_reports(monk
     trace = read_trace(default_trace_path(), limit=40)
     config = ReplayConfig(capacity_tokens=20000, max_context_len=trace.max_context_len, **extra)
     fast = replay(trace, config)
-    monkeypatch.setattr(Scheduler, "pure_decode_steps", lambda self: 0)
+    monkeypatch.setattr(ReplayScheduler, "pure_decode_steps", lambda self: 0)
     slow = replay(trace, config)
     assert report_without_timings(fast) == report_without_timings(slow)
     assert samples(fast) == samples(slow)
@@ -50,7 +50,7 @@ def test_a_chat_replay_with_decode_runs_matches_too(monkeypatch):
                             arrival_rate=20.0, seed=3)
     config = ReplayConfig(capacity_tokens=3000, max_context_len=trace.max_context_len, page_size=4, max_running=8)
     fast = replay(trace, config)
-    monkeypatch.setattr(Scheduler, "pure_decode_steps", lambda self: 0)
+    monkeypatch.setattr(ReplayScheduler, "pure_decode_steps", lambda self: 0)
     assert samples(replay(trace, config)) == samples(fast) and fast.hit_rate > 0
 
 
@@ -80,7 +80,7 @@ def test_decode_runs_report_what_stepping_reports_under_any_replay_configuration
         **({} if tp is None else {"gpu": "H100", "model": "llama-3-8b", "tp": tp}))
     fast = replay(trace, config)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Scheduler, "pure_decode_steps", lambda self: 0)
+        patch.setattr(ReplayScheduler, "pure_decode_steps", lambda self: 0)
         slow = replay(trace, config)
     assert report_without_timings(fast) == report_without_timings(slow)
     assert samples(fast) == samples(slow)
@@ -180,9 +180,27 @@ def test_under_tensor_parallelism_each_gpu_loads_its_share_of_the_kv_over_its_ow
     n, kv = 10**6, cost.kv_bytes_per_token * copies  # tokens loaded; a token's KV on all the GPUs together
     prefix, seq = np.array([n]), np.array([n + 1])   # one new token: the load is the step
     assert cost.extend_seconds(prefix, seq, loaded_tokens=n) == pytest.approx(kv * n / (tp * 50e9))
-    # Read from the storage tier first, then over the host links: one store, shared by every GPU.
+    # Read from the storage tier first (a round trip, then the bytes), then over the host links: one store,
+    # shared by every GPU.
     assert cost.extend_seconds(prefix, seq, loaded_tokens=n, storage_tokens=n) == \
-        pytest.approx(kv * n / (tp * 50e9) + kv * n / 10e9)
+        pytest.approx(kv * n / (tp * 50e9) + cost.storage_latency_us * 1e-6 + kv * n / 10e9)
+
+
+def test_a_prefill_that_reads_from_storage_waits_one_round_trip_then_the_bytes_at_its_bandwidth():
+    cost = RooflineCost("H100", "llama-3-8b", storage_gbps=10.0, storage_latency_us=250.0)
+    compute = cost.extend_seconds(np.array([20000]), np.array([20100]))
+    host_only = cost.extend_seconds(np.array([20000]), np.array([20100]), loaded_tokens=20000)
+    read = cost.extend_seconds(np.array([20000]), np.array([20100]), loaded_tokens=20000, storage_tokens=20000)
+    assert host_only == pytest.approx(max(compute, 20000 * 131072 / 50e9))
+    assert read == pytest.approx(20000 * 131072 * (1 / 50e9 + 1 / 10e9) + 250e-6) and read > host_only
+    assert RooflineCost("H100", "llama-3-8b").storage_latency_us == 100.0
+    for bad in (-1.0, float("inf"), "5"):
+        with pytest.raises(ValueError, match="storage_latency_us"):
+            RooflineCost("H100", "llama-3-8b", storage_latency_us=bad)
+        with pytest.raises(ValueError, match="storage_latency_us"):
+            ReplayConfig(capacity_tokens=4096, max_context_len=512, storage_latency_us=bad)
+    config = ReplayConfig(capacity_tokens=4096, max_context_len=512, gpu="H100", storage_latency_us=30.0)
+    assert cost_model(config).storage_latency_us == 30.0
 
 
 def test_the_kv_capacity_of_a_gpu_server_is_what_its_memory_leaves_beside_the_weights():
@@ -464,7 +482,7 @@ def test_a_step_returns_the_requests_it_finished_and_those_it_finished_prefillin
 
 
 def test_a_single_decode_step_prefilled_nothing(monkeypatch):
-    monkeypatch.setattr(Scheduler, "pure_decode_steps", lambda self: 0)  # every decode step on its own
+    monkeypatch.setattr(ReplayScheduler, "pure_decode_steps", lambda self: 0)  # every decode step on its own
     sim = ReplicaSim(ReplayConfig(capacity_tokens=4096, max_context_len=512))
     sim.add_request("a", TraceRequest(list(range(1, 33)), output_len=3))
     assert [r.rid for r in sim.step().prefilled] == ["a"]

@@ -19,14 +19,14 @@ leaves, and the tree never scans: every call below is O(log n) or better in the 
     request_turn(node, rest, matched, prompt_len) -> turn
                               a request that matched `matched` tokens down to `node` (its device prefix),
                               its prompt going on with `rest`, inserts its first new tokens: its conversation
-                              turn, which the cache stamps on the nodes it inserts (`turn`); only if
-                              `tracks_turns`
+                              turn, which the cache stamps on the nodes it inserts in its `turns` table
+                              (`kvmem.eviction.turns`, set by the cache); only if `tracks_turns`
 
 Node fields a policy may read: `last_access` and `created` (ticks of the tree's logical clock, which advances
 once per match_prefix / insert: deterministic, unlike wall time), `hit_count` (how many match_prefix calls
-reached the node), `priority` (the highest priority of the requests that inserted through it), `turn` (the same for
-their conversation turns; 0 unless a policy of the cache `tracks_turns`), `depth`
-(tokens on the path above it) and `num_tokens`. The tree updates them along the whole path of an access, but
+reached the node), `priority` (the highest priority of the requests that inserted through it), `depth`
+(tokens on the path above it) and `num_tokens`; a policy that `tracks_turns` reads a node's conversation turn
+from its `turns` table. The tree updates them along the whole path of an access, but
 re-ranks only the path's last node when it is an evictable leaf (no other node on the path is one), so a
 policy must not rank a leaf by what changes on its ancestors.
 
@@ -41,7 +41,10 @@ from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedList
 
+from kvmem._paging import TOKEN_BYTES
+
 if TYPE_CHECKING:
+    from kvmem.eviction.turns import TurnTable
     from kvmem.radix_tree import RadixTree, TreeNode
 
 EvictionKey = Callable[["TreeNode"], Any]
@@ -53,9 +56,11 @@ class EvictionPolicy(ABC):
     name = "policy"
     looks_ahead = False  # True: the tree walks each queued request's key to tell `waiting` where it ends
     tracks_turns = False  # True: the cache asks `request_turn` for each request and stamps it on its nodes
+    turns: TurnTable | None = None  # where: the cache's table, set by the cache when `tracks_turns`
 
     def __init__(self) -> None:
         self._tree: RadixTree | None = None
+        self._page_bytes = 0
 
     def bind(self, tree: RadixTree) -> None:
         """Called once by the tier the policy serves."""
@@ -63,6 +68,7 @@ class EvictionPolicy(ABC):
             raise ValueError(f"this {self.name!r} policy already orders another tier's leaves: give each tier "
                              "of each cache a policy object of its own")
         self._tree = tree
+        self._page_bytes = tree.page_size * TOKEN_BYTES  # a page of token ids, as node keys hold them
 
     @abstractmethod
     def add(self, node: TreeNode) -> Any:
@@ -119,7 +125,7 @@ class EvictionPolicy(ABC):
     def _page_key(self, node: TreeNode) -> int:
         """A name for `node`'s place in the tree that outlives it (its parent and first page), for ghost lists:
         a prefix evicted and recomputed comes back under the same parent with the same first page."""
-        return place_key(node.parent, node.key[:self._tree._page_bytes])
+        return place_key(node.parent, node.key[:self._page_bytes])
 
 
 def place_key(parent: TreeNode, first_page: bytes) -> int:

@@ -62,7 +62,7 @@ class GDSF(KeyedPolicy):
         entry = self._leaves.pop(0)
         if entry[0] > self.inflation:
             self.inflation = entry[0]
-            tick = self._tree._clock
+            tick = self._tree.clock
             if self._ticks and self._ticks[-1] == tick:
                 self._levels[-1] = entry[0]
             else:
@@ -79,7 +79,7 @@ class GDSF(KeyedPolicy):
     def _prune(self) -> None:
         """Drops the history no evictable leaf reads: entries before the one in force at the oldest access. The
         next prune waits until the history has doubled, so the scan of the leaves is amortized O(1) a pop."""
-        oldest = min(entry[2].last_access for entry in self._leaves) if self._leaves else self._tree._clock
+        oldest = min(entry[2].last_access for entry in self._leaves) if self._leaves else self._tree.clock
         keep = max(0, bisect_left(self._ticks, oldest) - 1)
         if keep:
             del self._ticks[:keep], self._levels[:keep]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedList
 
-from kvmem._index import TOKEN_BYTES
+from kvmem._paging import TOKEN_BYTES
 from kvmem.eviction.base import EvictionPolicy, KeyedPolicy, lru
 
 if TYPE_CHECKING:
@@ -66,6 +66,14 @@ class Lookahead(EvictionPolicy):
     def tracks_turns(self) -> bool:  # type: ignore[override]  # the base policy's (lookahead+multiturn)
         return self.base.tracks_turns
 
+    @property
+    def turns(self):
+        return self.base.turns
+
+    @turns.setter
+    def turns(self, table) -> None:  # the table the cache stamps turns in is the base policy's
+        self.base.turns = table
+
     def request_turn(self, node: TreeNode, rest: Sequence[int], matched: int, prompt_len: int) -> int:
         return self.base.request_turn(node, rest, matched, prompt_len)
 
@@ -95,7 +103,7 @@ class Lookahead(EvictionPolicy):
     def _grow(self, node: TreeNode) -> None:
         """`node` appeared where waiting requests' keys go on from its parent: their marks move down to it."""
         waiting = self._follow[node.parent]
-        rids = waiting.pop(node.key[:self._tree._page_bytes], ())
+        rids = waiting.pop(node.key[:self._page_bytes], ())
         if not waiting:
             del self._follow[node.parent]
         for rid in rids:
@@ -107,10 +115,10 @@ class Lookahead(EvictionPolicy):
 
     def _follow_from(self, rid: Any, node: TreeNode) -> None:
         """If rid's key covers `node`'s whole path and goes on by a page, waits for the tree to grow there."""
-        key, page = self._keys[rid], self._tree._page_bytes
+        key, page = self._keys[rid], self._page_bytes
         start, end = node.depth * TOKEN_BYTES, (node.depth + node.num_tokens) * TOKEN_BYTES
         # startswith, not !=: bytes against a memoryview slice compares by memcmp, while a memoryview's own
-        # comparison unpacks item by item (about 15x slower on a 2 KB edge). The slice has the edge's length.
+        # comparison unpacks item by item. The slice has the edge's length.
         if len(key) < end + page or (node.parent is not None and not node.key.startswith(key[start:end])):
             return
         nxt = key[end:end + page].tobytes()

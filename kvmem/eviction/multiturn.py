@@ -28,7 +28,7 @@ the device policy's ghosts are the ones read. Only requests cached through `cach
 order is then LRU's. O(log n) per operation; the turn costs one dict lookup per request.
 
 The defaults (1,500 ticks a turn, at most 4, continuation 0.7) were chosen on the Mooncake conversation trace;
-the README shows what they buy there and on the other workloads. The idea of a conversation's turns as its
+docs/eviction.md shows what they buy there and on the other workloads. The idea of a conversation's turns as its
 reuse signal comes from that trace's statistics; the ghosts from ARC (Megiddo and Modha, FAST 2003).
 """
 
@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvmem._checks import check_int, check_number
-from kvmem._index import TOKEN_BYTES
+from kvmem._paging import TOKEN_BYTES
 from kvmem.eviction.base import KeyedPolicy, place_key
 
 if TYPE_CHECKING:
@@ -75,24 +75,24 @@ class MultiTurn(KeyedPolicy):
         self._ghosts: OrderedDict[int, tuple[bytes, int]] = OrderedDict()
 
     def _key(self, node: TreeNode) -> int:
-        return node.last_access + self.turn_bonus * min(node.turn, self.max_turns)
+        return node.last_access + self.turn_bonus * min(self.turns.of(node), self.max_turns)
 
     def evicted(self, node: TreeNode) -> None:
         if self.max_ghosts:
             ghosts, name = self._ghosts, self._page_key(node)
             ghosts.pop(name, None)
-            ghosts[name] = (node.key[:self.ghost_tokens * TOKEN_BYTES], node.turn)
+            ghosts[name] = (node.key[:self.ghost_tokens * TOKEN_BYTES], self.turns.of(node))
             if len(ghosts) > self.max_ghosts:
                 ghosts.popitem(last=False)
 
     def request_turn(self, node: TreeNode, rest: Sequence[int], matched: int, prompt_len: int) -> int:
         head = bytes(rest[:max(self._tree.page_size, self.ghost_tokens)])
-        ghost = self._ghosts.get(place_key(node, head[:self._tree._page_bytes]))
+        ghost = self._ghosts.get(place_key(node, head[:self._page_bytes]))
         # The name is one page; the ghost counts only if the key goes on with the leaf's first tokens too.
         if ghost is not None and head.startswith(ghost[0]):
             return ghost[1] + 1
         if node.parent is not None and matched >= self.continuation * prompt_len:
-            return node.turn + 1
+            return self.turns.of(node) + 1
         return 0
 
     def clear(self) -> None:

@@ -197,7 +197,7 @@ class BeladyPolicy(EvictionPolicy):
         return pos
 
     def _next_use(self, node: TreeNode) -> int:
-        first_page = np.frombuffer(node.key[:self._tree._page_bytes], dtype=np.int64)
+        first_page = np.frombuffer(node.key[:self._page_bytes], dtype=np.int64)
         return self._index.next_use(self._index.advance(self._end(node.parent), first_page))
 
     def _place(self, node: TreeNode, entry: list) -> list:

@@ -64,7 +64,7 @@ class TraceError(ValueError):
 
 def _mix64(z: np.ndarray) -> np.ndarray:
     """SplitMix64's finalizer on a uint64 array, in place (a bijection, so distinct inputs stay distinct). One
-    scratch array for the shifts: temporaries per step made expanding a trace's blocks 1.5x slower."""
+    scratch array for the shifts: a temporary per step slows the expansion of a trace's blocks."""
     shifted = z >> _SHIFTS[0]
     z ^= shifted
     z *= _MIX1
@@ -84,8 +84,7 @@ def block_token_ids(hash_ids: Sequence[int] | np.ndarray) -> np.ndarray:
 
     Row j depends only on hash_ids[j]: a 64-bit mix of the id (a bijection) per block, then four 32-bit passes
     per token that key each position by both halves of the mix; rows of distinct ids agree at a position by
-    chance, about once in 2**30. A token costs about 4 ns (0.58 s for the whole 145M-token conversation trace
-    against 1.08 s for a 64-bit mix per token, on the 2-core dev machine); looking blocks up in an LRU cache was
+    chance, about once in 2**30. Cheaper than a 64-bit mix per token; looking blocks up in an LRU cache was
     slower still, so blocks are not cached.
     """
     mixed = _mix64(np.asarray(hash_ids, dtype=np.uint64) + _GOLDEN)
@@ -103,8 +102,8 @@ def synthetic_output_ids(input_ids: Sequence[int] | np.ndarray, n: int) -> np.nd
     These are the tokens ../shared/peers' SGLang and vLLM drivers generate for a JSONL request without
     `output_ids`: Python's `random.Random` seeded with the little-endian blake2b-64 digest of the prompt
     as int64 bytes, then `randrange(10, 32000)` per token. So a JSONL workload replays the same in kvmem
-    and in the peers, follow-up turns that quote an earlier output included. Drawn in bulk (`_randrange_bulk`):
-    about 10 us for a 343-token output, against 60 us token by token.
+    and in the peers, follow-up turns that quote an earlier output included. Drawn in bulk (`_randrange_bulk`),
+    not token by token.
 
     Prefix-consistent: the first m tokens are the same for every n >= m, so a simulator may draw all
     n at admission or one per decode step. Synthetic multi-turn workloads build turn k's prompt from

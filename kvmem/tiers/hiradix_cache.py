@@ -14,16 +14,9 @@ set: a backed-up one stays in the tree as host-only, any other leaves it. Host e
 (unlocked, childless) from a second ordered set. Both are O(k log n) for k nodes, never a scan: SGLang's
 hierarchical cache collects every device leaf with a tree walk on each evict.
 
-Write policies: "write_through" backs a node up as soon as it is inserted, "write_through_selective" once a
-match has reached it twice, "write_back" only when device eviction would otherwise drop it.
-
-Backups are asynchronous on CUDA: a node being copied stays locked on device until its copy completes, and
-copies complete in the order they were issued. `writing_check()` (the Scheduler calls it every step) finishes
-them; with `tp_group`, a copy counts as complete only once every tensor-parallel rank has finished it
-(`all_reduce(MIN)` over the completed count, as SGLang does), so that all ranks take the same decisions. A
-copy that fails releases its host slots, and those of every backup issued after it (they may back up its
-descendants), and the nodes stay on device only: a fault costs hits, never correctness. A failed load leaves
-its nodes host-only and frees the device slots it took.
+Write policies and backups (`kvmem.tiers.backups`) decide when a device node gets its host copy; the storage
+tier under the host (`kvmem.tiers.storage_prefetch`) stores backed-up pages and reads a prompt's pages ahead of
+its admission. A failed load leaves its nodes host-only and frees the device slots it took.
 
 Events (`event_sink`): a page is reported stored on "GPU" when it gets device slots (inserted, loaded back,
 revived by an insert) and removed when it leaves them; stored on "CPU_PINNED" when its host copy completes (or a
@@ -43,6 +36,7 @@ host copy the tree holds (copies of device nodes, locked or loading host-only no
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,48 +44,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvmem._checks import check_int
+from kvmem._checks import check_int, check_number, fail_invariant
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.events.schema import MEDIUM_CPU_PINNED, AllBlocksCleared, KVCacheEvent
 from kvmem.eviction import EvictionPolicy, EvictionPolicySpec, make_policy
-from kvmem.page_hash import DIGEST_BYTES, chain_page_digests, namespace_prefix
 from kvmem.radix_cache import MatchResult, RadixCache
-from kvmem.radix_tree import TOKEN_BYTES, TreeNode, _fail, key_bytes
+from kvmem.radix_tree import TOKEN_BYTES, TreeNode
 from kvmem.req_to_token import ReqToTokenPool
-from kvmem.tiers.host_pool import Transfer
-from kvmem.tiers.storage_link import Prefetch, StorageLink
+from kvmem.tiers.backups import Backup, HostBackups, check_tp_group
+from kvmem.tiers.storage_link import PREFETCH_POLICIES, Prefetch, StorageLink
+from kvmem.tiers.storage_prefetch import StoragePrefetch
+from kvmem.tiers.tree_node import NO_SLOTS, HiTreeNode
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-_NO_SLOTS = np.empty(0, dtype=np.int64)  # the value of a node that is not on device
-_SELECTIVE_HITS = 2  # write_through_selective backs a node up once this many matches reached it
-
-
-class HiTreeNode(TreeNode):
-    """A tree node of the hierarchical cache: `value` is its device slots (empty when host-only),
-    `host_value` its host slots (None when not backed up), `host_entry` its record in the host-evictable set,
-    `device_children` how many of its children are on device, `backup` the backup in flight for it, if any."""
-
-    __slots__ = ("host_value", "host_entry", "device_children", "backup", "stored")
-
-    def __init__(self, key: bytes, value: np.ndarray, parent: TreeNode | None, created: int, id: int) -> None:
-        super().__init__(key, value, parent, created, id)
-        self.host_value: np.ndarray | None = None
-        self.host_entry: tuple | None = None
-        self.device_children = 0
-        self.backup: _Backup | None = None
-        self.stored = False  # its pages were handed to the storage tier
-
-
-@dataclass(eq=False)
-class _Backup:
-    """One device -> host copy in flight: the nodes it backs up (root first; a split puts its new head before
-    its tail), the node whose lock keeps their device copies alive until it completes, its token count."""
-
-    transfer: Transfer
-    nodes: list[HiTreeNode]
-    lock_node: HiTreeNode
-    tokens: int
-    discard: bool = False  # an earlier backup failed: this one may back up that one's descendants
 
 
 @dataclass
@@ -105,7 +70,7 @@ class TierStats:
     discarded_backups: int = 0      # backups released because an earlier one failed
 
 
-class HiRadixCache(RadixCache):
+class HiRadixCache(HostBackups, StoragePrefetch, RadixCache):
     """A radix cache over a device slot allocator and a host pool (see the module docstring).
 
     Args:
@@ -144,13 +109,21 @@ class HiRadixCache(RadixCache):
         if getattr(host_pool, "device_pool", None) is not None and host_pool.device_pool.size != token_allocator.size:
             raise ValueError(f"host_pool backs a device pool of {host_pool.device_pool.size} tokens, but "
                              f"token_allocator has {token_allocator.size}")
+        check_tp_group(tp_group)
+        if prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"prefetch_policy must be one of {PREFETCH_POLICIES}, got {prefetch_policy!r}")
+        check_number("prefetch_timeout_s", prefetch_timeout_s, 0)
+        owner = getattr(host_pool, "_cache", None)
+        if owner is not None and owner() is not None:
+            # Each cache hands out the pool's slots through its allocator as if it were alone: two would
+            # overwrite each other's host copies.
+            raise ValueError("host_pool already backs another HiRadixCache; give each cache its own host pool")
         if host_eviction_policy is None:
             if isinstance(eviction_policy, EvictionPolicy):
                 raise ValueError("host_eviction_policy is needed when eviction_policy is a policy object: a policy "
                                  "object orders one tier's leaves")
             host_eviction_policy = eviction_policy
         self._host_policy = make_policy(host_eviction_policy)
-        self._host_policy.bind(self)
         # Host slots reading pages for prefetches, not yet the tree's, and those prefetches not yet finished:
         # both outlive reset(), since a read in flight still writes into its slots.
         self._prefetch_held = 0
@@ -158,11 +131,12 @@ class HiRadixCache(RadixCache):
         link = None if storage is None else StorageLink(
             storage, host_pool, "wait_complete" if tp_group is not None else prefetch_policy, prefetch_timeout_s)
         super().__init__(req_to_token_pool, token_allocator, page_size, eviction_policy, event_sink, pin_budget)
+        self._host_policy.bind(self)
         self.storage_link = link
-        if self._turns is None and self._host_policy.tracks_turns:
-            self._turns = self._host_policy
+        self._track_turns([self._host_policy])
         self._names = self._names or link is not None  # storage keys are page digests
         self.host_pool = host_pool
+        host_pool._cache = weakref.ref(self)
         self.host_allocator = host_allocator
         self.write_policy = write_policy
         self.tp_group = tp_group
@@ -173,7 +147,7 @@ class HiRadixCache(RadixCache):
         self._host_policy.clear()
         self._host_evictable_size = 0
         self._host_protected_size = 0
-        self._pending: deque[_Backup] = deque()
+        self._pending: deque[Backup] = deque()
 
     # ---- sizes --------------------------------------------------------------------------------------
     def device_evictable_size(self) -> int:
@@ -204,12 +178,9 @@ class HiRadixCache(RadixCache):
         `host_hit_length` tokens are on host only, down to `last_host_node` (`load_back(last_host_node,
         host_hit_length)` brings them to the device). A match ending inside an edge splits that node.
         """
-        view = key_bytes("key", key)
-        node = self._walk_to_node(self._descend(view, len(view) - len(view) % self._page_bytes,
-                                                self._root(namespace)))
-        if node.parent is None:
-            return MatchResult(self._empty, node)
-        self._touch(node, hit=True)
+        return super().match_prefix(key, namespace)
+
+    def _matched(self, node: HiTreeNode) -> MatchResult:
         device_node, host_tokens = self._device_ancestor(node)
         if device_node.entry is not None:
             self._rekey(device_node)
@@ -230,47 +201,17 @@ class HiRadixCache(RadixCache):
         return node, tokens
 
     # ---- insert (reviving host-only nodes) ----------------------------------------------------------
-    def _insert(self, key, value, priority: int, namespace: str | None = None, *, checked: bool = True,
-                below: HiTreeNode | None = None, turn: int = 0) -> tuple[int, HiTreeNode]:
-        """As RadixCache's, but the walk may pass host-only nodes: the tree takes value's slots for them (the
-        tokens' KV is the same), so the count returned is only the leading tokens already on device."""
-        view = key_bytes("key", key)
-        nbytes = len(view)
-        if checked:
-            value, priority = self._check_insert(view, value, priority)
-        walk = self._descend(view, nbytes, self._root(namespace) if below is None else below)
-        matched = walk.num_tokens
-        revived = self._host_tokens_on_walk(walk)
-        on_device = matched - revived
-        grows = matched * TOKEN_BYTES < nbytes
-        if checked and (grows or revived):
-            self._check_new_slots(value[on_device:])
-        last = self._walk_to_node(walk)
-        if revived:
-            self._revive_path(last, value[on_device:matched], exact=checked)
-        self._touch(last, hit=False, priority=priority, turn=turn)
-        if grows:
-            new_slots = value[matched:]
-            last = self._add_leaf(last, view[matched * TOKEN_BYTES:].tobytes(), new_slots.copy(), priority, turn)
-            self._own(new_slots, exact=checked)
-            if self._names:
-                self._name_pages(last, namespace)
-        elif last.entry is not None:
-            self._rekey(last)
-        if self.write_policy == "write_through" and (grows or revived):
-            self._backup_path(last)
-        return on_device, last
-
-    def _host_tokens_on_walk(self, walk) -> int:
-        """Tokens of the host-only nodes a walk went through (they end its path: the device is prefix-closed)."""
+    def _device_gap(self, walk) -> int:
+        """Tokens of the host-only nodes a walk went through (they end its path: the device is prefix-closed):
+        an insert takes value's slots for them (the tokens' KV is the same)."""
         _, tokens = self._device_ancestor(walk.node)
         if walk.child is not None and not len(walk.child.value):
             tokens += walk.into_child // TOKEN_BYTES
         return tokens
 
-    def _revive_path(self, last: HiTreeNode, slots: np.ndarray, exact: bool) -> None:
+    def _revive_path(self, last: HiTreeNode, slots: np.ndarray) -> None:
         """Puts the host-only nodes at the end of root..last back on device, in `slots` (their tokens, root
-        side first); `exact`: see RadixCache._own."""
+        side first)."""
         nodes = []
         node = last
         while node.parent is not None and not len(node.value):
@@ -279,15 +220,18 @@ class HiRadixCache(RadixCache):
         offset = 0
         for node in reversed(nodes):
             n = node.num_tokens
-            self._to_device_tier(node, slots[offset:offset + n].copy(), exact)
+            self._to_device_tier(node, slots[offset:offset + n].copy())
             offset += n
 
-    def _to_device_tier(self, node: HiTreeNode, slots: np.ndarray, exact: bool) -> None:
-        """A host-only node whose parent is on device gets device slots (its host copy stays); `exact`: see
-        RadixCache._own."""
+    def _inserted(self, last: HiTreeNode) -> None:
+        if self.write_policy == "write_through":
+            self._backup_path(last)
+
+    def _to_device_tier(self, node: HiTreeNode, slots: np.ndarray) -> None:
+        """A host-only node whose parent is on device gets device slots (its host copy stays)."""
         n = len(slots)
         node.value = slots
-        self._own(slots, exact)
+        self._own(slots)
         parent = node.parent
         parent.device_children += 1
         if parent.entry is not None:  # no longer a device leaf
@@ -305,9 +249,8 @@ class HiRadixCache(RadixCache):
         self._report_stored(node)
 
     # ---- locks and leaves, per tier -----------------------------------------------------------------
-    def _add_leaf(self, parent: HiTreeNode, key: bytes, value: np.ndarray, priority: int,
-                  turn: int = 0) -> HiTreeNode:
-        leaf = super()._add_leaf(parent, key, value, priority, turn)
+    def _add_leaf(self, parent: HiTreeNode, key: bytes, value: np.ndarray, priority: int) -> HiTreeNode:
+        leaf = super()._add_leaf(parent, key, value, priority)
         parent.device_children += 1
         return leaf
 
@@ -387,8 +330,8 @@ class HiRadixCache(RadixCache):
             self._demote(node)
             return
         parent = node.parent
-        if self._turns is self._host_policy:  # it leaves the tree without reaching the host tier
-            self._turns.evicted(node)
+        if self._turn_policy is self._host_policy:  # it leaves the tree without reaching the host tier
+            self._host_policy.evicted(node)
         super()._leave_device(node)
         parent.device_children -= 1
         if parent.device_children == 0 and parent.entry is None and parent.lock_ref == 0 \
@@ -397,7 +340,7 @@ class HiRadixCache(RadixCache):
 
     def _demote(self, node: HiTreeNode) -> None:
         """A backed-up device leaf (unlocked) gives its device slots up (its caller frees them) and stays."""
-        node.value = _NO_SLOTS
+        node.value = NO_SLOTS
         parent = node.parent
         parent.device_children -= 1
         if parent.device_children == 0 and parent.entry is None and parent.lock_ref == 0 \
@@ -423,6 +366,7 @@ class HiRadixCache(RadixCache):
             parent = node.parent
             del parent.children[node.key[:self._page_bytes]]
             node.parent = None
+            self._forget(node)
             values.append(node.host_value)
             removed.append(node)
             freed += node.num_tokens
@@ -436,273 +380,11 @@ class HiRadixCache(RadixCache):
             self._report_removed(removed, MEDIUM_CPU_PINNED)
         return freed
 
-    # ---- backups ------------------------------------------------------------------------------------
-    def _backup_hot_path(self, node: HiTreeNode) -> None:
-        """write_through_selective: backs up root..(the deepest node a match reached twice) below `node`."""
-        while node.parent is not None and node.hit_count < _SELECTIVE_HITS:
-            node = node.parent
-        if node.parent is not None:
-            self._backup_path(node)
-
-    def _unbacked_path(self, node: HiTreeNode) -> list[HiTreeNode]:
-        """The device nodes from the first without a host copy down to `node`, root side first."""
-        nodes = []
-        while node.parent is not None and node.host_value is None:
-            nodes.append(node)
-            node = node.parent
-        nodes.reverse()
-        return nodes
-
-    def _start_backup(self, nodes: list[HiTreeNode]) -> tuple[Transfer, np.ndarray] | None:
-        """Host slots for `nodes` (evicting host-only leaves when short) and the copy into them; None when the
-        host is short or the copy failed at once (nothing changed)."""
-        tokens = sum(n.num_tokens for n in nodes)
-        host = self._alloc_host(tokens)
-        if host is None:
-            return None
-        device = np.concatenate([n.value for n in nodes]) if len(nodes) > 1 else nodes[0].value
-        transfer = self.host_pool.backup(host, self._to_device(device))
-        if transfer.failed:
-            self.host_allocator.free(host)
-            self.stats.failed_transfers += 1
-            return None
-        host = host.numpy()
-        offset = 0
-        for node in nodes:
-            node.host_value = host[offset:offset + node.num_tokens].copy()
-            offset += node.num_tokens
-        self._host_protected_size += tokens
-        return transfer, host
-
-    def _backup_path(self, node: HiTreeNode) -> None:
-        """Starts backing up root..node's nodes that have no host copy; they stay locked on device until the
-        copy completes (`writing_check`)."""
-        nodes = self._unbacked_path(node)
-        started = self._start_backup(nodes) if nodes else None
-        if started is None:
-            return
-        record = _Backup(started[0], nodes, node, sum(n.num_tokens for n in nodes))
-        # While a failed backup's later ones are still in flight, an ancestor's host copy here may be one of
-        # theirs, to be released when it lands: this one goes with them (re-backed up later, if wanted).
-        record.discard = any(r.discard for r in self._pending)
-        for n in nodes:
-            n.backup = record
-        self.inc_lock_ref(node)
-        self._pending.append(record)
-        self.writing_check(local_only=True)
-
-    def _backup_now(self, node: HiTreeNode) -> None:
-        """write_back, while `node` (an unlocked device leaf) is being evicted: backs up its unbacked path and
-        waits, so that it can stay as host-only; on failure nothing changes (it is then dropped)."""
-        nodes = self._unbacked_path(node)
-        started = self._start_backup(nodes) if nodes else None
-        if started is None:
-            return
-        transfer, _ = started
-        transfer.wait()
-        if transfer.failed:
-            self._release_host_copies(nodes)
-            self.stats.failed_transfers += 1
-            return
-        self.stats.backed_up_tokens += sum(n.num_tokens for n in nodes)
-        self._report_backed_up(nodes)
-
-    def writing_check(self, *, local_only: bool = False) -> int:
-        """Completes the backups whose copies have finished, in the order they were issued; with `tp_group`,
-        only those finished on every rank (unless `local_only`, which only finishes copies that cannot differ
-        between ranks: none on CUDA). Returns how many completed. Also releases the host slots of prefetches
-        taken too late, once their reads have ended."""
-        if self.storage_link is not None and not local_only:
-            self._reap_prefetches()
-        done = 0
-        for record in self._pending:
-            if not record.transfer.done():
-                break
-            done += 1
-        if self.tp_group is not None:
-            if local_only:
-                return 0
-            done = _all_reduce_min(done, self.tp_group)
-        if done == 0:
-            return 0
-        records = [self._pending.popleft() for _ in range(done)]
-        ok = [not r.transfer.failed for r in records]
-        if self.tp_group is not None:
-            ok = _all_reduce_min(ok, self.tp_group)
-        for record, good in zip(records, ok):
-            if not good:
-                self.stats.failed_transfers += 1
-                for later in self._pending:
-                    later.discard = True
-            if good and not record.discard:
-                for node in record.nodes:
-                    node.backup = None
-                self.stats.backed_up_tokens += record.tokens
-                self._report_backed_up(record.nodes)
-            else:
-                self.stats.discarded_backups += record.discard
-                for node in record.nodes:
-                    node.backup = None
-                self._release_host_copies(record.nodes)
-            self.dec_lock_ref(record.lock_node)
-        return done
-
-    def _complete_backup(self, record: _Backup) -> None:
-        """Waits for `record`'s copy and those issued before it, and completes them (writing_check)."""
-        for pending in self._pending:
-            pending.transfer.wait()
-            if pending is record:
-                break
-        while record.nodes[0].backup is record:  # writing_check completes it, with or without its host copy
-            self.writing_check()
-
-    def _release_host_copies(self, nodes: list[HiTreeNode]) -> None:
-        """Drops the host copies of device nodes (a failed or discarded backup): they stay device-only."""
-        values = [n.host_value for n in nodes if n.host_value is not None]
-        for n in nodes:
-            n.host_value = None
-        if values:
-            slots = np.concatenate(values)
-            self._host_protected_size -= len(slots)
-            self.host_allocator.free(torch.from_numpy(slots))
-
-    def _report_backed_up(self, nodes: list[HiTreeNode]) -> None:
-        """Backups of `nodes` completed: report them on host, and hand their pages to the storage tier."""
-        for node in nodes:
-            self._report_stored(node, MEDIUM_CPU_PINNED)
-        if self.storage_link is not None and not self.storage_link.closed:
-            unstored = [n for n in nodes if not n.stored]
-            if unstored:
-                self.storage_link.write(b"".join(n.page_digests for n in unstored),
-                                        np.concatenate([n.host_value for n in unstored]))
-                for node in unstored:
-                    node.stored = True
-
-    # ---- the storage tier ---------------------------------------------------------------------------
-    def prefetch(self, key, namespace: str | None = None) -> Prefetch | None:
-        """Starts reading, from the storage tier into host slots, the whole pages of `key` after the prefix
-        the tree holds (in any tier); None when there is no storage tier or it has none of them. Take the pages
-        with `finish_prefetch` before matching the request (the Scheduler does both). None after close()."""
-        if self.storage_link is None or self.storage_link.closed:
-            return None
-        view = key_bytes("key", key)
-        nbytes = len(view) - len(view) % self._page_bytes
-        walk = self._descend(view, nbytes, self._root(namespace))
-        start = walk.num_tokens
-        if start * TOKEN_BYTES >= nbytes:
-            return None
-        digests = chain_page_digests(namespace_prefix(namespace), self._digest_at(walk),
-                                     view[start * TOKEN_BYTES:nbytes], self._page_bytes)
-        pages = self.storage_link.lookup(digests)
-        if self.tp_group is not None:
-            pages = _all_reduce_min(pages, self.tp_group)
-        if not pages:
-            return None
-        # The prefix the pages will hang from is locked while host room is made: evicting it would waste the read.
-        held = walk.node if walk.child is None else walk.child
-        if held.parent is not None:
-            self.inc_lock_ref(held)
-        try:
-            host = self._alloc_host(pages * self.page_size)
-        finally:
-            if held.parent is not None:
-                self.dec_lock_ref(held)
-        if host is None:
-            return None
-        host = host.numpy()
-        self._prefetch_held += len(host)
-        end = (start + pages * self.page_size) * TOKEN_BYTES
-        prefetch = self.storage_link.read(namespace, view[:end].tobytes(), start, digests[:pages * DIGEST_BYTES],
-                                          host)
-        self._prefetches[id(prefetch)] = prefetch
-        return prefetch
-
-    def finish_prefetch(self, prefetch: Prefetch | None) -> int:
-        """Attaches the pages of `prefetch` that arrived (by the prefetch policy) as host-only nodes, where the
-        tree's prefix still leads to them; returns the tokens attached. Pages the tree gained meanwhile, or whose
-        prefix left it, are released. Raises, changing nothing, for a prefetch this cache did not start or has
-        finished already (its slots are no longer the prefetch's)."""
-        if prefetch is None:
-            return 0
-        if not isinstance(prefetch, Prefetch):
-            raise TypeError(f"prefetch must be a Prefetch (from prefetch()) or None, got {type(prefetch).__name__}")
-        if self._prefetches.get(id(prefetch)) is not prefetch:
-            raise ValueError("prefetch was not started by this cache's prefetch(), or was finished already")
-        del self._prefetches[id(prefetch)]
-        got, reading = self.storage_link.arrived(prefetch)
-        if self.tp_group is not None:
-            got = _all_reduce_min(got, self.tp_group)
-        ps = self.page_size
-        # The pages of a chunk still being read stay held until the read ends (writing_check reaps them).
-        self._prefetch_held -= (prefetch.pages - int(reading.sum())) * ps
-        attached = self._attach(prefetch, got)
-        unused = ~reading
-        unused[attached[0]:attached[1]] = False
-        if unused.any():
-            self.host_allocator.free(torch.from_numpy(prefetch.host_slots.reshape(-1, ps)[unused].ravel()))
-        tokens = (attached[1] - attached[0]) * ps
-        self.storage_link.stats.prefetched_tokens += tokens
-        self.storage_link.stats.dropped_prefetch_tokens += got * ps - tokens
-        return tokens
-
-    def _attach(self, prefetch: Prefetch, got: int) -> tuple[int, int]:
-        """Hangs pages [skip, got) of `prefetch` under the node where the tree's prefix ends; returns (skip,
-        end) in pages ((0, 0) when nothing could be attached)."""
-        ps, page_bytes = self.page_size, self._page_bytes
-        if got == 0:
-            return 0, 0
-        view = memoryview(prefetch.key)
-        end_tokens = prefetch.start + got * ps
-        walk = self._descend(view, end_tokens * TOKEN_BYTES, self._root(prefetch.namespace))
-        now = walk.num_tokens
-        if now < prefetch.start or now >= end_tokens:
-            return 0, 0  # the prefix the pages hang from left the tree, or the tree has them all by now
-        skip = (now - prefetch.start) // ps
-        parent = self._walk_to_node(walk)
-        if parent.parent is not None:
-            if parent.host_value is None:
-                self._backup_path(parent)  # a host-only child needs a parent with a host copy (prefix-closed)
-            if parent.backup is not None:  # in flight: it may fail or be discarded, so wait until it lands
-                self._complete_backup(parent.backup)
-            if parent.host_value is None:
-                return 0, 0
-        node = self.node_class(view[now * TOKEN_BYTES:end_tokens * TOKEN_BYTES].tobytes(), _NO_SLOTS, parent,
-                               self._clock, next(self._ids))
-        node.host_value = prefetch.host_slots[skip * ps:got * ps].copy()
-        node.page_digests = prefetch.digests[skip * DIGEST_BYTES:got * DIGEST_BYTES]
-        node.stored = True
-        parent.children[node.key[:page_bytes]] = node
-        if parent.host_entry is not None:
-            self._remove_host_evictable(parent)
-        self._host_evictable_size += node.num_tokens
-        self._add_host_evictable(node)
-        self._report_stored(node, MEDIUM_CPU_PINNED)
-        return skip, got
-
-    def _digest_at(self, walk) -> bytes | None:
-        """The digest of the page that ends where `walk` stopped (None at a root)."""
-        if walk.child is not None:
-            pages = walk.into_child // self._page_bytes
-            return walk.child.page_digests[(pages - 1) * DIGEST_BYTES:pages * DIGEST_BYTES]
-        return None if walk.node.parent is None else walk.node.page_digests[-DIGEST_BYTES:]
-
     def _alloc_host(self, tokens: int) -> torch.Tensor | None:
         short = tokens - self.host_allocator.available_size()
         if short > 0:
             self.evict_host(short)
         return self.host_allocator.alloc(tokens)
-
-    def close(self) -> None:
-        """Waits for the storage tier's queued writes and reads and stops its worker (a no-op without one); the
-        cache goes on with its device and host tiers, writing nothing more to storage and prefetching nothing."""
-        if self.storage_link is not None:
-            self.storage_link.close()
-            self._reap_prefetches()
-
-    def _reap_prefetches(self) -> None:
-        for slots in self.storage_link.reap():
-            self._prefetch_held -= len(slots)
-            self.host_allocator.free(torch.from_numpy(slots))
 
     # ---- load back ----------------------------------------------------------------------------------
     def load_back(self, node: HiTreeNode, host_hit_length: int) -> torch.Tensor | None:
@@ -723,7 +405,7 @@ class HiRadixCache(RadixCache):
             nodes.append(walker)
             walker = walker.parent
         nodes.reverse()
-        self.inc_lock_ref(node)  # the device prefix stays, and the host nodes cannot be host-evicted
+        self.lock(node)  # the device prefix stays, and the host nodes cannot be host-evicted
         try:
             short = tokens - self.token_allocator.available_size()
             if short > self.evictable_size():
@@ -742,14 +424,12 @@ class HiRadixCache(RadixCache):
                 return None
             slots, offset = device.cpu().numpy(), 0
             for n in nodes:
-                # Exact: it costs nothing once the Scheduler's inserts made the bitmap stale, and keeps it exact
-                # for a caller of the checked API, whose next insert would otherwise rebuild it.
-                self._to_device_tier(n, slots[offset:offset + n.num_tokens].copy(), exact=True)
+                self._to_device_tier(n, slots[offset:offset + n.num_tokens].copy())
                 offset += n.num_tokens
             self.stats.loaded_tokens += tokens
             return self._path_indices(node)
         finally:
-            self.dec_lock_ref(node)
+            self.unlock(node)
 
     # ---- whole tree ---------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -789,18 +469,18 @@ class HiRadixCache(RadixCache):
             on_device = len(node.value) > 0
             parent = node.parent
             if on_device and parent.parent is not None and not len(parent.value):
-                _fail(f"node {node.id} is on device under a host-only parent")
+                fail_invariant(f"node {node.id} is on device under a host-only parent")
             if node.host_value is not None and parent.parent is not None and parent.host_value is None and not (
                     node.backup is not None and node.backup.discard):  # in flight, to be released when it lands
-                _fail(f"node {node.id} has a host copy but its parent {parent.id} has none")
+                fail_invariant(f"node {node.id} has a host copy but its parent {parent.id} has none")
             if not on_device and node.host_value is None:
-                _fail(f"node {node.id} is in neither tier")
+                fail_invariant(f"node {node.id} is in neither tier")
             device_children = sum(1 for c in node.children.values() if len(c.value))
             if device_children != node.device_children:
-                _fail(f"node {node.id}: device_children {node.device_children}, counted {device_children}")
+                fail_invariant(f"node {node.id}: device_children {node.device_children}, counted {device_children}")
             if node.host_value is not None:
                 if len(node.host_value) != node.num_tokens:
-                    _fail(f"node {node.id}: {len(node.host_value)} host slots for {node.num_tokens} tokens")
+                    fail_invariant(f"node {node.id}: {len(node.host_value)} host slots for {node.num_tokens} tokens")
                 host_values.append(node.host_value)
                 if not on_device and node.lock_ref == 0:
                     host_evictable += node.num_tokens
@@ -808,50 +488,40 @@ class HiRadixCache(RadixCache):
                     host_protected += node.num_tokens
             should = not on_device and node.lock_ref == 0 and not node.children
             if should != (node.host_entry is not None):
-                _fail(f"node {node.id} is {'' if node.host_entry else 'not '}in the host-evictable set")
+                fail_invariant(f"node {node.id} is {'' if node.host_entry else 'not '}in the host-evictable set")
             if should and not self._host_policy.is_current(node, node.host_entry):
-                _fail(f"node {node.id}: host-evictable entry is stale")
+                fail_invariant(f"node {node.id}: host-evictable entry is stale")
             leaves += should
         for root in self._roots.values():
             if root.device_children != sum(1 for c in root.children.values() if len(c.value)):
-                _fail("a root's device_children count is wrong")
+                fail_invariant("a root's device_children count is wrong")
         if leaves != len(self._host_policy):
-            _fail(f"the host-evictable set has {len(self._host_policy)} entries for {leaves} host-only leaves")
+            fail_invariant(f"the host-evictable set has {len(self._host_policy)} entries for {leaves} host-only leaves")
         if (host_evictable, host_protected) != (self._host_evictable_size, self._host_protected_size):
-            _fail(f"host counters say evictable {self._host_evictable_size}, protected {self._host_protected_size};"
-                  f" the nodes hold {host_evictable} and {host_protected}")
-        slots = np.concatenate(host_values) if host_values else _NO_SLOTS
+            fail_invariant(f"host counters say evictable {self._host_evictable_size}, protected "
+                           f"{self._host_protected_size}; the nodes hold {host_evictable} and {host_protected}")
+        slots = np.concatenate(host_values) if host_values else NO_SLOTS
         if len(np.unique(slots)) != len(slots):
-            _fail("the tree holds a host slot more than once")
-        if len(slots) and not self.host_allocator._held(slots).all():
-            _fail("the tree holds a host slot that the host allocator considers free")
+            fail_invariant("the tree holds a host slot more than once")
+        if len(slots) and not self.host_allocator.allocated_mask(slots).all():
+            fail_invariant("the tree holds a host slot that the host allocator considers free")
         free = self.host_allocator.available_size()
         if self.storage_link is not None:
             reading = sum(p.host_slots.size for p in self._prefetches.values()) + self.storage_link.late_tokens()
             if reading != self._prefetch_held:
-                _fail(f"{self._prefetch_held} host slots counted as prefetching, {reading} held by reads")
+                fail_invariant(f"{self._prefetch_held} host slots counted as prefetching, {reading} held by reads")
         if free + len(slots) + self._prefetch_held != self.host_allocator.size:
-            _fail(f"host: free {free} + held by the tree {len(slots)} + prefetching {self._prefetch_held} != "
-                  f"{self.host_allocator.size}")
+            fail_invariant(f"host: free {free} + held by the tree {len(slots)} + prefetching {self._prefetch_held} != "
+                           f"{self.host_allocator.size}")
 
     def _node_device_tokens(self, node: HiTreeNode) -> int:
         n = len(node.value)
         if n not in (0, node.num_tokens):
-            _fail(f"node {node.id}: {n} device slots for {node.num_tokens} tokens (all or none)")
+            fail_invariant(f"node {node.id}: {n} device slots for {node.num_tokens} tokens (all or none)")
         return n
 
     def _is_evictable_leaf(self, node: HiTreeNode) -> bool:
         return node.lock_ref == 0 and len(node.value) > 0 and node.device_children == 0
-
-
-def _all_reduce_min(values, group):
-    """The element-wise minimum of `values` (an int or a list of bools) over the ranks of `group`."""
-    import torch.distributed as dist
-
-    scalar = isinstance(values, int)
-    tensor = torch.tensor([values] if scalar else [int(v) for v in values], dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
-    return int(tensor[0]) if scalar else [bool(v) for v in tensor.tolist()]
 
 
 def _top_node(node: TreeNode) -> TreeNode:

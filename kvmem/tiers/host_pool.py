@@ -102,7 +102,12 @@ class HostKVPool:
             raise ValueError("pin_memory needs CUDA: page-locked memory is for copies to a GPU")
         if not isinstance(model_id, str):
             raise TypeError(f"model_id must be a str, got {type(model_id).__name__}")
+        try:  # it goes into every stored page's format fingerprint, as UTF-8
+            model_id.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"model_id {model_id!r} cannot be encoded as UTF-8 ({e.reason} at {e.start})") from None
         self.device_pool = device_pool
+        self._cache = None  # the HiRadixCache this pool backs (a weak reference), set by that cache
         self.model_id = model_id
         self.page_size = ps
         self.size = size
@@ -215,6 +220,12 @@ class HostKVPool:
         device = self.device_pool._check_loc(device_slots.to(self.device_pool.device), "device_slots")
         if len(device) != len(host):
             raise ValueError(f"device_slots has {len(device)} slots and host_slots {len(host)}: one for one")
+        # A slot listed twice would be written twice by one copy: a backup would keep one of two rows, a load
+        # would leave one device slot unwritten. (Device slots are checked where reading them costs no sync.)
+        if len(host) > 1 and len(np.unique(host)) != len(host):
+            raise ValueError("host_slots lists a slot more than once")
+        if len(device) > 1 and device.device.type == "cpu" and len(torch.unique(device)) != len(device):
+            raise ValueError("device_slots lists a slot more than once")
         if len(device) and device.device.type == "cpu" and int(device.min()) < self.page_size:
             raise ValueError(f"device_slots holds slot {int(device.min())}, "
                              + ("the padding slot" if self.page_size == 1 else "in the padding page 0"))
@@ -307,6 +318,7 @@ class HostSlotPool:
             raise ValueError(f"size {size} must be a multiple of page_size {self.page_size}")
         self.size = size
         self.allocator = TokenAllocator(size) if page_size == 1 else PagedTokenAllocator(size, page_size)
+        self._cache = None  # the HiRadixCache this pool backs (a weak reference), set by that cache
 
     def backup(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> Transfer:
         return Transfer()
@@ -335,7 +347,7 @@ class HostSlotPool:
 def _handed_out(allocator, host_slots) -> np.ndarray:
     """`host_slots` as host int64 slots; raises unless `allocator` (a host pool's) has handed out every one."""
     host = as_index_array("host_slots", host_slots)
-    held = allocator._held(host)
+    held = allocator.allocated_mask(host)
     if np.count_nonzero(held) != len(host):
         raise ValueError(f"host_slots holds slot {host[~held][0]}, which this host pool has not handed out")
     return host
