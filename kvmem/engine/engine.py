@@ -142,6 +142,36 @@ class Engine:
         self._logits[req.rid] = [] if return_logits else None
         return req.rid
 
+    # ---- disaggregation (kvmem.disagg) ---------------------------------------------------------------
+    def new_req(self, input_ids: Sequence[int], max_new_tokens: int) -> Req:
+        """A request with this engine's next id, checked as add_request checks it but not queued: a disaggregated
+        decode side gives it memory and the KV of its prompt, then admits it with add_prefilled_request."""
+        req = self._new_req(self._next_rid, input_ids, max_new_tokens)
+        self._next_rid += 1
+        return req
+
+    def add_prefilled_request(self, req: Req, *, stop_token_ids: Sequence[int] | None = None) -> RequestOutput | None:
+        """Admits a request whose prompt's KV is in this engine's pool and whose first token another engine sampled
+        (`Scheduler.add_prefilled_request`); stop_token_ids as add_request. Returns its output when that token
+        finished it, else None (it decodes in the next steps). Raises as the scheduler does, changing nothing."""
+        stops = self._stop_ids(stop_token_ids)
+        cached = req.cache_protected_len  # the admission moves it to the prompt's whole pages
+        finished = self.scheduler.add_prefilled_request(req, stopped=bool(req.output_ids) and
+                                                        req.output_ids[-1] in stops)
+        self._stop[req.rid] = stops
+        self._logits[req.rid] = None  # the first token's logits stayed with the engine that sampled it
+        self._cached[req.rid] = cached
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(req.input_ids)
+        self.stats.cached_tokens += cached
+        return self._output(req) if finished else None
+
+    def hand_off(self, req: Req) -> RequestOutput:
+        """Takes a request whose prompt this engine prefilled (it has sampled one token) out of the engine with its
+        memory (`Scheduler.hand_off`), for a prefill side to send its KV and release it. Returns its output so far."""
+        self.scheduler.hand_off(req)
+        return self._output(req)
+
     def _stop_ids(self, stop_token_ids: Sequence[int] | None) -> frozenset[int]:
         """add_request's stop tokens, checked: ids of the vocabulary (the model's EOS ids for None)."""
         if stop_token_ids is None:
