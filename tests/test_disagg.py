@@ -20,7 +20,6 @@ from kvmem._paging import pages_for  # noqa: E402
 from kvmem.batch import ReqStatus  # noqa: E402
 from kvmem.disagg import CopyTransport, KVBuffers, KVLayout, KVReceiver, KVSender, LocalChannel, TransferStatus  # noqa: E402
 from kvmem.disagg.channel import PeerGone  # noqa: E402
-from kvmem.disagg.copy_transport import _expand  # noqa: E402
 from kvmem.disagg.messages import Hello, KVFailed, KVRequest, Welcome, decode_message, encode_message  # noqa: E402
 from kvmem.disagg.transport import Finished, Transfer, page_runs  # noqa: E402
 from kvmem.engine import Engine, build_model  # noqa: E402
@@ -387,7 +386,6 @@ def test_close_cancels_what_waits_and_waits_for_the_prefill_side_to_let_go():
 def test_page_runs_cut_where_either_side_stops_counting_up():
     src, dst, lengths = page_runs(np.array([3, 4, 5, 9, 10, 11]), np.array([1, 2, 7, 8, 9, 4]))
     assert src.tolist() == [3, 5, 9, 11] and dst.tolist() == [1, 7, 8, 4] and lengths.tolist() == [2, 1, 2, 1]
-    assert _expand(src, lengths).tolist() == [3, 4, 5, 9, 10, 11]
 
 
 @pytest.mark.parametrize("make", [
@@ -511,3 +509,71 @@ def test_add_prefilled_request_refuses_a_request_without_its_kv_and_changes_noth
     assert sched.add_prefilled_request(req) is False and sched.running == [req]
     sched.check_invariants()
     assert req.status is ReqStatus.RUNNING and sched.tree_cache.total_size() == 4  # its prompt entered the tree
+
+
+# ---- the Mooncake transfer's bookkeeping, over a stand-in for its engine ----------------------------------------
+class FakeTransferEngine:
+    """transfer_submit_write / transfer_check_status as Mooncake's binding answers them: a batch id (0 when the
+    write cannot start), then 0 while in flight and 1 or -1 once it ended."""
+
+    def __init__(self, refuse_after=None):
+        self.status, self.submitted, self.refuse_after = {}, [], refuse_after
+
+    def transfer_submit_write(self, peer, src, dst, length):
+        if self.refuse_after is not None and len(self.submitted) >= self.refuse_after:
+            return 0
+        self.submitted.append((src, dst, length))
+        self.status[len(self.submitted)] = 0
+        return len(self.submitted)
+
+    def transfer_check_status(self, batch):
+        return self.status[batch]
+
+    def end(self, code=1):
+        for batch, status in self.status.items():
+            if status == 0:
+                self.status[batch] = code
+
+    def in_flight(self):
+        return sum(1 for s in self.status.values() if s == 0)
+
+
+def mooncake_transfer(engine, parts=10, max_in_flight=4, timeout_s=60.0):
+    from kvmem.disagg.mooncake_transport import _MooncakeTransfer
+    transfer = _MooncakeTransfer(engine, "127.0.0.1:9", [(i, i, 1) for i in range(parts)], max_in_flight, timeout_s)
+    transfer.poll()
+    return transfer
+
+
+def test_a_mooncake_write_keeps_at_most_max_in_flight_parts_moving_and_ends_when_all_have():
+    engine = FakeTransferEngine()
+    transfer = mooncake_transfer(engine)
+    assert len(engine.submitted) == 4
+    for submitted in (8, 10):
+        engine.end()
+        assert transfer.poll() is TransferStatus.PENDING  # the next parts start as earlier ones end
+        assert len(engine.submitted) == submitted and engine.in_flight() <= 4
+    engine.end()
+    assert transfer.poll() is TransferStatus.DONE and transfer.error == ""
+    assert [part[0] for part in engine.submitted] == list(range(10))
+
+
+def test_a_mooncake_write_with_a_failed_part_fails_only_once_nothing_it_started_moves():
+    engine = FakeTransferEngine()
+    transfer = mooncake_transfer(engine)
+    engine.status[2] = -1
+    assert transfer.poll() is TransferStatus.PENDING  # parts 1, 3 and 4 still move: their pages are still in use
+    assert len(engine.submitted) == 4  # nothing more starts after a failure
+    engine.end()
+    assert transfer.poll() is TransferStatus.FAILED and "failed" in transfer.error
+
+
+def test_a_mooncake_write_that_cannot_start_fails_with_the_peer_named():
+    transfer = mooncake_transfer(FakeTransferEngine(refuse_after=0))
+    assert transfer.poll() is TransferStatus.FAILED and "127.0.0.1:9 is not listening" in transfer.error
+
+
+def test_a_mooncake_write_still_moving_after_its_timeout_is_given_up():
+    engine = FakeTransferEngine()
+    transfer = mooncake_transfer(engine, timeout_s=1e-9)
+    assert transfer.poll() is TransferStatus.FAILED and "did not end within" in transfer.error

@@ -55,19 +55,15 @@ class CopyTransport(KVTransport):
         if source is None or target is None:
             gone = src.endpoint if source is None else dst.endpoint
             return Finished(f"KV endpoint {gone} is gone")
-        src_pages = _expand(src_starts, lengths)
-        dst_pages = _expand(dst_starts, lengths)
+        # A slice copy per run: contiguous pages copy at memcpy speed, where an indexed gather of byte rows ran
+        # 10 to 20 times slower (docs/benchmarks.md).
+        runs = list(zip(src_starts.tolist(), dst_starts.tolist(), lengths.tolist()))
         for src_layer, dst_layer in zip(source, target):
             for s, d in zip(src_layer, dst_layer):
-                d.index_copy_(0, torch.from_numpy(dst_pages).to(d.device),
-                              s.index_select(0, torch.from_numpy(src_pages).to(s.device)).to(d.device))
+                for src_page, dst_page, n in runs:
+                    d[dst_page:dst_page + n].copy_(s[src_page:src_page + n])
         return Finished()
 
     def close(self) -> None:
         self._pages.clear()
 
-
-def _expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The pages of runs (starts[i], lengths[i]), in order."""
-    offsets = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return np.repeat(starts, lengths) + offsets

@@ -6,23 +6,31 @@ registers its pool's buffers there; the sending side writes straight into the re
 which takes no step of the receiver's. The non-CUDA build moves host memory only, so pools must be on the CPU.
 
 A write submits one transfer per run of pages per buffer (each its own Mooncake batch, so that it can be polled
-without blocking: the Python binding's batch status call spins until the whole batch ends). A Transfer is FAILED
-only once every part has ended, so that no byte lands after the failure is reported.
+without blocking: the Python binding's batch status call spins until the whole batch ends, and its batch write
+refused 16k entries), `max_in_flight` at a time, the next ones as earlier ones end (when polled). A Transfer is FAILED
+once every submitted part has ended, so that no byte lands after the failure is reported; the one exception is a
+write still moving after `timeout_s`, which is reported FAILED then, since Mooncake cannot recall it.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 from urllib.parse import urlparse
 
 import numpy as np
 
+from kvmem._checks import check_int, check_number
 from kvmem.disagg.layout import KVLayout, layer_buffers
 from kvmem.disagg.transport import KVBuffers, KVTransport, Transfer, TransferStatus
 from kvmem.kv_pool import MHAKVPool, MLAKVPool
 
 _FAILED_IDS = (0, 2**64 - 1)  # what a submit returns when it could not start (no such peer, no segment)
+# Parts of a write in flight at once: with all 16k parts of a shuffled 512 MiB write submitted together, some failed
+# and others never ended (mooncake-transfer-engine-non-cuda 0.3.13); a window of 64 or 1024 lost none, as fast.
+MAX_IN_FLIGHT = 256
+TIMEOUT_S = 60.0
 
 
 def _transfer_engine_class():
@@ -39,10 +47,14 @@ class MooncakeTransport(KVTransport):
     """A transfer engine on 127.0.0.1 whose metadata lives at `metadata_server` ("http://host:port/metadata").
 
     Raises RuntimeError (one line) when the library is missing, the metadata server does not answer, or the engine
-    cannot start. `close()` ends the engine and its registrations.
+    cannot start. max_in_flight: parts of a write submitted at once; timeout_s: when a write still moving is given
+    up (see the module docstring). `close()` ends the engine and its registrations.
     """
 
-    def __init__(self, metadata_server: str) -> None:
+    def __init__(self, metadata_server: str, *, max_in_flight: int = MAX_IN_FLIGHT,
+                 timeout_s: float = TIMEOUT_S) -> None:
+        self.max_in_flight = check_int("max_in_flight", max_in_flight, minimum=1)
+        self.timeout_s = check_number("timeout_s", timeout_s, 0, allow_minimum=False)
         url = urlparse(metadata_server) if isinstance(metadata_server, str) else None
         if url is None or url.scheme != "http" or not url.hostname or not url.port:
             raise ValueError(f"metadata_server must be an http://host:port/... URL (the Mooncake master's HTTP "
@@ -89,17 +101,14 @@ class MooncakeTransport(KVTransport):
                lengths: np.ndarray) -> Transfer:
         if src.endpoint != self.endpoint or self._registration is None:
             raise ValueError(f"src {src.endpoint} is not registered with this transport")
-        ids, submitted_all = [], True
+        parts = []  # (source address, destination address, bytes) of every run in every buffer
         for src_layer, dst_layer in zip(src.addresses, dst.addresses):
             for src_base, dst_base, page_bytes in zip(src_layer, dst_layer, src.page_bytes):
-                for s, d, n in zip((src_base + src_starts * page_bytes).tolist(),
-                                   (dst_base + dst_starts * page_bytes).tolist(), (lengths * page_bytes).tolist()):
-                    batch = self._engine.transfer_submit_write(dst.endpoint, s, d, n)
-                    if batch in _FAILED_IDS:
-                        submitted_all = False
-                        break
-                    ids.append(batch)
-        return _MooncakeTransfer(self._engine, ids, dst.endpoint, submitted_all)
+                parts += zip((src_base + src_starts * page_bytes).tolist(),
+                             (dst_base + dst_starts * page_bytes).tolist(), (lengths * page_bytes).tolist())
+        transfer = _MooncakeTransfer(self._engine, dst.endpoint, parts, self.max_in_flight, self.timeout_s)
+        transfer.poll()  # submits the first window
+        return transfer
 
     def close(self) -> None:
         if self._engine is not None:
@@ -110,29 +119,50 @@ class MooncakeTransport(KVTransport):
 
 
 class _MooncakeTransfer(Transfer):
-    """Single-run Mooncake batches, polled one by one; failed once all have ended and one failed (or one could not
-    be submitted)."""
+    """The parts of one write, submitted as single-run Mooncake batches at most `max_in_flight` at a time and polled
+    one by one. FAILED once a part failed (or could not be submitted, or `timeout_s` passed) and no submitted part
+    is still in flight, or once `timeout_s` passed: then a part may still be moving, which Mooncake cannot recall."""
 
-    def __init__(self, engine, batch_ids: list[int], peer: str, submitted_all: bool) -> None:
+    def __init__(self, engine, peer: str, parts: list[tuple[int, int, int]], max_in_flight: int,
+                 timeout_s: float) -> None:
         self._engine = engine
-        self._pending = batch_ids
         self._peer = peer
-        self._failed = not submitted_all
-        self.error = "" if submitted_all else f"the KV peer {peer} is not listening (Mooncake could not start a write)"
+        self._parts = parts
+        self._next = 0  # the first part not submitted yet
+        self._in_flight: list[int] = []
+        self._max_in_flight = max_in_flight
+        self._deadline = time.monotonic() + timeout_s
+        self._timeout_s = timeout_s
 
     def poll(self) -> TransferStatus:
+        if self._engine is None:
+            return TransferStatus.FAILED if self.error else TransferStatus.DONE
         still = []
-        for batch in self._pending:
+        for batch in self._in_flight:
             code = self._engine.transfer_check_status(batch)  # 1 done, 0 in flight, -1 failed, -2 timed out
             if code == 0:
                 still.append(batch)
-            elif code < 0 and not self._failed:
-                self._failed = True
-                self.error = f"a Mooncake write to {self._peer} {'timed out' if code == -2 else 'failed'}"
-        self._pending = still
-        if still:
+            elif code < 0:
+                self._fail(f"a Mooncake write to {self._peer} {'timed out' if code == -2 else 'failed'}")
+        self._in_flight = still
+        engine = self._engine
+        while not self.error and self._next < len(self._parts) and len(self._in_flight) < self._max_in_flight:
+            batch = engine.transfer_submit_write(self._peer, *self._parts[self._next])
+            if batch in _FAILED_IDS:
+                self._fail(f"the KV peer {self._peer} is not listening (Mooncake could not start a write)")
+            else:
+                self._in_flight.append(batch)
+                self._next += 1
+        if self._in_flight and time.monotonic() > self._deadline:
+            self._fail(f"a Mooncake write to {self._peer} did not end within {self._timeout_s} s")
+            self._in_flight = []  # abandoned: Mooncake has no call that stops a write
+        if self._in_flight or (not self.error and self._next < len(self._parts)):
             return TransferStatus.PENDING
-        return TransferStatus.FAILED if self._failed else TransferStatus.DONE
+        self._engine = None  # ended: it no longer keeps the transfer engine alive
+        return TransferStatus.FAILED if self.error else TransferStatus.DONE
+
+    def _fail(self, error: str) -> None:
+        self.error = self.error or error
 
 
 def _free_port() -> int:

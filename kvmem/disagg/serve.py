@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page-size", type=positive_int_arg, default=16)
     parser.add_argument("--chunked-prefill-size", type=positive_int_arg, default=None)
     parser.add_argument("--port", type=int, action="append", help="prefill: a control port per preset (default free)")
-    parser.add_argument("--prefill", action="append", help="decode: the prefill side's address per preset")
+    parser.add_argument("--prefill", action="append", help="decode: the prefill side's address per preset (ignored "
+                                                           "by prefill, so that both sides can share arguments)")
     parser.add_argument("--connect-timeout-s", type=float, default=0.0, help="decode: retry connecting this long")
     parser.add_argument("--prompts", help="decode: a JSON file of waves of prompts")
     parser.add_argument("--max-new-tokens", type=positive_int_arg, default=8)
