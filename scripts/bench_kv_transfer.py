@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(args.pool_tokens % p for p in page_sizes):
         parser.error(f"--pool-tokens {args.pool_tokens} must be a multiple of every page size in {page_sizes}")
     torch.manual_seed(0)
+    # One torch thread: on this shared 2-core VM two OpenMP threads made a 1 MiB copy ~100x slower under load
+    # (0.08 against 10.8 GB/s), and the transfer engine's own threads need the cores too.
+    torch.set_num_threads(1)
     with MooncakeServer(16, metadata="http") as server:
         results = [bench_page_size(p, args.pool_tokens, args.repeats, server.metadata_server) for p in page_sizes]
     print(json.dumps({"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16",

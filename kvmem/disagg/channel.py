@@ -60,16 +60,16 @@ class LocalChannel(Channel):
     """One end of an in-process pair (`LocalChannel.pair`). `peer_step`, when given, runs before each `recv` and
     during `wait`: the other end's owner gets its turn whenever this end listens (one thread serves both)."""
 
-    def __init__(self, inbox: deque, outbox: deque, state: dict, peer_step: Callable[[], None] | None) -> None:
-        self._inbox, self._outbox, self._state, self._peer_step = inbox, outbox, state, peer_step
-        self._side = len(state)
-        state[self._side] = False  # closed?
+    def __init__(self, inbox: deque, outbox: deque, closed: list[bool], side: int,
+                 peer_step: Callable[[], None] | None) -> None:
+        self._inbox, self._outbox, self._peer_step = inbox, outbox, peer_step
+        self._state, self._side = closed, side  # closed[side]: this end closed; closed[1 - side]: the peer's
 
     @classmethod
     def pair(cls, peer_step: Callable[[], None] | None = None) -> tuple[LocalChannel, LocalChannel]:
         """(a, b): what a sends b reads and back; `peer_step` runs when a listens (see the class docstring)."""
-        to_a, to_b, state = deque(), deque(), {}
-        return cls(to_a, to_b, state, peer_step), cls(to_b, to_a, state, None)
+        to_a, to_b, closed = deque(), deque(), [False, False]
+        return cls(to_a, to_b, closed, 0, peer_step), cls(to_b, to_a, closed, 1, None)
 
     def _peer_closed(self) -> bool:
         return self._state[1 - self._side]

@@ -2,7 +2,7 @@
 
     decode side                                   prefill side
     Hello(layout, buffers)              ->                           the handshake: refused unless the layouts match
-                                        <-    Welcome(layout) | Refused(reason)
+                                        <-    Welcome(layout) | Refused(reason, layout)
     KVRequest(rid, input_ids, start,    ->                           prefill the prompt, then write its pages from
               dst_pages)                                             token `start` on into dst_pages
     Cancel(rid)                         ->                           the decode side gave up: do not write, answer
@@ -33,6 +33,7 @@ class Welcome:
 @dataclass(frozen=True)
 class Refused:
     reason: str
+    layout: dict       # the prefill side's, so that the decode side names a difference in its own terms
 
 
 @dataclass(frozen=True)

@@ -83,15 +83,13 @@ class KVReceiver:
             reply = self._channel.request(Hello(self.layout.to_dict(), self.buffers.to_dict()), timeout_s)
         except PeerGone as e:
             raise RuntimeError(f"the prefill side went away during the handshake: {e}") from None
-        if isinstance(reply, Refused):
-            if "KV layouts differ" in reply.reason:
-                raise ValueError(reply.reason)
-            raise RuntimeError(reply.reason)
-        if not isinstance(reply, Welcome):
+        if not isinstance(reply, (Welcome, Refused)):
             raise RuntimeError(f"the prefill side answered the handshake with {type(reply).__name__}")
         difference = self.layout.mismatch(KVLayout.from_dict(reply.layout))
         if difference:
             raise ValueError(f"KV layouts differ: {difference}")
+        if isinstance(reply, Refused):
+            raise RuntimeError(reply.reason)
 
     # ---- requests ---------------------------------------------------------------------------------------
     def add_request(self, input_ids: Sequence[int], max_new_tokens: int) -> int:

@@ -101,7 +101,7 @@ class KVSender:
             buffers = KVBuffers.from_dict(msg.buffers)
             self.transport.check_peer(buffers)
         except (ValueError, RuntimeError) as e:
-            self._send(peer, Refused(f"the prefill side refused: {e}"))
+            self._send(peer, Refused(f"the prefill side refused: {e}", self.layout.to_dict()))
             self._drop(peer)
             return
         peer.buffers = buffers
