@@ -221,8 +221,9 @@ class StalledTransport(CopyTransport):
         super().__init__()
         self.stalled = []
 
-    def _write(self, src, dst, src_starts, dst_starts, lengths):
-        transfer = _Held(lambda: super(StalledTransport, self)._write(src, dst, src_starts, dst_starts, lengths))
+    def _write(self, src, dst, layers, src_starts, dst_starts, lengths):
+        transfer = _Held(lambda: super(StalledTransport, self)._write(src, dst, layers, src_starts, dst_starts,
+                                                                      lengths))
         self.stalled.append(transfer)
         return transfer
 
@@ -400,7 +401,9 @@ def test_the_copy_transport_moves_pages_bit_for_bit_in_every_layout(make):
         buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.view(torch.uint8).shape, dtype=torch.uint8))
     transport = CopyTransport()
     a, b = transport.register(src), transport.register(dst)
-    assert transport.write(a, [2, 3, 9], b, [5, 6, 1]).wait(1.0) is TransferStatus.DONE
+    assert transport.write(a, [2, 3, 9], b, [5, 6, 1], layers=[0]).wait(1.0) is TransferStatus.DONE
+    assert not any(_page(d, 5, src.page_size, dst).any() for d in _buffers(dst, 1))  # layer 0 only, so far
+    assert transport.write(a, [2, 3, 9], b, [5, 6, 1], layers=range(1, src.layer_num)).poll() is TransferStatus.DONE
     ps = src.page_size
     for layer in range(src.layer_num):
         for s, d in zip(_buffers(src, layer), _buffers(dst, layer)):
@@ -427,6 +430,9 @@ def test_a_write_checks_its_pages_before_anything_moves():
                             ([[1]], [1], "1-D")):
         with pytest.raises(ValueError, match=match):
             transport.write(a, src, b, dst)
+    for layers in ([1], [0, 0], "0"):
+        with pytest.raises(ValueError, match="layers must be distinct layer ids in"):
+            transport.write(a, [1], b, [1], layers=layers)
     other = transport.register(MHAKVPool(64, 4, torch.float32, 2, 4, 1))
     with pytest.raises(ValueError, match="store pages differently"):
         transport.write(a, [1], other, [1])
@@ -577,3 +583,39 @@ def test_a_mooncake_write_still_moving_after_its_timeout_is_given_up():
     engine = FakeTransferEngine()
     transfer = mooncake_transfer(engine, timeout_s=1e-9)
     assert transfer.poll() is TransferStatus.FAILED and "did not end within" in transfer.error
+
+
+def test_a_prefill_pool_full_of_requests_being_sent_waits_for_their_writes_instead_of_failing():
+    # Four pages: a 40-token prompt being sent holds three of them, so the next one cannot be admitted until it
+    # has been sent.
+    transport = StalledTransport()
+    pair = Pair(page_size=16, transport=transport, prefill_capacity=64)
+    pair.auto = False
+    for first_token in (0, 100):
+        pair.receiver.add_request(list(range(first_token, first_token + 40)), MAX_NEW)
+    pair.receiver.step()
+    assert pair.sender.step()  # the first is prefilled and its write stalls
+    assert len(transport.stalled) == 1
+    assert not pair.sender.step()  # the second cannot be admitted: nothing runs, nothing fails
+    pair.check()
+    transport.finish(copy=True)
+    pair.auto = True
+    while not pair.receiver.is_idle():
+        pair.receiver.step()
+        transport.finish(copy=True)
+        pair.check()
+    assert not pair.receiver.failed and pair.sender.stats.requests == 2
+    pair.assert_nothing_held()
+
+
+def test_only_a_handed_off_request_can_be_released_and_only_once():
+    engine = Engine(model_of("llama-tiny"), capacity_tokens=64, page_size=16)
+    rid = engine.add_request(list(range(20)), 2)
+    engine.step()
+    (req,) = [r for r in engine.scheduler.running if r.rid == rid]
+    assert engine.hand_off(req).output_ids == req.output_ids and engine.is_idle()
+    engine.release_handed_off(req)
+    with pytest.raises(ValueError, match="was not handed off"):
+        engine.release_handed_off(req)
+    assert req.status is ReqStatus.FINISHED and engine.tree_cache.total_size() == 16
+    engine.scheduler.check_invariants()

@@ -49,8 +49,8 @@ class CopyTransport(KVTransport):
         if buffers.endpoint not in self._pages:
             raise RuntimeError(f"KV endpoint {buffers.endpoint} is not registered with this copy transport")
 
-    def _write(self, src: KVBuffers, dst: KVBuffers, src_starts: np.ndarray, dst_starts: np.ndarray,
-               lengths: np.ndarray) -> Transfer:
+    def _write(self, src: KVBuffers, dst: KVBuffers, layers: list[int], src_starts: np.ndarray,
+               dst_starts: np.ndarray, lengths: np.ndarray) -> Transfer:
         source, target = self._pages.get(src.endpoint), self._pages.get(dst.endpoint)
         if source is None or target is None:
             gone = src.endpoint if source is None else dst.endpoint
@@ -58,8 +58,8 @@ class CopyTransport(KVTransport):
         # A slice copy per run: contiguous pages copy at memcpy speed, where an indexed gather of byte rows ran
         # 10 to 20 times slower (docs/benchmarks.md).
         runs = list(zip(src_starts.tolist(), dst_starts.tolist(), lengths.tolist()))
-        for src_layer, dst_layer in zip(source, target):
-            for s, d in zip(src_layer, dst_layer):
+        for layer in layers:
+            for s, d in zip(source[layer], target[layer]):
                 for src_page, dst_page, n in runs:
                     d[dst_page:dst_page + n].copy_(s[src_page:src_page + n])
         return Finished()

@@ -97,13 +97,13 @@ class MooncakeTransport(KVTransport):
         if code != 0:
             raise RuntimeError(f"the KV peer {buffers.endpoint} is not listening (Mooncake probe returned {code})")
 
-    def _write(self, src: KVBuffers, dst: KVBuffers, src_starts: np.ndarray, dst_starts: np.ndarray,
-               lengths: np.ndarray) -> Transfer:
+    def _write(self, src: KVBuffers, dst: KVBuffers, layers: list[int], src_starts: np.ndarray,
+               dst_starts: np.ndarray, lengths: np.ndarray) -> Transfer:
         if src.endpoint != self.endpoint or self._registration is None:
             raise ValueError(f"src {src.endpoint} is not registered with this transport")
         parts = []  # (source address, destination address, bytes) of every run in every buffer
-        for src_layer, dst_layer in zip(src.addresses, dst.addresses):
-            for src_base, dst_base, page_bytes in zip(src_layer, dst_layer, src.page_bytes):
+        for layer in layers:
+            for src_base, dst_base, page_bytes in zip(src.addresses[layer], dst.addresses[layer], src.page_bytes):
                 parts += zip((src_base + src_starts * page_bytes).tolist(),
                              (dst_base + dst_starts * page_bytes).tolist(), (lengths * page_bytes).tolist())
         transfer = _MooncakeTransfer(self._engine, dst.endpoint, parts, self.max_in_flight, self.timeout_s)

@@ -21,7 +21,7 @@ from kvmem.batch import Req
 from kvmem.disagg.channel import Channel, LocalChannel, PeerGone
 from kvmem.disagg.layout import KVLayout, engine_layout
 from kvmem.disagg.messages import Cancel, Hello, KVDone, KVFailed, KVRequest, Refused, Welcome
-from kvmem.disagg.request_memory import held_tokens, release, row_pages
+from kvmem.disagg.request_memory import held_tokens, row_pages
 from kvmem.disagg.transport import KVBuffers, KVTransport, Transfer, TransferStatus
 
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -126,15 +126,20 @@ class KVSender:
             self._drop(peer)
 
     # ---- the loop ---------------------------------------------------------------------------------------
-    def step(self) -> None:
+    def step(self) -> bool:
         """Reads every peer's messages, runs one engine step when there is work, takes out the requests it prefilled
-        and starts their writes, and answers the writes that ended."""
+        and starts their writes, and answers the writes that ended. Returns whether the engine ran a batch (it runs
+        none while requests being sent hold the memory the next prompt needs)."""
         for peer in list(self._peers):
             self._read(peer)
+        ran = False
         if not self.engine.is_idle():
+            batches = self.engine.stats.prefill_batches
             self.engine.step()  # its requests never finish inside it: they are handed off below
+            ran = self.engine.stats.prefill_batches > batches
             self._hand_off()
         self._poll_writes()
+        return ran
 
     def _read(self, peer: _Peer) -> None:
         try:
@@ -217,7 +222,7 @@ class KVSender:
 
     def _finish(self, job: _Job, answer: KVDone | KVFailed) -> None:
         """Releases a handed-off request (its prompt's whole pages stay cached) and answers its decode side."""
-        release(job.req, self.engine.tree_cache, cache=True)
+        self.engine.release_handed_off(job.req)
         del self._jobs[job.req.rid]
         del job.peer.jobs[job.rid]
         if isinstance(answer, KVFailed):

@@ -49,15 +49,15 @@ def serve_prefill(args) -> int:
             servers.append((ChannelListener(port), KVSender(_engine(args, preset), transport), transport))
             print(f"listening {preset} {servers[-1][0].address}", flush=True)
         while True:
-            busy = False
+            ran, idle = False, True
             for listener, sender, _ in servers:
                 while (channel := listener.accept()) is not None:
                     sender.accept(channel)
-                sender.step()
-                busy |= not sender.is_idle()
-            if not busy:  # nothing to compute or send: sleep until a peer or a connection has news
+                ran |= sender.step()
+                idle &= sender.is_idle()
+            if not ran:  # nothing computed: sleep until a peer or a connection has news, or a write may have ended
                 select.select([x for listener, sender, _ in servers for x in (listener, *sender.channels())], [], [],
-                              0.05)
+                              0.05 if idle else 0.001)
     except KeyboardInterrupt:
         pass
     finally:

@@ -1,4 +1,4 @@
-"""The transport interface: write these pages of every layer from my pool into these pages of the peer's pool.
+"""The transport interface: write these pages of these layers from my pool into these pages of the peer's pool.
 
 A transport registers a pool (`register` -> `KVBuffers`, which a peer needs to address it) and writes pages from a
 pool it registered into a peer's registered pool (`write` -> `Transfer`). A write returns at once; its Transfer is
@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,10 +97,12 @@ class KVTransport(ABC):
     def check_peer(self, buffers: KVBuffers) -> None:
         """Raises RuntimeError (one line) when the end holding `buffers` does not answer."""
 
-    def write(self, src: KVBuffers, src_pages, dst: KVBuffers, dst_pages) -> Transfer:
-        """Copies pages src_pages[i] of `src` (registered here) into pages dst_pages[i] of `dst`, every layer and
-        buffer. Pages: 1-D integer sequences of equal length, in [1, num_pages) of their pool, destinations distinct.
-        Raises ValueError for bad pages or buffers of different page sizes, before anything moves."""
+    def write(self, src: KVBuffers, src_pages, dst: KVBuffers, dst_pages, layers: Sequence[int] | None = None
+              ) -> Transfer:
+        """Copies pages src_pages[i] of `src` (registered here) into pages dst_pages[i] of `dst`, in every buffer of
+        `layers` (layer ids; None: every layer). Pages: 1-D integer sequences of equal length, in [1, num_pages) of
+        their pool, destinations distinct. Raises ValueError for bad pages or layers, or buffers of different page
+        sizes, before anything moves."""
         src_pages = _pages("src_pages", src_pages, src.num_pages)
         dst_pages = _pages("dst_pages", dst_pages, dst.num_pages)
         if len(src_pages) != len(dst_pages):
@@ -109,14 +112,21 @@ class KVTransport(ABC):
         if src.page_bytes != dst.page_bytes or len(src.addresses) != len(dst.addresses):
             raise ValueError(f"the pools store pages differently: {len(src.addresses)} layers of {src.page_bytes} "
                              f"bytes here, {len(dst.addresses)} of {dst.page_bytes} at {dst.endpoint}")
+        layer_num = len(src.addresses)
+        if layers is None:
+            layers = range(layer_num)
+        elif isinstance(layers, (str, bytes)) or len(set(layers)) != len(layers) or \
+                not all(isinstance(x, int) and 0 <= x < layer_num for x in layers):
+            raise ValueError(f"layers must be distinct layer ids in [0, {layer_num}), got {layers!r}")
         if not len(src_pages):
             return Finished()
-        return self._write(src, dst, *page_runs(src_pages, dst_pages))
+        return self._write(src, dst, list(layers), *page_runs(src_pages, dst_pages))
 
     @abstractmethod
-    def _write(self, src: KVBuffers, dst: KVBuffers, src_starts: np.ndarray, dst_starts: np.ndarray,
-               lengths: np.ndarray) -> Transfer:
-        """write's body: runs of `lengths[i]` pages from page src_starts[i] to page dst_starts[i]."""
+    def _write(self, src: KVBuffers, dst: KVBuffers, layers: list[int], src_starts: np.ndarray,
+               dst_starts: np.ndarray, lengths: np.ndarray) -> Transfer:
+        """write's body: in each layer of `layers`, runs of `lengths[i]` pages from page src_starts[i] to page
+        dst_starts[i]."""
 
     def close(self) -> None:
         """Releases the transport's resources; registrations end."""
