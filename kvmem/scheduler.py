@@ -291,8 +291,9 @@ class Scheduler:
     def _process_decode(self, batch: ScheduleBatch, tokens: array) -> list[Req]:
         finished, still_running = [], []
         for req, tok in zip(batch.reqs, tokens):
-            req.output_ids.append(tok)
-            if req.finished():
+            output = req.output_ids
+            output.append(tok)
+            if len(output) >= req.max_new_tokens:  # Req.finished(), inline: this loop runs once per token
                 self._finish(req, finished)
             else:
                 still_running.append(req)
