@@ -20,7 +20,7 @@ An empty index set has the state (0, -inf): merging it changes nothing, and merg
 
 from __future__ import annotations
 
-import torch
+from kvmem._torch import torch
 
 
 def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,

@@ -29,6 +29,7 @@ from kvmem._checks import (
     positive_float_arg,
     positive_int_arg,
 )
+from kvmem._extras import INSTALL_TORCH, torch_available
 from kvmem.replay.cluster_cli import add_cluster_arguments, cluster_runs, run_cluster
 from kvmem.replay.compare import DEFAULT_POLICIES
 from kvmem.replay.config import (
@@ -40,7 +41,7 @@ from kvmem.replay.config import (
     ReplayConfig,
 )
 from kvmem.replay.cost import DEFAULT_MODEL, DEFAULT_STORAGE_LATENCY_US, GPUS, RooflineCost
-from kvmem.replay.engine import ENGINES, fallback_note, fallback_reason, requested_engine
+from kvmem.replay.engine import ENGINES, engine_for, fallback_note, fallback_reason, requested_engine
 from kvmem.replay.report import format_summary, require_matplotlib, write_sweep_plot
 from kvmem.replay.traces import Trace, TraceError, default_trace_path, read_trace
 
@@ -220,8 +221,11 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
         config = _replay_config(args, trace)
         runs = None if tour else cluster_runs(args, config)
         points = None if runs is not None else _tour_points(config) if tour else _sweep_points(args, config)
+        if tour and not torch_available():
+            points = _native_tour(points, engine)
         for point in points or [config]:
             point.check_host_memory()
+        _check_torch(args, engine, config, points, runs)
         _check_combinations(args, config, points)
         _check_storage(config)
         if args.plot:
@@ -452,6 +456,32 @@ def _check_combinations(args: argparse.Namespace, config: ReplayConfig, points: 
     if config.storage is not None and (points is not None or args.compare_policies):
         raise ValueError("--storage with --sweep or --compare-policies: each replay would find the pages the ones "
                          "before it stored; replay each configuration against its own --storage")
+
+
+def _check_torch(args: argparse.Namespace, engine: str, config: ReplayConfig, points: list | None,
+                 runs: list | None) -> None:
+    """RuntimeError (one line) when a replay of this command needs the Python engine and torch is missing."""
+    if torch_available():
+        return
+    if runs is not None:
+        what = "a cluster replay (--replicas)"
+    elif args.compare_policies:
+        what = "--compare-policies (belady, the ceiling, always)"
+    else:
+        python = [c for c in points or [config] if engine_for(engine, c) == "python"]
+        if not python:
+            return
+        what = "--engine python" if engine == "python" else fallback_reason(engine, python[0])
+    raise RuntimeError(f"{what}: the Python engine would replay it, and it needs torch: {INSTALL_TORCH}")
+
+
+def _native_tour(points: list[ReplayConfig], engine: str) -> list[ReplayConfig]:
+    """The tour's replays the native engine covers, with a line on stderr for those left out (torch missing)."""
+    native = [p for p in points if engine_for(engine, p) == "native"]
+    if len(native) < len(points):
+        print(f"{PROG}: the tour's {len(points) - len(native)} replays with a host tier need the Python engine, which "
+              f"needs torch: replaying the other {len(native)}; for all of them, {INSTALL_TORCH}", file=sys.stderr)
+    return native
 
 
 def _is_regular_file(path: str) -> bool:

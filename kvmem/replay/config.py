@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from kvmem._checks import check_host_bytes, check_int, check_number
 from kvmem.eviction import EVICTION_POLICIES as _POLICY_KEYS
 from kvmem.replay.cost import DEFAULT_MODEL, DEFAULT_STORAGE_LATENCY_US, GPUS, MODEL_COMPUTE, kv_copies
-from kvmem.scheduler import SCHEDULE_POLICIES
 from kvmem.sizing import bytes_per_token, get_model_config
 from kvmem.storage import parse_store_spec
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # kvmem.tiers.WRITE_POLICIES
+# kvmem.tiers.WRITE_POLICIES and kvmem.schedule_policy.SCHEDULE_POLICIES, copied because those import torch and
+# the replay's configuration must not (a test checks that they agree).
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+SCHEDULE_POLICIES = ("lpm", "fcfs")
 # Llama-3-8B's KV in bfloat16 (32 layers x 8 KV heads x (128 + 128) x 2 bytes): what a token weighs when
 # the replay prices copies between tiers and no --model says otherwise.
 DEFAULT_KV_BYTES_PER_TOKEN = 131072
