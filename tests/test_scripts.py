@@ -480,6 +480,14 @@ QUICK_CASCADE = ["--quick", "--workloads", "synthetic-system"]
 SMALL_CASCADE = ["--workloads", "synthetic-system", "--limit", "20", "--snapshots", "1", "--warmup", "0"]
 
 
+def test_bench_cascade_names_the_workloads_it_skips_and_why(tmp_path):
+    report = run_script("bench_cascade.py", "--workloads", "mooncake-conversation,mooncake-synthetic", "--traces",
+                        str(tmp_path))
+    assert report["workloads"] == []
+    assert report["skipped"] == {f"mooncake-{name}": f"{tmp_path / f'{name}_trace.jsonl'} not found"
+                                 for name in ("conversation", "synthetic")}
+
+
 @pytest.mark.parametrize("args, option", [
     (["--quick", "--workloads", ""], "--workloads"), (["--quick", "--workloads", "bogus"], "--workloads"),
     (["--quick", "--workloads", "synthetic-system,,synthetic-chat"], "--workloads"),

@@ -359,7 +359,8 @@ def _plan(args: argparse.Namespace, trace: Trace, config: ReplayConfig, out: dic
         if plan.trace_ceiling is not None:
             ceilings = {"the trace's reuse ceiling": plan.trace_ceiling, **ceilings}
         try:
-            out["plots"] = [str(p) for p in write_sweep_plots(plan.curve, args.plot, ceilings=ceilings)]
+            out["plots"] = [str(p) for p in write_sweep_plots(plan.curve, args.plot, ceilings=ceilings,
+                                                              answer=plan.tokens)]
         except OSError as e:
             return _report_then_error(out, f"cannot write plots to {args.plot}: {e.strerror or e}")
     _write_json(out)

@@ -486,12 +486,14 @@ def format_seconds(s: float | None) -> str:
 
 
 def write_sweep_plots(reports: Sequence[ReplayReport], directory: str | os.PathLike,
-                      labels: Sequence[str] | None = None, ceilings: dict[str, float] | None = None) -> list[Path]:
+                      labels: Sequence[str] | None = None, ceilings: dict[str, float] | None = None,
+                      answer: int | None = None) -> list[Path]:
     """Writes hit_rate_vs_capacity.png and ttft_vs_capacity.png (TTFT p50, and p90 dashed) into `directory`; needs
     matplotlib. The x axis is the device's KV capacity, ticked with `labels` (the capacities as typed), with a
     curve per tier configuration (no host tier, each host size, with storage); a sweep of one device capacity puts
     its tier configurations on the x axis instead. With one host tier, the hit-rate plot also splits it by tier.
-    `ceilings` (name -> hit rate) are drawn as dashed horizontal lines."""
+    `ceilings` (name -> hit rate) are drawn as dashed horizontal lines, and `answer` (a capacity) as a dotted
+    vertical one. Ticks too close to the one before on the log scale are left unlabelled."""
     figure_cls = require_matplotlib()
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -508,6 +510,9 @@ def write_sweep_plots(reports: Sequence[ReplayReport], directory: str | os.PathL
         _plot_by_tier(hit_ax, ttft_ax, groups, labels[0])
     for (name, value), color in zip((ceilings or {}).items(), ("black", "dimgrey", "grey")):
         hit_ax.axhline(value, linestyle="--", linewidth=1, color=color, label=f"{name} {value:.3f}")
+    if answer is not None:
+        for ax in (hit_ax, ttft_ax):
+            ax.axvline(answer, linestyle=":", color="tab:red", label=f"answer {format_tokens(answer)}")
     hit_ax.set(ylabel="hit rate", ylim=(0, 1), title="Hit rate vs KV capacity")
     ttft_ax.set(ylabel="time to first token (s)", title="TTFT vs KV capacity (p50, p90 dashed)")
     ttft = [v for r in reports for v in r.ttft_percentiles().values()]
@@ -539,12 +544,24 @@ def _plot_by_capacity(hit_ax, ttft_ax, groups: dict) -> None:
         ttft = [r.ttft_percentiles() for r, _ in rows]
         ttft_ax.plot(x, [t.get("p50", np.nan) for t in ttft], marker="o", color=line.get_color(), label=name)
         ttft_ax.plot(x, [t.get("p90", np.nan) for t in ttft], marker=".", linestyle="--", color=line.get_color())
-    ticks = {r.capacity_tokens: label for rows in groups.values() for r, label in rows}
+    ticks = _spaced_ticks({r.capacity_tokens: label for rows in groups.values() for r, label in rows})
     for ax in (hit_ax, ttft_ax):
         ax.set_xscale("log")
         ax.set_xticks(list(ticks), list(ticks.values()))
         ax.minorticks_off()
         ax.set_xlabel("device KV capacity")
+
+
+def _spaced_ticks(ticks: dict[int, str], parts: int = 12) -> dict[int, str]:
+    """The ticks at least 1/`parts` of the log axis apart (the first, then each far enough from the last kept),
+    so that labels do not overlap."""
+    xs = sorted(ticks)
+    span = np.log(xs[-1] / xs[0]) if xs[0] > 0 else 0.0
+    kept = [xs[0]]
+    for x in xs[1:]:
+        if span == 0 or np.log(x / kept[-1]) >= span / parts:
+            kept.append(x)
+    return {x: ticks[x] for x in kept}
 
 
 def _plot_by_tier(hit_ax, ttft_ax, groups: dict, capacity_label: str) -> None:

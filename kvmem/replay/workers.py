@@ -64,7 +64,7 @@ class ReplayPool:
 
         if self._pool is None or len(configs) == 1:
             return [replay(self.trace, c, progress, self.engine) for c in configs]
-        with _sigint_ignored():  # the workers it starts inherit it
+        with sigint_ignored():  # the workers it starts inherit it
             futures = [self._pool.submit(_replay_in_worker, c, self.engine) for c in configs]
         bar = None
         if progress:
@@ -79,7 +79,7 @@ class ReplayPool:
         return [f.result() for f in futures]
 
 
-class _sigint_ignored:
+class sigint_ignored:
     """SIGINT ignored while the pool starts workers (a spawned child keeps an ignored signal ignored, and Python
     then installs no KeyboardInterrupt of its own), then as it was."""
 
