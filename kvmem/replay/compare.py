@@ -21,7 +21,7 @@ from pathlib import Path
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.engine import fallback_note
 from kvmem.replay.report import format_seconds, require_matplotlib
-from kvmem.replay.workers import kill_workers, sigint_ignored
+from kvmem.replay.workers import kill_workers, sigint_blocked, worker_ignores_sigint
 
 BASELINE, CEILING = "lru", "belady"
 # Below this gap between belady's and lru's hit rates, a share of it is noise (a few requests' hits): n/a.
@@ -33,6 +33,7 @@ _trace = None  # the trace a worker replays, loaded once by its initializer
 
 def _load_worker_trace(load_trace: Callable) -> None:
     global _trace
+    worker_ignores_sigint()
     _trace = load_trace()
 
 
@@ -70,7 +71,7 @@ def compare_policies(trace, config: ReplayConfig, policies: Sequence[str], capac
         with ProcessPoolExecutor(max_workers=min(jobs, len(configs)), mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_load_worker_trace, initargs=(load_trace,)) as pool:
             try:
-                with sigint_ignored():  # the workers it starts inherit it: Ctrl-C is this process's alone
+                with sigint_blocked():  # Ctrl-C is this process's alone (kvmem.replay.workers)
                     futures = {pool.submit(_replay_one, c, None, engine): c for c in configs}
                 for future in as_completed(futures):
                     done(futures[future], future.result())

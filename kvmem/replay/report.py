@@ -190,7 +190,7 @@ class ReplayReport:
         if span < OVERLOAD_SPAN * (a1 - a0) or offered < OVERLOAD_REQUESTS or served > OVERLOAD_SERVED * offered:
             return None
         start = a0 if self.start_s is None else min(self.start_s, a0)
-        return Overload(float(t0 - start), offered / span, served / span)
+        return Overload(float(t0 - start), float(offered / span), float(served / span))
 
     @property
     def simulated_seconds(self) -> float:
@@ -363,7 +363,8 @@ def format_summary(reports: Sequence[ReplayReport], title: str, labels: Sequence
         return "\n".join(lines)
     labels = labels or [format_tokens(r.capacity_tokens) for r in reports]
     marked = [fit is not None and r.capacity_tokens > fit[0] for r in reports]
-    rows = [_summary_columns(r, label + ("*" if mark else ""), _without_tier(r, reports))
+    tiered = any(r.host_capacity_tokens is not None for r in reports)
+    rows = [_summary_columns(r, label + ("*" if mark else ""), _without_tier(r, reports), tiered)
             for r, label, mark in zip(reports, labels, marked)]
     keep = [i for i, (name, _) in enumerate(rows[0]) if name.startswith("+") is False or
             any(row[i][1] != "" for row in rows)]
@@ -417,9 +418,9 @@ def _without_tier(r: ReplayReport, reports: Sequence[ReplayReport]) -> ReplayRep
     return None
 
 
-def _summary_columns(r: ReplayReport, label: str, base: ReplayReport | None) -> list[tuple[str, str]]:
+def _summary_columns(r: ReplayReport, label: str, base: ReplayReport | None, tiered: bool) -> list[tuple[str, str]]:
     """A sweep row's cells by column name; a name that starts with "+" is a column shown only when some row fills
-    it."""
+    it. The host tier's columns are there when some row of the table (`tiered`) has a host tier."""
     ttft = r.ttft_percentiles()
     columns = [("capacity", label),
                ("host", "-" if r.host_capacity_tokens is None else format_tokens(r.host_capacity_tokens)),
@@ -427,6 +428,8 @@ def _summary_columns(r: ReplayReport, label: str, base: ReplayReport | None) -> 
                ("device", f"{r.device_hit_rate:.3f}"),
                ("host", "-" if r.host_capacity_tokens is None else f"{r.host_hit_rate:.3f}"),
                ("+storage", "" if r.storage is None else f"{r.storage_hit_rate:.3f}")]
+    if not tiered:
+        del columns[3:5], columns[1]
     columns += [("TTFT p50", format_seconds(ttft.get("p50"))), ("p90", format_seconds(ttft.get("p90"))),
                 ("p99", format_seconds(ttft.get("p99"))),
                 ("GPU-s saved" if r.num_gpus else "s saved", f"{r.prefill_seconds_saved * (r.num_gpus or 1):,.0f}"),

@@ -3,9 +3,10 @@
 `ReplayPool(trace, jobs, engine)` hands each worker the trace once (a pickle, when it starts) and replays
 configurations in batches (`run`), as many at once as there are workers; with one job it replays in this process,
 with a progress bar per replay. Workers are started with "spawn" (a forked child of a process that loaded torch
-and OpenBLAS may deadlock in their thread pools) and with SIGINT ignored: Ctrl-C reaches every process of the
-group, and only this one answers it, by killing the workers at once (no traceback of theirs) and raising
-KeyboardInterrupt, as SIGTERM does (`kill_workers`).
+and OpenBLAS may deadlock in their thread pools). Ctrl-C reaches every process of the group, and only this one
+answers it, by killing the workers at once (no traceback of theirs) and raising KeyboardInterrupt, as SIGTERM
+does (`kill_workers`): a worker ignores SIGINT, and is started with it blocked (`sigint_blocked`: a blocked signal
+stays blocked across exec, so one that comes while the worker starts up waits, and is then ignored).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import multiprocessing
 import signal
 import sys
-import threading
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -22,7 +22,14 @@ _worker_trace = None
 
 def _set_worker_trace(trace) -> None:
     global _worker_trace
+    worker_ignores_sigint()
     _worker_trace = trace
+
+
+def worker_ignores_sigint() -> None:
+    """In a worker's initializer: SIGINT ignored from now on, and unblocked (see `sigint_blocked`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _replay_in_worker(config, engine: str):
@@ -64,7 +71,7 @@ class ReplayPool:
 
         if self._pool is None or len(configs) == 1:
             return [replay(self.trace, c, progress, self.engine) for c in configs]
-        with sigint_ignored():  # the workers it starts inherit it
+        with sigint_blocked():
             futures = [self._pool.submit(_replay_in_worker, c, self.engine) for c in configs]
         bar = None
         if progress:
@@ -79,18 +86,15 @@ class ReplayPool:
         return [f.result() for f in futures]
 
 
-class sigint_ignored:
-    """SIGINT ignored while the pool starts workers (a spawned child keeps an ignored signal ignored, and Python
-    then installs no KeyboardInterrupt of its own), then as it was."""
+class sigint_blocked:
+    """SIGINT blocked in this thread while a pool starts workers (they inherit it until their initializer calls
+    `worker_ignores_sigint`); a Ctrl-C that comes meanwhile is delivered here once it is unblocked."""
 
     def __enter__(self) -> None:
-        self._main = threading.current_thread() is threading.main_thread()
-        if self._main:
-            self._previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self._previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
     def __exit__(self, *exc) -> None:
-        if self._main:
-            signal.signal(signal.SIGINT, self._previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._previous)
 
 
 def replay_all(trace, configs: Sequence, jobs: int, progress: bool, engine: str = "native") -> list:
