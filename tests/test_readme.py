@@ -37,8 +37,8 @@ def test_docs_python_examples_run(page):
 def test_readme_setup_shows_the_planners_install_without_torch_beside_the_full_one_from_the_cpu_wheel_index():
     text = README.read_text()
     assert "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/kvmem-replay" in text
-    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu && .venv/bin/pip install -e '.[dev]'" \
-        in text
+    assert ("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && .venv/bin/pip install -e "
+            "'.[dev]'") in text
     assert ".venv/bin/python -m pytest" in text
 
 
