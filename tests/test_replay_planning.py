@@ -209,6 +209,18 @@ def test_a_sweep_labels_capacities_as_typed_and_marks_those_the_gpus_cannot_hold
 
 
 @needs_native
+def test_a_sweep_of_a_mooncake_trace_reads_against_the_traces_reuse_ceiling(capsys, monkeypatch, tmp_path):
+    drawn = {}
+    monkeypatch.setattr("kvmem.replay.cli.write_sweep_plots",
+                        lambda reports, directory, labels, ceilings=None: drawn.update(ceilings) or [])
+    code, out, err = run(capsys, *FEW, "--sweep", "100k,2M", "--plot", str(tmp_path))
+    ceiling = reuse_ceiling(read_trace(default_trace_path(), limit=60))
+    assert code == 0 and json.loads(out)["trace_ceiling"] == round(ceiling, 6)
+    assert f"the trace's reuse ceiling (what an unbounded cache would serve): {ceiling:.3f}" in err
+    assert drawn == {"the trace's reuse ceiling": ceiling}
+
+
+@needs_native
 def test_a_sweep_in_gib_sizes_each_capacity_by_the_models_kv(capsys):
     code, out, _ = run(capsys, *FEW, "--sweep-gb", "4,8", "--model", "llama-3-8b", "--page-size", "16")
     sweep = json.loads(out)["sweep"]

@@ -51,6 +51,7 @@ from kvmem.replay.config import (
 from kvmem.replay.cost import DEFAULT_MODEL, DEFAULT_STORAGE_LATENCY_US, GPUS, RooflineCost
 from kvmem.replay.engine import ENGINES, engine_for, fallback_note, fallback_reason, requested_engine
 from kvmem.replay.report import format_summary, format_tokens, require_matplotlib, write_sweep_plots
+from kvmem.replay.reuse import reuse_ceiling
 from kvmem.replay.traces import Trace, TraceError, default_trace_path, read_trace
 from kvmem.replay.workers import kill_workers, replay_all
 
@@ -289,16 +290,22 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
                              progress, engine)
         labels = labels or [format_tokens(r.capacity_tokens) for r in reports]
         fit = _gpu_fit(args, config)
+        ceilings = None
         if points is None:
             out.update(reports[0].to_json())
         else:
             out["sweep"] = [_sweep_json(r, label, fit) for r, label in zip(reports, labels)]
+            ceiling = reuse_ceiling(trace)  # a sweep's curve reads against it
+            if ceiling is not None:
+                out["trace_ceiling"] = round(ceiling, 6)
+                ceilings = {"the trace's reuse ceiling": ceiling}
+                title = f"{title}\nthe trace's reuse ceiling (what an unbounded cache would serve): {ceiling:.3f}"
         if not args.json_only:
             print(format_summary(reports, title, labels, fit), file=sys.stderr)
         if args.plot:
             try:
                 plots = reports[0].write_plots(args.plot) if points is None else \
-                    write_sweep_plots(reports, args.plot, labels)
+                    write_sweep_plots(reports, args.plot, labels, ceilings=ceilings)
             except OSError as e:
                 return _report_then_error(out, f"cannot write plots to {args.plot}: {e.strerror or e}")
             out["plots"] = [str(p) for p in plots]
