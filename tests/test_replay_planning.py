@@ -98,6 +98,7 @@ def test_a_queue_that_grows_without_bound_is_flagged_from_when_it_stopped_draini
 def test_a_server_that_keeps_up_or_a_batch_queued_at_once_is_not_flagged():
     arrivals = np.arange(200) / 2.0
     assert report_of(arrivals, arrivals + 0.3).overload() is None  # busy, never behind
+    assert report_of(arrivals, arrivals + 5.0).overload() is None  # a steady backlog of 10 that does not grow
     burst = np.concatenate([arrivals[:190], np.full(10, arrivals[189])])
     assert report_of(arrivals, burst + 1.0).overload() is None
     assert report_of(np.zeros(200), np.arange(200) * 0.5).overload() is None  # --arrivals all-at-once
