@@ -213,7 +213,7 @@ def test_a_sweep_labels_capacities_as_typed_and_marks_those_the_gpus_cannot_hold
 def test_a_sweep_of_a_mooncake_trace_reads_against_the_traces_reuse_ceiling(capsys, monkeypatch, tmp_path):
     drawn = {}
     monkeypatch.setattr("kvmem.replay.cli.write_sweep_plots",
-                        lambda reports, directory, labels, ceilings=None: drawn.update(ceilings) or [])
+                        lambda reports, directory, labels, ceilings=None, **_: drawn.update(ceilings) or [])
     code, out, err = run(capsys, *FEW, "--sweep", "100k,2M", "--plot", str(tmp_path))
     ceiling = reuse_ceiling(read_trace(default_trace_path(), limit=60))
     assert code == 0 and json.loads(out)["trace_ceiling"] == round(ceiling, 6)
@@ -247,6 +247,17 @@ def test_a_host_tier_sweep_has_a_baseline_row_and_shows_what_each_tier_buys(caps
     assert "none" not in baseline and "Δ: what the row's lowest tier buys" in err
 
 
+def test_a_host_tier_sweep_in_gib_names_each_host_tier_as_typed(capsys, tmp_path):
+    pytest.importorskip("torch")  # a host tier replays on the Python engine
+    code, out, err = run(capsys, str(documents_trace(tmp_path)), "--no-progress", "--jobs", "1", "--limit", "20",
+                         "--capacity-tokens", "4000", "--page-size", "16", "--sweep-host-gb", "1", "--model",
+                         "llama-3-8b")
+    sweep = json.loads(out)["sweep"]
+    assert code == 0 and [(r.get("host_label"), r.get("host_capacity_tokens")) for r in sweep] == [
+        (None, None), ("1 GiB", 8176)]  # 1 GiB of llama-3-8b's KV at 128 KiB a token, less a page
+    assert err.splitlines()[-2].split()[:3] == ["4k", "1", "GiB"]
+
+
 def test_the_sweep_table_shows_each_tiers_gain_against_its_row_without_it():
     def report(host, hit, ttft):
         r = ReplayReport(1000, host_capacity_tokens=host, cost_model="fixed")
@@ -259,6 +270,8 @@ def test_the_sweep_table_shows_each_tiers_gain_against_its_row_without_it():
     assert lines[3].split()[:2] == ["1k", "-"] and lines[3].endswith("0" + " " * 33)  # the baseline: no gain
     assert lines[4].endswith("0  none  +0.200        -3 s   -3 s")
     assert lines[5] == "Δ: what the row's lowest tier buys, against the row without it (vs)"
+    same = format_summary([report(None, 10, 0.07), report(4000, 30, 0.07 + 1e-12)], "T").splitlines()
+    assert same[4].endswith("none  +0.200           0      0")  # float noise is no change
     plain = format_summary([report(None, 10, 5.0), report(None, 30, 2.0)], "T").splitlines()
     assert plain[2].split() == ["capacity", "hit", "rate", "TTFT", "p50", "p90", "p99", "s", "saved", "pinned",
                                 "peak", "evicted", "retractions"]  # no tier: no tier columns

@@ -242,13 +242,14 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
         config = _replay_config(args, trace)
         runs = None if tour else cluster_runs(args, config)
         _check_plan(args)
-        labels = None
+        labels, host_labels = None, {}
         if runs is not None or args.target_hit_fraction is not None:
             points = None
         elif tour:
             points = _tour_points(config)
         else:
             points, labels = _sweep_points(args, config)
+            host_labels = _host_labels(args)
         if tour and not torch_available():
             points = _native_tour(points, engine)
         for point in points or [config]:
@@ -294,18 +295,18 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
         if points is None:
             out.update(reports[0].to_json())
         else:
-            out["sweep"] = [_sweep_json(r, label, fit) for r, label in zip(reports, labels)]
+            out["sweep"] = [_sweep_json(r, label, fit, host_labels) for r, label in zip(reports, labels)]
             ceiling = reuse_ceiling(trace)  # a sweep's curve reads against it
             if ceiling is not None:
                 out["trace_ceiling"] = round(ceiling, 6)
                 ceilings = {"the trace's reuse ceiling": ceiling}
                 title = f"{title}\nthe trace's reuse ceiling (what an unbounded cache would serve): {ceiling:.3f}"
         if not args.json_only:
-            print(format_summary(reports, title, labels, fit), file=sys.stderr)
+            print(format_summary(reports, title, labels, fit, host_labels), file=sys.stderr)
         if args.plot:
             try:
                 plots = reports[0].write_plots(args.plot) if points is None else \
-                    write_sweep_plots(reports, args.plot, labels, ceilings=ceilings)
+                    write_sweep_plots(reports, args.plot, labels, ceilings=ceilings, host_labels=host_labels)
             except OSError as e:
                 return _report_then_error(out, f"cannot write plots to {args.plot}: {e.strerror or e}")
             out["plots"] = [str(p) for p in plots]
@@ -329,9 +330,12 @@ def _gpu_fit(args: argparse.Namespace, config: ReplayConfig) -> tuple[int, str] 
     return fit, f"{args.tp} x {args.gpu}"
 
 
-def _sweep_json(report, label: str, fit: tuple[int, str] | None) -> dict:
-    """A sweep replay's report, with its capacity as typed and, with --gpu, whether those GPUs hold it."""
+def _sweep_json(report, label: str, fit: tuple[int, str] | None, host_labels: dict[int, str] | None = None) -> dict:
+    """A sweep replay's report, with its capacity (and host tier) as typed and, with --gpu, whether those GPUs hold
+    it."""
     out = {"label": label, **report.to_json()}
+    if report.host_capacity_tokens in (host_labels or {}):
+        out["host_label"] = host_labels[report.host_capacity_tokens]
     if fit is not None:
         out["fits_gpus"] = report.capacity_tokens <= fit[0]
     return out
@@ -700,6 +704,12 @@ def _sweep_points(args: argparse.Namespace, config: ReplayConfig) -> tuple[list[
                                                   storage=store))
                 labels.append(s.label)
     return points, labels
+
+
+def _host_labels(args: argparse.Namespace) -> dict[int, str]:
+    """--sweep-host's sizes as typed, by their tokens."""
+    hosts = args.sweep_host if args.sweep_host is not None else args.sweep_host_gb
+    return {_size_tokens(h, "--sweep-host-gb", args): h.label for h in hosts or []}
 
 
 def _size_tokens(size: Size, option: str, args: argparse.Namespace) -> int:

@@ -346,14 +346,15 @@ class ReplayReport:
 
 
 def format_summary(reports: Sequence[ReplayReport], title: str, labels: Sequence[str] | None = None,
-                   fit: tuple[int, str] | None = None) -> str:
+                   fit: tuple[int, str] | None = None, host_labels: dict[int, str] | None = None) -> str:
     """What a person reads after a replay: `title`, then one report as a list of figures, or several (a sweep)
     as a table with a row each. Hit rate by tier, prompt tokens cached, prefill time saved, TTFT percentiles,
     throughput, memory use, evictions and retractions; a warning when arrivals outran the server.
 
     A sweep's rows are labelled with `labels` (the capacities as typed; default: their token counts). Where a row
     has a tier whose row without it is in the table, it shows what the tier buys: hit rate and TTFT against that
-    row. `fit` (tokens, what): capacities above `tokens` are marked as more than `what` holds."""
+    row. `fit` (tokens, what): capacities above `tokens` are marked as more than `what` holds. `host_labels` (host
+    tokens -> the size as typed) names host tiers; default: their token counts."""
     lines = [title, f"clock: {reports[0].cost_model}"]
     if len(reports) == 1:
         lines += [f"  {name:<24}{value}" for name, value in summary_rows(reports[0])]
@@ -364,7 +365,7 @@ def format_summary(reports: Sequence[ReplayReport], title: str, labels: Sequence
     labels = labels or [format_tokens(r.capacity_tokens) for r in reports]
     marked = [fit is not None and r.capacity_tokens > fit[0] for r in reports]
     tiered = any(r.host_capacity_tokens is not None for r in reports)
-    rows = [_summary_columns(r, label + ("*" if mark else ""), _without_tier(r, reports), tiered)
+    rows = [_summary_columns(r, label + ("*" if mark else ""), _without_tier(r, reports), tiered, host_labels or {})
             for r, label, mark in zip(reports, labels, marked)]
     keep = [i for i, (name, _) in enumerate(rows[0]) if name.startswith("+") is False or
             any(row[i][1] != "" for row in rows)]
@@ -418,12 +419,13 @@ def _without_tier(r: ReplayReport, reports: Sequence[ReplayReport]) -> ReplayRep
     return None
 
 
-def _summary_columns(r: ReplayReport, label: str, base: ReplayReport | None, tiered: bool) -> list[tuple[str, str]]:
+def _summary_columns(r: ReplayReport, label: str, base: ReplayReport | None, tiered: bool,
+                     host_labels: dict[int, str]) -> list[tuple[str, str]]:
     """A sweep row's cells by column name; a name that starts with "+" is a column shown only when some row fills
     it. The host tier's columns are there when some row of the table (`tiered`) has a host tier."""
     ttft = r.ttft_percentiles()
     columns = [("capacity", label),
-               ("host", "-" if r.host_capacity_tokens is None else format_tokens(r.host_capacity_tokens)),
+               ("host", "-" if r.host_capacity_tokens is None else _host_label(r.host_capacity_tokens, host_labels)),
                ("hit rate", f"{r.hit_rate:.3f}"),
                ("device", f"{r.device_hit_rate:.3f}"),
                ("host", "-" if r.host_capacity_tokens is None else f"{r.host_hit_rate:.3f}"),
@@ -452,6 +454,8 @@ def _tier_gain(r: ReplayReport, base: ReplayReport | None) -> list[tuple[str, st
 
 
 def _signed_seconds(s: float) -> str:
+    if abs(s) < 1e-6:  # the same clock read two ways, not a change
+        return "0"
     return ("-" if s < 0 else "+") + format_seconds(abs(s))
 
 
@@ -490,13 +494,14 @@ def format_seconds(s: float | None) -> str:
 
 def write_sweep_plots(reports: Sequence[ReplayReport], directory: str | os.PathLike,
                       labels: Sequence[str] | None = None, ceilings: dict[str, float] | None = None,
-                      answer: int | None = None) -> list[Path]:
+                      answer: int | None = None, host_labels: dict[int, str] | None = None) -> list[Path]:
     """Writes hit_rate_vs_capacity.png and ttft_vs_capacity.png (TTFT p50, and p90 dashed) into `directory`; needs
     matplotlib. The x axis is the device's KV capacity, ticked with `labels` (the capacities as typed), with a
     curve per tier configuration (no host tier, each host size, with storage); a sweep of one device capacity puts
     its tier configurations on the x axis instead. With one host tier, the hit-rate plot also splits it by tier.
     `ceilings` (name -> hit rate) are drawn as dashed horizontal lines, and `answer` (a capacity) as a dotted
-    vertical one. Ticks too close to the one before on the log scale are left unlabelled."""
+    vertical one. Host tiers are named by `host_labels` (host tokens -> the size as typed) where it has them. Ticks
+    too close to the one before on the log scale are left unlabelled."""
     figure_cls = require_matplotlib()
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -508,9 +513,9 @@ def write_sweep_plots(reports: Sequence[ReplayReport], directory: str | os.PathL
     hit_fig, ttft_fig = figure_cls(figsize=(8, 4.5)), figure_cls(figsize=(8, 4.5))
     hit_ax, ttft_ax = hit_fig.subplots(), ttft_fig.subplots()
     if by_capacity:
-        _plot_by_capacity(hit_ax, ttft_ax, groups)
+        _plot_by_capacity(hit_ax, ttft_ax, groups, host_labels or {})
     else:
-        _plot_by_tier(hit_ax, ttft_ax, groups, labels[0])
+        _plot_by_tier(hit_ax, ttft_ax, groups, labels[0], host_labels or {})
     for (name, value), color in zip((ceilings or {}).items(), ("black", "dimgrey", "grey")):
         hit_ax.axhline(value, linestyle="--", linewidth=1, color=color, label=f"{name} {value:.3f}")
     if answer is not None:
@@ -531,19 +536,24 @@ def write_sweep_plots(reports: Sequence[ReplayReport], directory: str | os.PathL
     return paths
 
 
-def _tier_name(host: int, storage: str) -> str:
-    return "no host tier" if not host else f"host {format_tokens(host)}" + (" + storage" if storage else "")
+def _host_label(host: int, host_labels: dict[int, str]) -> str:
+    return host_labels.get(host) or format_tokens(host)
 
 
-def _plot_by_capacity(hit_ax, ttft_ax, groups: dict) -> None:
+def _tier_name(host: int, storage: str, host_labels: dict[int, str]) -> str:
+    return "no host tier" if not host else f"host {_host_label(host, host_labels)}" + (" + storage" if storage else "")
+
+
+def _plot_by_capacity(hit_ax, ttft_ax, groups: dict, host_labels: dict[int, str]) -> None:
     tiered = any(host for host, _ in groups)
     for (host, storage), rows in groups.items():
         x = [r.capacity_tokens for r, _ in rows]
-        name = _tier_name(host, storage) if tiered else None
+        name = _tier_name(host, storage, host_labels) if tiered else None
         line, = hit_ax.plot(x, [r.hit_rate for r, _ in rows], marker="o", label=name)
         if len(groups) == 1 and host:  # one host tier: what each tier serves
             hit_ax.plot(x, [r.device_hit_rate for r, _ in rows], marker=".", label="device")
-            hit_ax.plot(x, [r.host_hit_rate for r, _ in rows], marker=".", label=f"host ({host:,})")
+            hit_ax.plot(x, [r.host_hit_rate for r, _ in rows], marker=".",
+                        label=f"host ({_host_label(host, host_labels)})")
         ttft = [r.ttft_percentiles() for r, _ in rows]
         ttft_ax.plot(x, [t.get("p50", np.nan) for t in ttft], marker="o", color=line.get_color(), label=name)
         ttft_ax.plot(x, [t.get("p90", np.nan) for t in ttft], marker=".", linestyle="--", color=line.get_color())
@@ -567,8 +577,8 @@ def _spaced_ticks(ticks: dict[int, str], parts: int = 12) -> dict[int, str]:
     return {x: ticks[x] for x in kept}
 
 
-def _plot_by_tier(hit_ax, ttft_ax, groups: dict, capacity_label: str) -> None:
-    names = [_tier_name(host, storage) for host, storage in groups]
+def _plot_by_tier(hit_ax, ttft_ax, groups: dict, capacity_label: str, host_labels: dict[int, str]) -> None:
+    names = [_tier_name(host, storage, host_labels) for host, storage in groups]
     rows = [group[0][0] for group in groups.values()]
     x = list(range(len(rows)))
     hit_ax.plot(x, [r.hit_rate for r in rows], marker="o")
