@@ -18,9 +18,10 @@ import pytest
 from kvmem.replay import native_replay
 from kvmem.replay.capacity import gpus_needed, parse_token_sizes
 from kvmem.replay.cli import main
+from kvmem.replay.cluster_report import ClusterReport, format_cluster_summary
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.cost import StepCost, cost_model
-from kvmem.replay.report import ReplayReport, format_summary, format_tokens
+from kvmem.replay.report import ReplayReport, format_seconds, format_summary, format_tokens
 from kvmem.replay.reuse import reuse_ceiling, unbounded_capacity
 from kvmem.replay.traces import default_trace_path, read_trace
 
@@ -290,6 +291,23 @@ def test_a_cluster_replay_prints_the_summary_with_load_imbalance_and_a_row_per_r
     rows = err.splitlines()[err.splitlines().index(header) + 1:]
     assert [row.split()[0] for row in rows[:2]] == ["0", "1"]
     assert [int(row.split()[1]) for row in rows[:2]] == [r["routed"] for r in report["per_replica"]]
+
+
+def test_a_cluster_that_keeps_up_names_the_replicas_its_router_overloads():
+    fine = report_of(np.arange(200) / 2.0, np.arange(200) / 2.0 + 0.3)  # 2 a second, served at once
+    behind = report_of(np.arange(25) * 4.0, np.arange(25) * 8.0 + 1.0)  # one every 4 s, served one every 8 s
+    cluster = ClusterReport("round-robin", [fine, behind], routed=[100, 100], busy_seconds=[1.0, 1.0],
+                            prefill_seconds=[1.0, 1.0])
+    lines = format_cluster_summary([cluster], "T").splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["replica", "routed"])
+    assert lines[header].split()[-1] == "outrun" and lines[header + 1].endswith("  ")  # replica 0 keeps up
+    assert lines[header + 2].endswith(f"from {format_seconds(behind.overload().from_s)}")
+    assert lines[-1] == (f"warning: arrivals outrun replica 1 of 2 (outrun) from t="
+                         f"{format_seconds(behind.overload().from_s)} at the earliest: their TTFT reflects queueing, "
+                         f"though the cluster keeps up") and cluster.total().overload() is None
+    calm = ClusterReport("round-robin", [fine, fine], routed=[100, 100], busy_seconds=[1.0, 1.0],
+                         prefill_seconds=[1.0, 1.0])
+    assert "outrun" not in format_cluster_summary([calm], "T")
 
 
 # ---- Ctrl-C and the light install ------------------------------------------------------------------------------

@@ -172,6 +172,14 @@ def format_cluster_summary(reports: Sequence[ClusterReport], title: str) -> str:
         if overload is not None:
             where = "" if len(reports) == 1 else f"{r.num_replicas} replicas, {r.policy}: "
             lines.append(f"warning: {where}{overload.message()}")
+    if len(reports) == 1:
+        behind = {rank: o for rank, o in enumerate(r.overload() for r in reports[0].reports) if o is not None}
+        if behind:  # the cluster may keep up while the router overloads some replicas
+            keeps_up = ", though the cluster keeps up" if reports[0].total().overload() is None else ""
+            lines.append(f"warning: arrivals outrun replica{'s' if len(behind) > 1 else ''} "
+                         f"{', '.join(map(str, behind))} of {reports[0].num_replicas} (outrun) from t="
+                         f"{format_seconds(min(o.from_s for o in behind.values()))} at the earliest: their TTFT "
+                         f"reflects queueing{keeps_up}")
     return "\n".join(lines)
 
 
@@ -197,7 +205,12 @@ def _replica_row(cluster: ClusterReport, rank: int) -> list[tuple[str, str]]:
             ("busy", format_seconds(cluster.busy_seconds[rank])),
             ("prefill", format_seconds(cluster.prefill_seconds[rank])),
             ("peak memory", f"{format_tokens(r.peak_tokens_used)} of {format_tokens(r.capacity_tokens)}"),
-            ("evicted", format_tokens(r.evicted_tokens))]
+            ("evicted", format_tokens(r.evicted_tokens)), ("+outrun", _outrun(r))]
+
+
+def _outrun(r: ReplayReport) -> str:
+    overload = r.overload()
+    return "" if overload is None else f"from {format_seconds(overload.from_s)}"
 
 
 def _run_row(cluster: ClusterReport) -> list[tuple[str, str]]:
@@ -210,7 +223,11 @@ def _run_row(cluster: ClusterReport) -> list[tuple[str, str]]:
 
 
 def _table(rows: list[list[tuple[str, str]]]) -> list[str]:
-    cells = [[name for name, _ in rows[0]]] + [[value for _, value in row] for row in rows]
+    """Rows of (column, cell) as a right-aligned table; a column whose name starts with "+" only where some row
+    fills it."""
+    keep = [i for i, (name, _) in enumerate(rows[0]) if not name.startswith("+") or any(row[i][1] for row in rows)]
+    rows = [[row[i] for i in keep] for row in rows]
+    cells = [[name.lstrip("+") for name, _ in rows[0]]] + [[value for _, value in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     return ["  " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in cells]
 
