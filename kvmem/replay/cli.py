@@ -300,7 +300,9 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
             if ceiling is not None:
                 out["trace_ceiling"] = round(ceiling, 6)
                 ceilings = {"the trace's reuse ceiling": ceiling}
-                title = f"{title}\nthe trace's reuse ceiling (what an unbounded cache would serve): {ceiling:.3f}"
+                head, _, rest = title.partition("\n")  # under the trace's line, above the tour's
+                title = "\n".join([head, f"the trace's reuse ceiling (what an unbounded cache would serve): "
+                                          f"{ceiling:.3f}"] + ([rest] if rest else []))
         if not args.json_only:
             print(format_summary(reports, title, labels, fit, host_labels), file=sys.stderr)
         if args.plot:
