@@ -426,7 +426,8 @@ def test_a_human_summary_goes_to_stderr_unless_json_only(capsys, fake_replay):
     code, out, err = run(capsys, "--limit", "4", "--no-progress", "--json-only")
     assert code == 0 and err == "" and json.loads(out)["requests"] == 4
     code, _, err = run(capsys, "--limit", "4", "--no-progress", "--sweep", "1000,2000")
-    assert code == 0 and "capacity" in err.splitlines()[2] and len(err.splitlines()) == 5
+    lines = err.splitlines()  # the trace, its reuse ceiling, the clock, the table's header and its two rows
+    assert code == 0 and "reuse ceiling" in lines[1] and "capacity" in lines[3] and len(lines) == 6
 
 
 def test_no_arguments_at_all_tours_capacities_with_and_without_a_host_tier(capsys, fake_replay):
@@ -735,5 +736,5 @@ def test_the_sweep_plot_draws_a_hit_rate_curve_per_tier_over_the_capacities_as_t
         assert list(curves)[0].startswith("_")  # unlabelled: the ceiling alone is in the legend
         return
     assert curves == {"host 9k": ([1000, 4000], [0.3, 0.4]), "device": ([1000, 4000], [0.1, 0.3]),
-                      "host (9,000)": ([1000, 4000], [0.2, 0.1])}
+                      "host (9k)": ([1000, 4000], [0.2, 0.1])}
     assert ax.get_legend()._loc == 2
