@@ -357,9 +357,11 @@ NO_TORCH = "import sys\nsys.modules['torch'] = sys.modules['triton'] = None\n"
 
 
 def without_torch(code: str) -> subprocess.CompletedProcess:
-    """`code` in a Python where torch and triton cannot be imported, as on an install without the torch extra."""
+    """`code` in a Python where torch and triton cannot be imported, as on an install without the torch extra (and
+    the engine chosen as a user's is: KVMEM_ENGINE unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "KVMEM_ENGINE"}
     return subprocess.run([sys.executable, "-c", NO_TORCH + code], capture_output=True, text=True, cwd=REPO,
-                          timeout=300)
+                          timeout=300, env=env)
 
 
 def test_kvmem_imports_without_torch_and_its_library_names_the_extra_that_brings_it():
