@@ -291,7 +291,7 @@ def test_an_unknown_model_exits_2(capsys, fake_replay):
 def test_plotting_without_matplotlib_fails_before_the_replay(capsys, fake_replay, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib...` raise ImportError
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    assert_one_line_error(*run(capsys, "--plot", str(tmp_path)), "plots need matplotlib: pip install matplotlib\n")
+    assert_one_line_error(*run(capsys, "--plot", str(tmp_path)), "plots need matplotlib: pip install 'kvmem[plot]'\n")
     assert fake_replay == []
 
 

@@ -595,5 +595,5 @@ def require_matplotlib():
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise RuntimeError("plots need matplotlib: pip install matplotlib") from None
+        raise RuntimeError("plots need matplotlib: pip install 'kvmem[plot]'") from None
     return Figure
