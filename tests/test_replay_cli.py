@@ -738,3 +738,13 @@ def test_the_sweep_plot_draws_a_hit_rate_curve_per_tier_over_the_capacities_as_t
     assert curves == {"host 9k": ([1000, 4000], [0.3, 0.4]), "device": ([1000, 4000], [0.1, 0.3]),
                       "host (9k)": ([1000, 4000], [0.2, 0.1])}
     assert ax.get_legend()._loc == 2
+
+
+def test_the_sweep_plots_mark_what_the_chosen_gpus_hold_where_it_falls_among_the_capacities(tmp_path, figures):
+    reports = [ReplayReport(c) for c in (1000, 4000, 16000)]
+    write_sweep_plots(reports, tmp_path, fit=(6000, "1 x H100"))
+    for ax in (figures[0].axes[0], figures[1].axes[0]):
+        line = lines_of(ax)["what 1 x H100 hold: 6k"]
+        assert line[0] == [6000, 6000] and ax.get_lines()[-1].get_linestyle() == "-."
+    write_sweep_plots(reports, tmp_path, fit=(50000, "8 x H100"))  # every capacity fits: nothing to mark
+    assert not [name for name in lines_of(figures[2].axes[0]) if name.startswith("what")]

@@ -308,7 +308,7 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
         if args.plot:
             try:
                 plots = reports[0].write_plots(args.plot) if points is None else \
-                    write_sweep_plots(reports, args.plot, labels, ceilings=ceilings, host_labels=host_labels)
+                    write_sweep_plots(reports, args.plot, labels, ceilings=ceilings, host_labels=host_labels, fit=fit)
             except OSError as e:
                 return _report_then_error(out, f"cannot write plots to {args.plot}: {e.strerror or e}")
             out["plots"] = [str(p) for p in plots]
@@ -373,7 +373,7 @@ def _plan(args: argparse.Namespace, trace: Trace, config: ReplayConfig, out: dic
             ceilings = {"the trace's reuse ceiling": plan.trace_ceiling, **ceilings}
         try:
             out["plots"] = [str(p) for p in write_sweep_plots(plan.curve, args.plot, ceilings=ceilings,
-                                                              answer=plan.tokens)]
+                                                              answer=plan.tokens, fit=fit)]
         except OSError as e:
             return _report_then_error(out, f"cannot write plots to {args.plot}: {e.strerror or e}")
     _write_json(out)

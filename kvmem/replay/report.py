@@ -494,14 +494,16 @@ def format_seconds(s: float | None) -> str:
 
 def write_sweep_plots(reports: Sequence[ReplayReport], directory: str | os.PathLike,
                       labels: Sequence[str] | None = None, ceilings: dict[str, float] | None = None,
-                      answer: int | None = None, host_labels: dict[int, str] | None = None) -> list[Path]:
+                      answer: int | None = None, host_labels: dict[int, str] | None = None,
+                      fit: tuple[int, str] | None = None) -> list[Path]:
     """Writes hit_rate_vs_capacity.png and ttft_vs_capacity.png (TTFT p50, and p90 dashed) into `directory`; needs
     matplotlib. The x axis is the device's KV capacity, ticked with `labels` (the capacities as typed), with a
     curve per tier configuration (no host tier, each host size, with storage); a sweep of one device capacity puts
     its tier configurations on the x axis instead. With one host tier, the hit-rate plot also splits it by tier.
     `ceilings` (name -> hit rate) are drawn as dashed horizontal lines, and `answer` (a capacity) as a dotted
-    vertical one. Host tiers are named by `host_labels` (host tokens -> the size as typed) where it has them. Ticks
-    too close to the one before on the log scale are left unlabelled."""
+    vertical one; `fit` (tokens, what), what the chosen GPUs hold, as a dash-dotted vertical line where it falls
+    among the capacities. Host tiers are named by `host_labels` (host tokens -> the size as typed) where it has them.
+    Ticks too close to the one before on the log scale are left unlabelled."""
     figure_cls = require_matplotlib()
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -518,6 +520,10 @@ def write_sweep_plots(reports: Sequence[ReplayReport], directory: str | os.PathL
         _plot_by_tier(hit_ax, ttft_ax, groups, labels[0], host_labels or {})
     for (name, value), color in zip((ceilings or {}).items(), ("black", "dimgrey", "grey")):
         hit_ax.axhline(value, linestyle="--", linewidth=1, color=color, label=f"{name} {value:.3f}")
+    capacities = [r.capacity_tokens for r in reports]
+    if by_capacity and fit is not None and min(capacities) <= fit[0] <= max(capacities):
+        for ax in (hit_ax, ttft_ax):
+            ax.axvline(fit[0], linestyle="-.", color="grey", label=f"what {fit[1]} hold: {format_tokens(fit[0])}")
     if answer is not None:
         for ax in (hit_ax, ttft_ax):
             ax.axvline(answer, linestyle=":", color="tab:red", label=f"answer {format_tokens(answer)}")
