@@ -4,10 +4,9 @@ each side, per trace and page size, as JSON.
 
 Every run is a process of its own, timed from its start to its exit, its peak RSS read from the kernel (wait4):
 
-    native           kvmem-replay --engine native, as a user runs it (the command imports torch today, through
-                     kvmem/__init__.py: seconds of its wall and most of its memory; issue 35's light install drops it)
-    native-no-torch  the same replay in a process where torch cannot be imported: kvmem.replay.native_replay, the
-                     package entered without its __init__, as the numpy-only install will run it
+    native           kvmem-replay --engine native, as a user runs it (it imports no torch, installed or not)
+    native-no-torch  the same command in a process where torch cannot be imported, as the planner's install (no
+                     torch extra) runs it
     python           kvmem-replay --engine python, the reference
     dynamo           ../shared/peers/dynamo_replay.sh at the same capacity and block size (its vLLM mock engine; at
                      page 1, which that engine refuses, its SGLang one); "skipped" where its venv is missing
@@ -54,27 +53,14 @@ _, status, usage = os.wait4(pid, 0)
 with open(sys.argv[1], "w") as f:
     f.write(f"{time.perf_counter() - t0} {usage.ru_maxrss} {os.waitstatus_to_exitcode(status)}")
 """
-# The replay the CLI would run with these options, in a process where torch cannot be imported.
+# kvmem-replay in a process where torch cannot be imported (None in sys.modules), as a planner's install runs it.
 NO_TORCH = """
-import json, sys, types
-class NoTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "triton"):
-            raise ImportError("torch is not installed here")
-sys.meta_path.insert(0, NoTorch())
-package = types.ModuleType("kvmem")
-package.__path__ = [sys.argv[1]]
-sys.modules["kvmem"] = package
-from kvmem.replay import native_replay
-from kvmem.replay.traces import read_trace
-trace, capacity, page_size = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-trace = read_trace(trace, limit=int(sys.argv[5]) if len(sys.argv) > 5 else None)
-config = types.SimpleNamespace(capacity_tokens=capacity, max_context_len=trace.max_context_len, page_size=page_size,
-    eviction_policy="lru", schedule_policy="lpm", max_running=256, chunked_prefill_size=8192, honour_arrivals=True,
-    host_capacity_tokens=None, cache_decode_pages=True, in_batch_prefix_caching=False, pin_prefix_tokens=0,
-    pin_budget=0.2, gpu=None, context_len=min(trace.max_context_len, capacity // page_size * page_size))
-print(json.dumps(native_replay.replay(trace, config).to_json()))
-assert "torch" not in sys.modules
+import sys
+sys.modules["torch"] = sys.modules["triton"] = None
+from kvmem.replay.cli import main
+status = main(sys.argv[1:])
+assert sys.modules["torch"] is None, "the replay imported torch"
+sys.exit(status)
 """
 
 
@@ -119,13 +105,10 @@ def last_json(text: str) -> dict:
 
 def kvmem_side(side: str, trace: Path, page_size: int, args: argparse.Namespace) -> dict:
     limit = [] if args.limit is None else [str(args.limit)]
-    if side == "native-no-torch":
-        cmd = [sys.executable, "-c", NO_TORCH, str(ROOT / "kvmem"), str(trace), str(args.capacity_tokens),
-               str(page_size), *limit]
-    else:
-        cmd = [sys.executable, "-m", "kvmem.replay.cli", str(trace), "--capacity-tokens", str(args.capacity_tokens),
-               "--page-size", str(page_size), "--engine", side.split("-")[0], "--json-only", "--no-progress",
-               *(["--limit", *limit] if limit else [])]
+    entry = ["-c", NO_TORCH] if side == "native-no-torch" else ["-m", "kvmem.replay.cli"]
+    cmd = [sys.executable, *entry, str(trace), "--capacity-tokens", str(args.capacity_tokens), "--page-size",
+           str(page_size), "--engine", side.split("-")[0], "--json-only", "--no-progress",
+           *(["--limit", *limit] if limit else [])]
     run = timed(cmd)
     if run["status"] != 0:
         return {"error": f"exit {run['status']}: {run['stderr'][-2000:]}"}

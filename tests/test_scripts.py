@@ -480,6 +480,14 @@ QUICK_CASCADE = ["--quick", "--workloads", "synthetic-system"]
 SMALL_CASCADE = ["--workloads", "synthetic-system", "--limit", "20", "--snapshots", "1", "--warmup", "0"]
 
 
+def test_bench_cascade_names_the_workloads_it_skips_and_why(tmp_path):
+    report = run_script("bench_cascade.py", "--workloads", "mooncake-conversation,mooncake-synthetic", "--traces",
+                        str(tmp_path))
+    assert report["workloads"] == []
+    assert report["skipped"] == {f"mooncake-{name}": f"{tmp_path / f'{name}_trace.jsonl'} not found"
+                                 for name in ("conversation", "synthetic")}
+
+
 @pytest.mark.parametrize("args, option", [
     (["--quick", "--workloads", ""], "--workloads"), (["--quick", "--workloads", "bogus"], "--workloads"),
     (["--quick", "--workloads", "synthetic-system,,synthetic-chat"], "--workloads"),
@@ -599,3 +607,13 @@ def test_storage_footprint_counts_what_each_store_leaves_and_removes_it(tmp_path
                                           (["t.jsonl", "--timeout-s", "0"], "--timeout-s")])
 def test_storage_footprint_refuses_bad_arguments_before_any_replay(argv, option, monkeypatch, capsys):
     usage_error("storage_footprint.py", argv, option, monkeypatch, capsys)
+
+
+def test_replay_tiers_reports_each_points_time_to_first_token_beside_its_hit_rates(monkeypatch):
+    pytest.importorskip("torch")  # a host tier replays on the Python engine
+    from kvmem.replay.traces import default_trace_path
+
+    script = load_script("replay_tiers.py", monkeypatch)
+    row = script["run_point"](str(default_trace_path()), ["--limit", "30", "--capacity-tokens", "100000",
+                                                          "--host-capacity-tokens", "400000", "--no-progress"])
+    assert row["ttft_p50_s"] <= row["ttft_p90_s"] <= row["ttft_p99_s"] and 0 <= row["host_hit_rate"] <= 1

@@ -55,11 +55,11 @@ def cluster_runs(args: argparse.Namespace, config: ReplayConfig) -> list[tuple[i
 
 
 def run_cluster(args: argparse.Namespace, trace, config: ReplayConfig, runs: list[tuple[int, str]],
-                out: dict) -> dict:
-    """Replays `runs` and adds their reports (and plots, with --plot) to `out`; RuntimeError (one line) when the
-    plots cannot be written."""
+                out: dict, title: str) -> dict:
+    """Replays `runs`, prints their summary under `title` on stderr (unless --json-only) and adds their reports
+    (and plots, with --plot) to `out`; RuntimeError (one line) when the plots cannot be written."""
     from kvmem.replay.cluster import replay_cluster  # imports torch: only once the arguments are good
-    from kvmem.replay.cluster_report import write_cluster_sweep_plots
+    from kvmem.replay.cluster_report import format_cluster_summary, write_cluster_sweep_plots
 
     progress = not args.no_progress
     reports = []
@@ -71,6 +71,8 @@ def run_cluster(args: argparse.Namespace, trace, config: ReplayConfig, runs: lis
         out.update(reports[0].to_json())
     else:
         out["sweep"] = [r.to_json() for r in reports]
+    if not args.json_only:
+        print(format_cluster_summary(reports, title), file=sys.stderr)
     if args.plot:
         try:
             plots = reports[0].write_plots(args.plot) if len(runs) == 1 else write_cluster_sweep_plots(reports,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from kvmem._extras import INSTALL_TORCH, torch_available
+
 ENGINES = ("native", "python")
 ENV = "KVMEM_ENGINE"
 
@@ -64,6 +66,12 @@ def fallback_note(engine: str, configs: Sequence) -> str | None:
         if len(whats) < len(configs):
             return f"{reason}: the Python engine replays those {len(whats)} of the {len(configs)} replays"
     return f"{reason}: the Python engine replays {'it' if len(configs) == 1 else 'them'}"
+
+
+def require_python_engine(what: str) -> None:
+    """Raises RuntimeError (one line) when `what` must run on the Python engine and torch is not installed."""
+    if not torch_available():
+        raise RuntimeError(f"{what} runs on the Python engine, which needs torch: {INSTALL_TORCH}")
 
 
 def replay(requests, config, progress: bool = False, engine: str = "native"):

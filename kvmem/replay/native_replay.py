@@ -181,7 +181,10 @@ def _engine_config(config, cost: StepCost | RooflineCost) -> dict:
     else:
         clock = {"roofline": True, "flops_per_s": cost._flops_per_s, "bytes_per_s": cost._bytes_per_s,
                  "weight_bytes": cost._weight_bytes, "pair_flops": cost._pair_flops,
-                 "token_flops": cost._token_flops, "kv_bytes": float(cost._kv_bytes)}
+                 "token_flops": cost._token_flops}
+    # Both clocks charge loads from lower tiers alike (kvmem.replay.cost.load_seconds).
+    clock.update({"kv_bytes": float(cost._kv_bytes), "links": float(cost._links), "h2d_gbps": float(cost.h2d_gbps),
+                  "storage_gbps": float(cost.storage_gbps), "storage_latency_us": float(cost.storage_latency_us)})
     return {"capacity_tokens": config.capacity_tokens // ps * ps, "context_len": config.context_len,
             "page_size": ps, "eviction_policy": config.eviction_policy, "schedule_policy": config.schedule_policy,
             "max_running": config.max_running, "chunked_prefill_size": config.chunked_prefill_size or 0,
@@ -220,7 +223,8 @@ def _report(run, cost: StepCost | RooflineCost) -> ReplayReport:
                  "output_tokens", "prefill_seconds_saved", "cache_op_seconds"):
         setattr(report, name, r[name])
     for name, code in (("time_s", "d"), ("tokens_used", "q"), ("evictable_tokens", "q"), ("running", "q"),
-                       ("cumulative_hit_rate", "d"), ("ttft_s", "d")):
+                       ("cumulative_hit_rate", "d"), ("ttft_s", "d"),
+                       ("first_token_s", "d")):
         samples = array(code)
         samples.frombytes(r[name].tobytes())
         setattr(report, name, samples)

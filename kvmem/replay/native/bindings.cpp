@@ -81,7 +81,11 @@ ReplicaConfig config_of(const py::dict& d) {
                              std::pair{"weight_bytes", &c.cost.weight_bytes},
                              std::pair{"pair_flops", &c.cost.pair_flops},
                              std::pair{"token_flops", &c.cost.token_flops},
-                             std::pair{"kv_bytes", &c.cost.kv_bytes}}) {
+                             std::pair{"kv_bytes", &c.cost.kv_bytes},
+                             std::pair{"links", &c.cost.links},
+                             std::pair{"h2d_gbps", &c.cost.h2d_gbps},
+                             std::pair{"storage_gbps", &c.cost.storage_gbps},
+                             std::pair{"storage_latency_us", &c.cost.storage_latency_us}}) {
     if (cost.contains(name)) *field = cost[name].cast<double>();
   }
   return c;
@@ -112,6 +116,7 @@ py::dict report_of(const kvmem::Replica& replica) {
   d["running"] = to_numpy(r.running);
   d["cumulative_hit_rate"] = to_numpy(r.cumulative_hit_rate);
   d["ttft_s"] = to_numpy(r.ttft_s);
+  d["first_token_s"] = to_numpy(r.first_token_s);
   d["cache_op_seconds"] = r.cache_op_seconds;
   d["match_seconds"] = r.match_seconds;
   d["evict_seconds"] = r.evict_seconds;

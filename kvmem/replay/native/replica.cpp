@@ -30,18 +30,28 @@ class Stopwatch {
 
 // ---- CostModel --------------------------------------------------------------------------------------------------
 
-double CostModel::extend_seconds(const std::vector<int64_t>& prefix, const std::vector<int64_t>& seq) const {
+double CostModel::extend_seconds(const std::vector<int64_t>& prefix, const std::vector<int64_t>& seq, int64_t loaded,
+                                 int64_t stored) const {
   int64_t new_tokens = 0, pairs = 0, seq_sum = 0;
   for (size_t i = 0; i < seq.size(); ++i) {
     new_tokens += seq[i] - prefix[i];
     pairs += seq[i] * (seq[i] + 1) - prefix[i] * (prefix[i] + 1);
     seq_sum += seq[i];
   }
-  if (!roofline) return decode_step_s + static_cast<double>(new_tokens) / prefill_tokens_per_s;
+  if (!roofline) {
+    return py_max(decode_step_s + static_cast<double>(new_tokens) / prefill_tokens_per_s, load_seconds(loaded, stored));
+  }
   const double flops = token_flops * static_cast<double>(new_tokens) + pair_flops * static_cast<double>(pairs / 2);
   const double moved = weight_bytes + kv_bytes * static_cast<double>(seq_sum);
   const double compute = py_max(flops / flops_per_s, moved / bytes_per_s);
-  return py_max(compute, kv_bytes * (0.0 + 0.0));  // no tier below the device: nothing loads
+  return py_max(compute, load_seconds(loaded, stored));
+}
+
+double CostModel::load_seconds(int64_t loaded, int64_t stored) const {
+  double load = kv_bytes * (static_cast<double>(loaded) / (links * h2d_gbps * 1e9) +
+                            static_cast<double>(stored) / (storage_gbps * 1e9));
+  if (stored) load += storage_latency_us * 1e-6;
+  return load;
 }
 
 double CostModel::decode_seconds(int64_t batch_size, int64_t kv_tokens) const {
@@ -133,6 +143,7 @@ void Replica::step() {
       if (r.num_output > 0 && r.waiting_first_token) {
         r.waiting_first_token = false;
         report.ttft_s.push_back(clock - r.arrival);
+        report.first_token_s.push_back(clock);
       }
     }
   }

@@ -26,9 +26,16 @@ namespace kvmem {
 struct CostModel {
   bool roofline = false;
   double decode_step_s = 0.03, prefill_tokens_per_s = 50000.0;
-  double flops_per_s = 0, bytes_per_s = 0, weight_bytes = 0, pair_flops = 0, token_flops = 0, kv_bytes = 0;
+  double flops_per_s = 0, bytes_per_s = 0, weight_bytes = 0, pair_flops = 0, token_flops = 0;
+  // Loads from lower tiers, on either clock (cost.load_seconds): a token's KV on all the GPUs, the host links
+  // it crosses (one per GPU), their bandwidth and the storage tier's, GB/s, and a storage read's latency.
+  double kv_bytes = 0, links = 1, h2d_gbps = 50.0, storage_gbps = 10.0, storage_latency_us = 100.0;
 
-  double extend_seconds(const std::vector<int64_t>& prefix, const std::vector<int64_t>& seq) const;
+  // A prefill step; `loaded` tokens of its cached prefixes came back from the host tier, `stored` of them read
+  // from the storage tier first.
+  double extend_seconds(const std::vector<int64_t>& prefix, const std::vector<int64_t>& seq, int64_t loaded = 0,
+                        int64_t stored = 0) const;
+  double load_seconds(int64_t loaded, int64_t stored) const;
   double decode_seconds(int64_t batch_size, int64_t kv_tokens) const;
   double prefill_seconds_saved(int64_t cached) const;
 };
@@ -81,6 +88,7 @@ struct ReplicaReport {
   int64_t output_tokens = 0, finished = 0;
   double prefill_seconds_saved = 0;
   std::vector<double> time_s, cumulative_hit_rate, ttft_s;
+  std::vector<double> first_token_s;  // the clock at each first token, ttft_s's companion
   std::vector<int64_t> tokens_used, evictable_tokens, running;
   // wall seconds inside the scheduler and the tree, and the parts of it (see ReplayReport.record_cache_phases)
   double cache_op_seconds = 0, match_seconds = 0, evict_seconds = 0, insert_release_seconds = 0;
