@@ -71,8 +71,9 @@ trace, capacity, page_size = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 trace = read_trace(trace, limit=int(sys.argv[5]) if len(sys.argv) > 5 else None)
 config = types.SimpleNamespace(capacity_tokens=capacity, max_context_len=trace.max_context_len, page_size=page_size,
     eviction_policy="lru", schedule_policy="lpm", max_running=256, chunked_prefill_size=8192, honour_arrivals=True,
-    host_capacity_tokens=None, cache_decode_pages=True, in_batch_prefix_caching=False, pin_prefix_tokens=0,
-    pin_budget=0.2, gpu=None, context_len=min(trace.max_context_len, capacity // page_size * page_size))
+    host_capacity_tokens=None, storage=None, cache_decode_pages=True, in_batch_prefix_caching=False,
+    pin_prefix_tokens=0, pin_budget=0.2, gpu=None,
+    context_len=min(trace.max_context_len, capacity // page_size * page_size))
 print(json.dumps(native_replay.replay(trace, config).to_json()))
 assert "torch" not in sys.modules
 """

@@ -63,16 +63,16 @@ def test_both_engines_print_the_same_report(capsys):
 
 @needs_native
 def test_what_the_native_engine_lacks_runs_on_the_python_engine_with_one_line_saying_so(capsys):
-    code, out, err = run(capsys, *SMALL, "--host-capacity-tokens", "400000")
-    assert code == 0 and json.loads(out)["host_capacity_tokens"] == 400000
-    assert err == "kvmem-replay: the native engine does not cover a host tier yet: the Python engine replays it\n"
+    code, out, err = run(capsys, *SMALL, "--host-capacity-tokens", "400000", "--storage", "sim")
+    assert code == 0 and json.loads(out)["storage"] == "sim"
+    assert err == "kvmem-replay: the native engine does not cover a storage tier yet: the Python engine replays it\n"
     code, out, err = run(capsys, *FEW, "--sweep", "100000,200000", "--eviction-policy", "s3fifo", "--jobs", "1")
     assert code == 0 and err.startswith("kvmem-replay: the native engine does not cover s3fifo eviction yet: the "
                                         "Python engine replays them\n")
     code, out, err = run(capsys, *SMALL, "--replicas", "2")
     assert code == 0 and err.startswith("kvmem-replay: the native engine does not cover --replicas yet: the Python "
                                         "engine replays the cluster\n")
-    code, out, err = run(capsys, *SMALL, "--engine", "python", "--host-capacity-tokens", "400000")
+    code, out, err = run(capsys, *SMALL, "--engine", "python", "--host-capacity-tokens", "400000", "--storage", "sim")
     assert code == 0 and err == ""  # asked for: nothing to say
 
 
@@ -114,8 +114,8 @@ from kvmem.replay.traces import read_trace, default_trace_path
 trace = read_trace(default_trace_path(), limit=40)
 config = types.SimpleNamespace(capacity_tokens=300000, max_context_len=trace.max_context_len, page_size=16,
     eviction_policy="lru", schedule_policy="lpm", max_running=256, chunked_prefill_size=8192, honour_arrivals=True,
-    host_capacity_tokens=None, cache_decode_pages=True, in_batch_prefix_caching=False, pin_prefix_tokens=0,
-    pin_budget=0.2, gpu=None, context_len=trace.max_context_len)
+    host_capacity_tokens=None, storage=None, cache_decode_pages=True, in_batch_prefix_caching=False,
+    pin_prefix_tokens=0, pin_budget=0.2, gpu=None, context_len=trace.max_context_len)
 report = native_replay.replay(trace, config)
 assert "torch" not in sys.modules and report.requests == 40, report
 print("ok", report.hit_rate)

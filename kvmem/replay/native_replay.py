@@ -23,6 +23,7 @@ import time
 from array import array
 from collections.abc import Sequence
 from functools import lru_cache
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -34,7 +35,7 @@ NATIVE_POLICIES = ("lru", "lfu", "fifo", "priority")
 # kvmem.SchedulerConfig's admission defaults, which a replay's scheduler keeps (a test checks that they agree):
 # copied here because kvmem.scheduler imports torch.
 ADMISSION = {"lpm_window": 128, "init_new_token_ratio": 0.7, "min_new_token_ratio": 0.1,
-             "new_token_ratio_decay": 0.001}
+             "new_token_ratio_decay": 0.001, "load_back_threshold": 16}
 STEPS_PER_CALL = 2048  # steps between returns to Python: progress, and Ctrl-C taken within a fraction of a second
 MAX_SKIP_NOTES = 10  # as simulator.MAX_SKIP_NOTES
 _NOTE = "kvmem-replay: "
@@ -62,8 +63,8 @@ def native_built() -> bool:
 def unsupported(config, cost=None, policies=None) -> str | None:
     """What of a replay of `config` (on `cost`, with the tiers' `policies` objects) the native engine does not
     cover, in a few words; None when it covers all of it."""
-    if config.host_capacity_tokens is not None:
-        return "a host tier"
+    if config.storage is not None:
+        return "a storage tier"
     if config.eviction_policy not in NATIVE_POLICIES:
         return f"{config.eviction_policy} eviction"
     if policies:
@@ -100,7 +101,7 @@ def replay(requests: Sequence[TraceRequest], config, progress: bool = False,
         bar.close()
     if noted > MAX_SKIP_NOTES:
         print(f"{_NOTE}skipped {noted - MAX_SKIP_NOTES} more requests that can never run here", file=sys.stderr)
-    report = _report(run, cost)
+    report = _report(run, cost, config)
     report.replay_seconds = time.perf_counter() - t_start
     return report
 
@@ -181,8 +182,12 @@ def _engine_config(config, cost: StepCost | RooflineCost) -> dict:
     else:
         clock = {"roofline": True, "flops_per_s": cost._flops_per_s, "bytes_per_s": cost._bytes_per_s,
                  "weight_bytes": cost._weight_bytes, "pair_flops": cost._pair_flops,
-                 "token_flops": cost._token_flops, "kv_bytes": float(cost._kv_bytes)}
+                 "token_flops": cost._token_flops, "kv_bytes": float(cost._kv_bytes), "tp": float(cost.tp),
+                 "h2d_gbps": float(cost.h2d_gbps), "storage_gbps": float(cost.storage_gbps),
+                 "storage_latency_us": float(cost.storage_latency_us)}
+    host = None if config.host_capacity_tokens is None else config.host_pages * ps
     return {"capacity_tokens": config.capacity_tokens // ps * ps, "context_len": config.context_len,
+            "host_capacity_tokens": host, "write_policy": None if host is None else config.write_policy,
             "page_size": ps, "eviction_policy": config.eviction_policy, "schedule_policy": config.schedule_policy,
             "max_running": config.max_running, "chunked_prefill_size": config.chunked_prefill_size or 0,
             "cache_decode_pages": config.cache_decode_pages,
@@ -212,13 +217,18 @@ def _lengths(requests, rid: int) -> tuple[int, int]:
     return len(requests[rid].input_ids), requests[rid].output_len
 
 
-def _report(run, cost: StepCost | RooflineCost) -> ReplayReport:
+def _report(run, cost: StepCost | RooflineCost, config) -> ReplayReport:
+    """The ReplayReport of a finished native replay (or replica) `run` of `config`."""
     r = run.report()
     report = ReplayReport(capacity_tokens=r["capacity_tokens"], cost_model=cost.name, num_gpus=cost.num_gpus)
     report.start_s = run.start_s
     for name in ("requests", "prompt_tokens", "cached_tokens", "evicted_tokens", "retractions", "rejected",
-                 "output_tokens", "prefill_seconds_saved", "cache_op_seconds"):
+                 "output_tokens", "prefill_seconds_saved", "cache_op_seconds", "host_cached_tokens"):
         setattr(report, name, r[name])
+    if config.host_capacity_tokens is not None:
+        report.host_capacity_tokens = config.host_pages * config.page_size
+        stats = SimpleNamespace(**{k: r[k] for k in ("loaded_tokens", "backed_up_tokens", "host_evicted_tokens")})
+        report.record_tiers(SimpleNamespace(stats=stats, storage_link=None), config)
     for name, code in (("time_s", "d"), ("tokens_used", "q"), ("evictable_tokens", "q"), ("running", "q"),
                        ("cumulative_hit_rate", "d"), ("ttft_s", "d")):
         samples = array(code)

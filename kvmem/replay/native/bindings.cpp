@@ -55,6 +55,13 @@ Policy policy_of(const std::string& name) {
   throw py::value_error("the native engine has no eviction policy " + name);
 }
 
+kvmem::WritePolicy write_policy_of(const std::string& name) {
+  if (name == "write_through") return kvmem::WritePolicy::kWriteThrough;
+  if (name == "write_through_selective") return kvmem::WritePolicy::kWriteThroughSelective;
+  if (name == "write_back") return kvmem::WritePolicy::kWriteBack;
+  throw py::value_error("the native engine has no write policy " + name);
+}
+
 ReplicaConfig config_of(const py::dict& d) {
   ReplicaConfig c;
   c.capacity_tokens = d["capacity_tokens"].cast<int64_t>();
@@ -72,6 +79,11 @@ ReplicaConfig config_of(const py::dict& d) {
   c.init_new_token_ratio = d["init_new_token_ratio"].cast<double>();
   c.min_new_token_ratio = d["min_new_token_ratio"].cast<double>();
   c.new_token_ratio_decay = d["new_token_ratio_decay"].cast<double>();
+  c.load_back_threshold = d["load_back_threshold"].cast<int64_t>();
+  if (!d["host_capacity_tokens"].is_none()) {
+    c.host.capacity_tokens = d["host_capacity_tokens"].cast<int64_t>();
+    c.host.write_policy = write_policy_of(d["write_policy"].cast<std::string>());
+  }
   const py::dict cost = d["cost"].cast<py::dict>();
   c.cost.roofline = cost["roofline"].cast<bool>();
   for (auto [name, field] : {std::pair{"decode_step_s", &c.cost.decode_step_s},
@@ -81,7 +93,9 @@ ReplicaConfig config_of(const py::dict& d) {
                              std::pair{"weight_bytes", &c.cost.weight_bytes},
                              std::pair{"pair_flops", &c.cost.pair_flops},
                              std::pair{"token_flops", &c.cost.token_flops},
-                             std::pair{"kv_bytes", &c.cost.kv_bytes}}) {
+                             std::pair{"kv_bytes", &c.cost.kv_bytes}, std::pair{"tp", &c.cost.tp},
+                             std::pair{"h2d_gbps", &c.cost.h2d_gbps}, std::pair{"storage_gbps", &c.cost.storage_gbps},
+                             std::pair{"storage_latency_us", &c.cost.storage_latency_us}}) {
     if (cost.contains(name)) *field = cost[name].cast<double>();
   }
   return c;
@@ -112,6 +126,11 @@ py::dict report_of(const kvmem::Replica& replica) {
   d["running"] = to_numpy(r.running);
   d["cumulative_hit_rate"] = to_numpy(r.cumulative_hit_rate);
   d["ttft_s"] = to_numpy(r.ttft_s);
+  d["host_cached_tokens"] = r.host_cached_tokens;
+  const kvmem::TierStats& tiers = replica.tree().stats();
+  d["loaded_tokens"] = tiers.loaded_tokens;
+  d["backed_up_tokens"] = tiers.backed_up_tokens;
+  d["host_evicted_tokens"] = tiers.host_evicted_tokens;
   d["cache_op_seconds"] = r.cache_op_seconds;
   d["match_seconds"] = r.match_seconds;
   d["evict_seconds"] = r.evict_seconds;
@@ -164,7 +183,10 @@ PYBIND11_MODULE(_native, m) {
         return rejection_name(p.replica.add_request(rid, arrival));
       })
       .def("run_until", [](PyReplica& p, double t) { p.replica.run_until(t); })
-      .def("step", [](PyReplica& p) { p.replica.step(); })
+      .def("step", [](PyReplica& p, double until) {
+        kvmem::StepOutcome out;
+        p.replica.step(until, &out);
+      })
       .def("is_idle", [](const PyReplica& p) { return p.replica.is_idle(); })
       .def_property("clock", [](const PyReplica& p) { return p.replica.clock; },
                     [](PyReplica& p, double t) { p.replica.clock = t; })
