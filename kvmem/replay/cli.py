@@ -240,11 +240,12 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
     if args.compare_policies:
         return _compare(args, trace, config, [p.capacity_tokens for p in points] if points else None, out, engine)
     if runs is not None:  # a cluster replay
-        if engine == "native":
-            reason = fallback_reason(engine, config) or "the native engine does not cover --replicas yet"
-            print(f"{PROG}: {reason}: the Python engine replays the cluster", file=sys.stderr)
+        reason = fallback_reason(engine, config)
+        if reason is not None:
+            print(f"{PROG}: {reason}: the Python engine replays the cluster{'s' if len(runs) > 1 else ''}",
+                  file=sys.stderr)
         try:
-            out = run_cluster(args, trace, config, runs, out)
+            out = run_cluster(args, trace, config, runs, out, engine)
         except RuntimeError as e:
             return _error(str(e))
     else:

@@ -101,7 +101,7 @@ def replay(requests: Sequence[TraceRequest], config, progress: bool = False,
         bar.close()
     if noted > MAX_SKIP_NOTES:
         print(f"{_NOTE}skipped {noted - MAX_SKIP_NOTES} more requests that can never run here", file=sys.stderr)
-    report = _report(run, cost, config)
+    report = _report(run.report(), run.start_s, cost, config)
     report.replay_seconds = time.perf_counter() - t_start
     return report
 
@@ -201,13 +201,18 @@ def _note_rejections(run, noted: int, config, requests) -> int:
     returns how many have been rejected."""
     for rid, why in run.rejections(noted):
         noted += 1
-        if noted > MAX_SKIP_NOTES:
-            continue
-        n_in, n_out = _lengths(requests, rid)
-        limit = (f"the KV capacity {config.capacity_tokens // config.page_size * config.page_size}"
-                 if why == "capacity" else f"max_context_len {config.context_len}")
-        print(f"{_NOTE}skipped: request {rid!r}: {n_in} prompt + {n_out} new tokens exceed {limit}", file=sys.stderr)
+        if noted <= MAX_SKIP_NOTES:
+            _note_rejection("", rid, why, config, requests)
     return noted
+
+
+def _note_rejection(replica: str, rid: int, why: str, config, requests) -> None:
+    """ReplicaSim's note for a request it rejects (`why`: "capacity" or "context"); `replica` names a cluster's."""
+    n_in, n_out = _lengths(requests, rid)
+    limit = (f"the KV capacity {config.capacity_tokens // config.page_size * config.page_size}"
+             if why == "capacity" else f"max_context_len {config.context_len}")
+    print(f"{_NOTE}{replica}skipped: request {rid!r}: {n_in} prompt + {n_out} new tokens exceed {limit}",
+          file=sys.stderr)
 
 
 def _lengths(requests, rid: int) -> tuple[int, int]:
@@ -217,11 +222,11 @@ def _lengths(requests, rid: int) -> tuple[int, int]:
     return len(requests[rid].input_ids), requests[rid].output_len
 
 
-def _report(run, cost: StepCost | RooflineCost, config) -> ReplayReport:
-    """The ReplayReport of a finished native replay (or replica) `run` of `config`."""
-    r = run.report()
+def _report(r: dict, start_s: float | None, cost: StepCost | RooflineCost, config) -> ReplayReport:
+    """The ReplayReport of a replica of `config` whose native report is `r`, its first request arrived at
+    `start_s`."""
     report = ReplayReport(capacity_tokens=r["capacity_tokens"], cost_model=cost.name, num_gpus=cost.num_gpus)
-    report.start_s = run.start_s
+    report.start_s = start_s
     for name in ("requests", "prompt_tokens", "cached_tokens", "evicted_tokens", "retractions", "rejected",
                  "output_tokens", "prefill_seconds_saved", "cache_op_seconds", "host_cached_tokens"):
         setattr(report, name, r[name])

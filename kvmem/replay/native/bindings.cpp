@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "cluster.h"
 #include "driver.h"
 #include "replica.h"
 #include "tokens.h"
@@ -158,6 +159,25 @@ struct PyReplay {
                std::vector<double>(arrivals.data(), arrivals.data() + arrivals.size())) {}
 };
 
+struct PyCluster {
+  std::shared_ptr<Trace> trace;
+  kvmem::ClusterReplay cluster;
+  PyCluster(const py::dict& config, std::shared_ptr<Trace> t, int32_t replicas, const std::string& policy,
+            Array<int32_t> order, Array<double> arrivals)
+      : trace(std::move(t)),
+        cluster(config_of(config), &trace->tokens, replicas, route_policy_of(policy), kvmem::RouterParams(),
+                std::vector<int32_t>(order.data(), order.data() + order.size()),
+                std::vector<double>(arrivals.data(), arrivals.data() + arrivals.size())) {}
+
+  static kvmem::RoutePolicy route_policy_of(const std::string& name) {
+    if (name == "round-robin") return kvmem::RoutePolicy::kRoundRobin;
+    if (name == "least-load") return kvmem::RoutePolicy::kLeastLoad;
+    if (name == "cache-aware") return kvmem::RoutePolicy::kCacheAware;
+    if (name == "kv-overlap") return kvmem::RoutePolicy::kKvOverlap;
+    throw py::value_error("the native engine has no routing policy " + name);
+  }
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -207,6 +227,42 @@ PYBIND11_MODULE(_native, m) {
         return out;
       })
       .def("report", [](const PyReplay& p) { return report_of(p.replay.replica); });
+
+  py::class_<PyCluster>(m, "Cluster")
+      .def(py::init<const py::dict&, std::shared_ptr<Trace>, int32_t, const std::string&, Array<int32_t>,
+                    Array<double>>())
+      .def("advance", [](PyCluster& p, int64_t max_routes) { return p.cluster.advance(max_routes); })
+      .def_property_readonly("finished", [](const PyCluster& p) { return p.cluster.finished(); })
+      .def("rejections", [](const PyCluster& p, size_t from) {
+        py::list out;
+        for (size_t k = from; k < p.cluster.rejections.size(); ++k) {
+          const auto& [rank, what] = p.cluster.rejections[k];
+          out.append(py::make_tuple(rank, what.first, rejection_name(what.second)));
+        }
+        return out;
+      })
+      .def("summary", [](const PyCluster& p) {
+        const kvmem::ClusterReplay& c = p.cluster;
+        py::dict d;
+        d["events"] = py::dict(py::arg("batches") = c.events.batches,
+                               py::arg("stored_blocks") = c.events.stored_blocks,
+                               py::arg("removed_blocks") = c.events.removed_blocks,
+                               py::arg("cleared") = c.events.cleared);
+        d["index_cached_tokens"] = c.index_cached_tokens;
+        d["routing_seconds"] = c.routing_seconds;
+        py::list replicas;
+        for (const kvmem::ClusterReplay::Member& m : c.members) {
+          py::dict r = report_of(*m.replica);
+          r["start_s"] = m.started ? py::cast(m.start_s) : py::none();
+          r["clock"] = m.replica->clock;
+          r["busy_s"] = m.busy_s;
+          r["prefill_s"] = m.prefill_s;
+          r["routed"] = m.routed;
+          replicas.append(r);
+        }
+        d["replicas"] = replicas;
+        return d;
+      });
 
   m.def("draw_outputs", [](uint64_t seed, int64_t n) {
     std::vector<int32_t> out(n);
