@@ -1,5 +1,6 @@
-"""The native engine's host tier against the Python reference (kvmem.tiers.HiRadixCache over a HostSlotPool, under
-kvmem's Scheduler): the same report, field for field (timings aside), the tier's counters included.
+"""The native engine's host tier, and a simulated storage tier under it, against the Python reference
+(kvmem.tiers.HiRadixCache over a HostSlotPool, with a StorageLink to a SimStore, under kvmem's Scheduler): the same
+report, field for field (timings aside), the tiers' counters included.
 
 Random traces share long heads (a load-back needs at least SchedulerConfig.load_back_threshold host-only tokens),
 device capacities of one to two requests evict them to the host, and host capacities from a page more than the
@@ -9,6 +10,8 @@ built.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,11 +19,14 @@ from hypothesis import strategies as st
 from kvmem.replay import native_replay
 from kvmem.replay.config import WRITE_POLICIES, ReplayConfig
 from kvmem.replay.traces import TraceRequest, read_trace
+from kvmem.router import POLICIES
+from tests.test_native_cluster import assert_same_cluster
 from tests.test_native_engine import HEAD, NATIVE, assert_same_report, block_traces
 
 pytestmark = pytest.mark.skipif(isinstance(NATIVE, ImportError),
                                 reason=f"the native replay engine is not built ({NATIVE})")
 TIER_FIELDS = ("loaded_tokens", "backed_up_tokens", "host_evicted_tokens", "host_hit_rate", "transfer_seconds")
+STORES = ["sim", "sim:64", "sim:200"]  # unbounded, and small enough to evict
 
 
 @st.composite
@@ -73,6 +79,43 @@ def test_random_mooncake_block_traces_with_a_host_tier_replay_the_same_on_both_e
     trace = data.draw(block_traces())
     config = data.draw(tiered_configs([trace[i] for i in range(len(trace))], st.sampled_from([1, 16, 64, 512])))
     assert_same_report(trace, config)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_traces_with_a_simulated_storage_tier_replay_the_same_on_both_engines(data):
+    requests = data.draw(shared_head_traces())
+    config = data.draw(tiered_configs(requests, st.sampled_from([1, 1, 2, 4, 8, 16])))
+    assert_same_report(requests, dataclasses.replace(config, storage=data.draw(st.sampled_from(STORES))))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_traces_on_a_cluster_sharing_a_simulated_store_replay_the_same_on_both_engines(data):
+    requests = data.draw(shared_head_traces())
+    config = data.draw(tiered_configs(requests, st.sampled_from([1, 2, 4, 16])))
+    config = dataclasses.replace(config, storage=data.draw(st.sampled_from(STORES)))
+    assert_same_cluster(requests, config, data.draw(st.integers(1, 4)), data.draw(st.sampled_from(POLICIES)))
+
+
+@pytest.mark.parametrize("options", [
+    dict(capacity_tokens=100_000, host_capacity_tokens=130_000, storage="sim"),
+    dict(capacity_tokens=150_000, host_capacity_tokens=200_000, page_size=16, storage="sim:100000",
+         write_policy="write_back"),
+])
+def test_the_conversation_trace_head_with_a_simulated_store_replays_the_same_on_both_engines(options):
+    trace = read_trace(HEAD, limit=250)
+    report = assert_same_report(trace, ReplayConfig(max_context_len=trace.max_context_len, **options))
+    assert report["stored_tokens"] > 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_conversation_trace_head_on_a_cluster_sharing_a_simulated_store_replays_the_same_on_both_engines(policy):
+    trace = read_trace(HEAD, limit=200)
+    config = ReplayConfig(capacity_tokens=100_000, host_capacity_tokens=130_000, storage="sim", page_size=16,
+                          max_context_len=trace.max_context_len)
+    report = assert_same_cluster(trace, config, 3, policy)
+    assert report["prefetched_tokens"] > 0 and report["storage_hit_rate"] > 0
 
 
 @pytest.mark.parametrize("options", [

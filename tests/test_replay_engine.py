@@ -79,18 +79,29 @@ def test_both_engines_print_the_same_cluster_report(capsys, options):
 
 
 @needs_native
-def test_what_the_native_engine_lacks_runs_on_the_python_engine_with_one_line_saying_so(capsys):
-    code, out, err = run(capsys, *SMALL, "--host-capacity-tokens", "400000", "--storage", "sim")
-    assert code == 0 and json.loads(out)["storage"] == "sim"
-    assert err == "kvmem-replay: the native engine does not cover a storage tier yet: the Python engine replays it\n"
+def test_what_the_native_engine_lacks_runs_on_the_python_engine_with_one_line_saying_so(capsys, tmp_path):
+    code, out, err = run(capsys, *SMALL, "--host-capacity-tokens", "400000", "--storage", f"file:{tmp_path}")
+    assert code == 0 and json.loads(out)["storage"] == f"file:{tmp_path}"
+    assert err == "kvmem-replay: the native engine does not cover a file store yet: the Python engine replays it\n"
     code, out, err = run(capsys, *FEW, "--sweep", "100000,200000", "--eviction-policy", "s3fifo", "--jobs", "1")
     assert code == 0 and err.startswith("kvmem-replay: the native engine does not cover s3fifo eviction yet: the "
                                         "Python engine replays them\n")
     code, out, err = run(capsys, *SMALL, "--replicas", "2", "--eviction-policy", "s3fifo")
     assert code == 0 and err == ("kvmem-replay: the native engine does not cover s3fifo eviction yet: the Python "
                                  "engine replays the cluster\n")
-    code, out, err = run(capsys, *SMALL, "--engine", "python", "--host-capacity-tokens", "400000", "--storage", "sim")
+    code, out, err = run(capsys, *SMALL, "--engine", "python", "--host-capacity-tokens", "400000", "--storage",
+                         f"file:{tmp_path}")
     assert code == 0 and err == ""  # asked for: nothing to say
+
+
+@needs_native
+def test_a_simulated_storage_tier_replays_the_same_on_both_engines(capsys):
+    reports = []
+    for name in ("native", "python"):
+        code, out, err = run(capsys, *SMALL, "--host-capacity-tokens", "400000", "--storage", "sim", "--engine", name)
+        assert code == 0 and err == ""
+        reports.append(without_timings(out))
+    assert reports[0] == reports[1] and reports[0]["storage"] == "sim"
 
 
 def test_without_the_native_module_the_python_engine_replays_with_one_line_saying_so(capsys, monkeypatch):

@@ -56,6 +56,11 @@ def load_native():
         return e
 
 
+def _simulated_store(config) -> bool:
+    """Whether `config`'s storage tier is a simulated store ("sim" or "sim:CAPACITY_TOKENS")."""
+    return config.storage.split(":")[0] == "sim"
+
+
 def native_built() -> bool:
     return not isinstance(load_native(), ImportError)
 
@@ -63,8 +68,8 @@ def native_built() -> bool:
 def unsupported(config, cost=None, policies=None) -> str | None:
     """What of a replay of `config` (on `cost`, with the tiers' `policies` objects) the native engine does not
     cover, in a few words; None when it covers all of it."""
-    if config.storage is not None:
-        return "a storage tier"
+    if config.storage is not None and not _simulated_store(config):
+        return f"a {config.storage.split(':')[0]} store"
     if config.eviction_policy not in NATIVE_POLICIES:
         return f"{config.eviction_policy} eviction"
     if policies:
@@ -186,8 +191,11 @@ def _engine_config(config, cost: StepCost | RooflineCost) -> dict:
                  "h2d_gbps": float(cost.h2d_gbps), "storage_gbps": float(cost.storage_gbps),
                  "storage_latency_us": float(cost.storage_latency_us)}
     host = None if config.host_capacity_tokens is None else config.host_pages * ps
+    store = config.store_capacity_tokens if host is not None and config.storage is not None else None
+    store = 0 if store is None else max(1, store // ps) * ps  # simulator.open_storage's: at least a page
     return {"capacity_tokens": config.capacity_tokens // ps * ps, "context_len": config.context_len,
             "host_capacity_tokens": host, "write_policy": None if host is None else config.write_policy,
+            "storage": host is not None and config.storage is not None, "storage_capacity_tokens": store,
             "page_size": ps, "eviction_policy": config.eviction_policy, "schedule_policy": config.schedule_policy,
             "max_running": config.max_running, "chunked_prefill_size": config.chunked_prefill_size or 0,
             "cache_decode_pages": config.cache_decode_pages,
@@ -232,8 +240,12 @@ def _report(r: dict, start_s: float | None, cost: StepCost | RooflineCost, confi
         setattr(report, name, r[name])
     if config.host_capacity_tokens is not None:
         report.host_capacity_tokens = config.host_pages * config.page_size
+        report.storage_cached_tokens = r["storage_cached_tokens"]
         stats = SimpleNamespace(**{k: r[k] for k in ("loaded_tokens", "backed_up_tokens", "host_evicted_tokens")})
-        report.record_tiers(SimpleNamespace(stats=stats, storage_link=None), config)
+        link = None if config.storage is None else SimpleNamespace(
+            stats=SimpleNamespace(prefetched_tokens=r["prefetched_tokens"], stored_tokens=r["stored_tokens"]),
+            storage=SimpleNamespace(stats=SimpleNamespace(corrupt=0, failed_ops=r["storage_failed_ops"])))
+        report.record_tiers(SimpleNamespace(stats=stats, storage_link=link), config)
     for name, code in (("time_s", "d"), ("tokens_used", "q"), ("evictable_tokens", "q"), ("running", "q"),
                        ("cumulative_hit_rate", "d"), ("ttft_s", "d")):
         samples = array(code)

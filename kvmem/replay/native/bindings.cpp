@@ -84,6 +84,8 @@ ReplicaConfig config_of(const py::dict& d) {
   if (!d["host_capacity_tokens"].is_none()) {
     c.host.capacity_tokens = d["host_capacity_tokens"].cast<int64_t>();
     c.host.write_policy = write_policy_of(d["write_policy"].cast<std::string>());
+    c.storage = d["storage"].cast<bool>();
+    c.storage_capacity_tokens = d["storage_capacity_tokens"].cast<int64_t>();
   }
   const py::dict cost = d["cost"].cast<py::dict>();
   c.cost.roofline = cost["roofline"].cast<bool>();
@@ -128,10 +130,15 @@ py::dict report_of(const kvmem::Replica& replica) {
   d["cumulative_hit_rate"] = to_numpy(r.cumulative_hit_rate);
   d["ttft_s"] = to_numpy(r.ttft_s);
   d["host_cached_tokens"] = r.host_cached_tokens;
+  d["storage_cached_tokens"] = r.storage_cached_tokens;
   const kvmem::TierStats& tiers = replica.tree().stats();
   d["loaded_tokens"] = tiers.loaded_tokens;
   d["backed_up_tokens"] = tiers.backed_up_tokens;
   d["host_evicted_tokens"] = tiers.host_evicted_tokens;
+  d["prefetched_tokens"] = tiers.prefetched_tokens;
+  d["stored_tokens"] = tiers.stored_tokens;
+  const kvmem::SimStore* store = replica.tree().store();
+  d["storage_failed_ops"] = store == nullptr ? 0 : store->stats.failed_ops;
   d["cache_op_seconds"] = r.cache_op_seconds;
   d["match_seconds"] = r.match_seconds;
   d["evict_seconds"] = r.evict_seconds;

@@ -20,8 +20,8 @@ int32_t argmin(int32_t n, Key key) {  // Python's min(range(n), key=key): the fi
 
 }  // namespace
 
-ClusterReplay::Member::Member(const ReplicaConfig& config, TraceTokens* tokens, bool reads_index)
-    : replica(std::make_unique<Replica>(config, tokens)), view(tokens, config.page_size) {
+ClusterReplay::Member::Member(const ReplicaConfig& config, TraceTokens* tokens, bool reads_index, SimStore* store)
+    : replica(std::make_unique<Replica>(config, tokens, store)), view(tokens, config.page_size) {
   log.keep_runs = reads_index;
 }
 
@@ -31,8 +31,9 @@ ClusterReplay::ClusterReplay(const ReplicaConfig& config, TraceTokens* tokens, i
       reads_index_(policy == RoutePolicy::kCacheAware || policy == RoutePolicy::kKvOverlap),
       order_(std::move(order)), arrivals_(std::move(arrivals)), running_(replicas), prefill_tokens_(replicas),
       active_blocks_(replicas), queued_prefill_(tokens->size()) {
+  if (config.storage) store_ = std::make_unique<SimStore>(config.storage_capacity_tokens, config.page_size);
   members.reserve(replicas);  // the replicas' trees keep pointers to their logs: no reallocation
-  for (int32_t r = 0; r < replicas; ++r) members.emplace_back(config, tokens, reads_index_);
+  for (int32_t r = 0; r < replicas; ++r) members.emplace_back(config, tokens, reads_index_, store_.get());
   for (Member& m : members) m.replica->set_event_log(&m.log);
 }
 

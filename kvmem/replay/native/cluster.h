@@ -54,7 +54,7 @@ class ClusterReplay {
       int64_t pinned_pages;
     };
     std::deque<Result> results;
-    Member(const ReplicaConfig& config, TraceTokens* tokens, bool reads_index);
+    Member(const ReplicaConfig& config, TraceTokens* tokens, bool reads_index, SimStore* store);
   };
 
   // order: the trace indices in arrival order; arrivals: each one's arrival (0 for all when they are not honoured).
@@ -81,6 +81,7 @@ class ClusterReplay {
 
   ReplicaConfig config_;
   TraceTokens* tokens_;
+  std::unique_ptr<SimStore> store_;  // the replicas share one simulated store, as they would a real store's pages
   RoutePolicy policy_;
   RouterParams params_;
   bool reads_index_;

@@ -142,8 +142,10 @@ void RadixTree::backup_hot_path(int32_t n) {
 }
 
 void RadixTree::report_backed_up(const std::vector<int32_t>& nodes) {
-  if (events_ == nullptr) return;
-  for (int32_t n : nodes) events_->host_stored(nodes_[n].len / page_size_);
+  if (events_ != nullptr) {
+    for (int32_t n : nodes) events_->host_stored(nodes_[n].len / page_size_);
+  }
+  if (store_ != nullptr) write_pages(nodes);
 }
 
 bool RadixTree::load_back(int32_t host_node, int64_t host_tokens) {

@@ -50,12 +50,18 @@ double CostModel::prefill_seconds_saved(int64_t cached) const {
 
 // ---- Replica ----------------------------------------------------------------------------------------------------
 
-Replica::Replica(const ReplicaConfig& config, TraceTokens* tokens)
+Replica::Replica(const ReplicaConfig& config, TraceTokens* tokens, SimStore* store)
     : config_(config), tokens_(tokens), page_size_(config.page_size),
       slots_{config.capacity_tokens, config.capacity_tokens},
       tree_(tokens, &slots_, config.page_size, config.eviction_policy,
             static_cast<int64_t>(config.pin_budget * static_cast<double>(config.capacity_tokens)), config.host),
-      new_token_ratio_(config.init_new_token_ratio) {}
+      new_token_ratio_(config.init_new_token_ratio) {
+  if (config.storage && store == nullptr) {
+    own_store_ = std::make_unique<SimStore>(config.storage_capacity_tokens, config.page_size);
+    store = own_store_.get();
+  }
+  tree_.set_store(store);
+}
 
 Rejection Replica::add_request(int32_t rid, double arrival) {
   const int64_t input_len = tokens_->input_len(rid), output_len = tokens_->output_len(rid);
@@ -74,6 +80,8 @@ Rejection Replica::add_request(int32_t rid, double arrival) {
   r.input_len = input_len;
   r.max_new_tokens = output_len;
   r.arrival = arrival;
+  // A storage tier starts reading the prompt's pages now, while the request waits to be admitted.
+  r.prefetch = tree_.prefetch(rid, input_len - 1);
   reqs_.push_back(r);
   waiting_.push_back(static_cast<int32_t>(reqs_.size() - 1));
   return Rejection::kNone;
@@ -110,22 +118,24 @@ void Replica::one_step(StepOutcome* out) {
   }
   const CostModel& cost = config_.cost;
   if (b.extend) {
-    int64_t loaded = 0;
+    int64_t loaded = 0, stored = 0;
     for (int32_t i : b.reqs) {
       Request& r = reqs_[i];
       if (r.live) continue;  // a chunked prompt going on
       r.live = true;
       loaded += r.host_hit_len;
+      stored += r.storage_hit_len;
       if (!r.admitted) {
         r.admitted = true;
         ++report.requests;
         report.prompt_tokens += r.input_len;
         report.cached_tokens += r.prefix_len;
-        report.host_cached_tokens += r.host_hit_len;
+        report.host_cached_tokens += r.host_hit_len - r.storage_hit_len;
+        report.storage_cached_tokens += r.storage_hit_len;
         report.prefill_seconds_saved += cost.prefill_seconds_saved(r.prefix_len);
       }
     }
-    clock += cost.extend_seconds(b.prefix, b.seq, loaded, 0);
+    clock += cost.extend_seconds(b.prefix, b.seq, loaded, stored);
     // Read before the results: a request's sampled token makes it look partly prefilled again.
     for (int32_t i : b.reqs) {
       if (reqs_[i].extend_end >= reqs_[i].fill_len()) out->prefilled.push_back(reqs_[i].rid);
@@ -573,13 +583,18 @@ bool Replica::take_decode_pages(int32_t q, int64_t key_len, int32_t node, int64_
 // a host-only part of at least load_back_threshold tokens is loaded back when the request then fits in `room`.
 void Replica::match(int32_t i, int64_t room) {
   Request& r = reqs_[i];
+  int64_t from_storage = 0;
+  if (r.prefetch.active) {
+    from_storage = tree_.finish_prefetch(r.prefetch, r.rid);
+    r.prefetch.active = false;
+  }
   const int64_t key_len = r.fill_len() - 1;
   Match m = tree_.match_prefix(r.rid, key_len);
   while (m.host_tokens == 0 && take_decode_pages(i, key_len, m.node, tree_.path_len(m.node))) {
     m = tree_.match_prefix(r.rid, key_len);
   }
   int32_t node = m.node;
-  r.host_hit_len = 0;
+  r.host_hit_len = r.storage_hit_len = 0;
   const int64_t host = m.host_tokens;
   if (host >= config_.load_back_threshold && host + charge(r, tree_.path_len(m.node) + host) <= room) {
     // Scheduler._evict_for_load_back: what the load is short of, with the matched path locked.
@@ -592,6 +607,7 @@ void Replica::match(int32_t i, int64_t room) {
     if (tree_.load_back(m.host_node, host)) {
       node = m.host_node;
       r.host_hit_len = host;
+      r.storage_hit_len = std::min(from_storage, host);
     }
   }
   r.last_node = node;

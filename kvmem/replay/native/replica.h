@@ -18,9 +18,11 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "store.h"
 #include "tokens.h"
 #include "tree.h"
 
@@ -68,6 +70,8 @@ struct ReplicaConfig {
   double init_new_token_ratio = 0.7, min_new_token_ratio = 0.1, new_token_ratio_decay = 0.001;
   int64_t load_back_threshold = 16;
   HostTier host;
+  bool storage = false;               // a simulated store under the host tier
+  int64_t storage_capacity_tokens = 0;  // whole pages; 0: unbounded
   CostModel cost;
 };
 
@@ -88,7 +92,9 @@ struct Request {
   int64_t walk_key_len = 0, rank = 0;
   uint32_t walk_version = 0;
   double arrival = 0;
-  int64_t host_hit_len = 0;  // of its last match, the tokens loaded back from the host tier
+  int64_t host_hit_len = 0;     // of its last match, the tokens loaded back from the host tier
+  int64_t storage_hit_len = 0;  // of those, the tokens read from storage for it
+  Prefetch prefetch;
   bool waiting_first_token = true, live = false, admitted = false;
 
   int64_t fill_len() const { return input_len + num_output; }
@@ -99,7 +105,7 @@ enum class Rejection : uint8_t { kNone, kCapacity, kContext };
 // What ReplayReport records, kept as the simulator appends it.
 struct ReplicaReport {
   int64_t requests = 0, prompt_tokens = 0, cached_tokens = 0, evicted_tokens = 0, retractions = 0, rejected = 0;
-  int64_t host_cached_tokens = 0;
+  int64_t host_cached_tokens = 0, storage_cached_tokens = 0;
   int64_t output_tokens = 0, finished = 0;
   double prefill_seconds_saved = 0;
   std::vector<double> time_s, cumulative_hit_rate, ttft_s;
@@ -124,7 +130,8 @@ struct StepOutcome {
 
 class Replica {
  public:
-  Replica(const ReplicaConfig& config, TraceTokens* tokens);
+  // `store`: a storage tier shared with other replicas (else the replica opens its own where `config` has one).
+  Replica(const ReplicaConfig& config, TraceTokens* tokens, SimStore* store = nullptr);
 
   double clock = 0.0;
   ReplicaReport report;
@@ -196,6 +203,7 @@ class Replica {
 
   ReplicaConfig config_;
   TraceTokens* tokens_;  // a request's output is taken when it is queued
+  std::unique_ptr<SimStore> own_store_;  // the store it opened itself (none when a cluster shares one)
   int64_t page_size_;
   SlotCount slots_;
   RadixTree tree_;

@@ -71,13 +71,13 @@ int32_t LeafHeap::pop() {
   return top;
 }
 
-// ---- ChildMap ---------------------------------------------------------------------------------------------------
+// ---- IndexMap ---------------------------------------------------------------------------------------------------
 
 namespace {
 constexpr uint64_t kEmptyKey = ~0ULL;
 }
 
-void ChildMap::rehash(int64_t capacity) {
+void IndexMap::rehash(int64_t capacity) {
   std::vector<uint64_t> keys(capacity, kEmptyKey);
   std::vector<int32_t> values(capacity, -1);
   keys_.swap(keys);
@@ -94,26 +94,23 @@ void ChildMap::rehash(int64_t capacity) {
   }
 }
 
-int32_t ChildMap::find(int32_t parent, int32_t token) const {
-  const uint64_t key = key_of(parent, token);
+int32_t IndexMap::find(uint64_t key) const {
   for (int64_t i = slot_of(key);; i = (i + 1) & mask_) {
     if (keys_[i] == key) return values_[i];
     if (keys_[i] == kEmptyKey) return -1;
   }
 }
 
-void ChildMap::put(int32_t parent, int32_t token, int32_t node) {
+void IndexMap::put(uint64_t key, int32_t value) {
   if (2 * (used_ + 1) > static_cast<int64_t>(keys_.size())) rehash(2 * static_cast<int64_t>(keys_.size()));
-  const uint64_t key = key_of(parent, token);
   int64_t i = slot_of(key);
   while (keys_[i] != kEmptyKey && keys_[i] != key) i = (i + 1) & mask_;
   if (keys_[i] == kEmptyKey) ++used_;
   keys_[i] = key;
-  values_[i] = node;
+  values_[i] = value;
 }
 
-void ChildMap::erase(int32_t parent, int32_t token) {
-  const uint64_t key = key_of(parent, token);
+void IndexMap::erase(uint64_t key) {
   int64_t i = slot_of(key);
   while (keys_[i] != key) {
     if (keys_[i] == kEmptyKey) return;
@@ -257,6 +254,7 @@ int32_t RadixTree::split(int32_t child, int64_t into_child) {
   h.hit_count = c.hit_count;
   h.on_device = c.on_device;
   h.host = c.host;
+  h.stored = c.stored;
   h.device_children = c.on_device ? 1 : 0;
   unlink_child(parent, child);
   link_child(parent, head);
@@ -264,6 +262,7 @@ int32_t RadixTree::split(int32_t child, int64_t into_child) {
   c.len -= into_child;
   c.parent = head;
   link_child(head, child);
+  if (store_ != nullptr) name_node(head);
   // The key functions read no length: their places stay.
   if (c.heap_pos >= 0) rekey(child);
   if (c.host_heap_pos >= 0) {
@@ -279,6 +278,7 @@ int32_t RadixTree::add_leaf(int32_t parent, int32_t src, int64_t depth, int64_t 
   link_child(parent, leaf);
   ++nodes_[parent].device_children;
   ++nodes_[parent].child_version;
+  if (store_ != nullptr) name_node(leaf);
   evictable_size_ += len;
   add_evictable(leaf);
   return leaf;

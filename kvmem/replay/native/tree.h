@@ -37,9 +37,19 @@ struct HostTier {
   WritePolicy write_policy = WritePolicy::kWriteThrough;
 };
 
-// HiRadixCache.stats: tokens moved between tiers.
+// HiRadixCache.stats and its storage link's: tokens moved between tiers.
 struct TierStats {
   int64_t loaded_tokens = 0, backed_up_tokens = 0, host_evicted_tokens = 0;
+  int64_t prefetched_tokens = 0, stored_tokens = 0;
+};
+
+class SimStore;
+
+// A prompt's pages read from the storage tier ahead of its admission (storage_link.Prefetch): `pages` pages from
+// token `start`, of which the leading `got` arrived; held in host slots until the request's match takes them.
+struct Prefetch {
+  bool active = false;
+  int64_t start = 0, pages = 0, got = 0;
 };
 
 struct Node {
@@ -62,6 +72,8 @@ struct Node {
   bool alive = false;
   bool on_device = true;  // its value holds device slots (else it is host-only)
   bool host = false;      // it has a host copy
+  bool stored = false;    // its pages were handed to the storage tier
+  uint64_t last_hash = 0;  // with a storage tier: the name of its last page (SimStore)
 };
 
 // Where a walk of a key stopped (radix_tree.Walk, in tokens): `node` is the deepest node matched whole, its path
@@ -108,25 +120,36 @@ class LeafHeap {
   int32_t Node::*pos_;
 };
 
-// (parent, first token of the child's key) -> the first such child; its siblings with the same first token
-// (possible only with pages of several tokens) follow through Node::next_same. Open addressing, linear probing.
-class ChildMap {
+// uint64 keys (any but ~0) -> int32 values: open addressing, linear probing, backward-shift deletion.
+class IndexMap {
  public:
-  ChildMap() { rehash(1024); }
-  int32_t find(int32_t parent, int32_t token) const;
-  void put(int32_t parent, int32_t token, int32_t node);
-  void erase(int32_t parent, int32_t token);
+  IndexMap() { rehash(1024); }
+  int32_t find(uint64_t key) const;  // -1 when absent
+  void put(uint64_t key, int32_t value);
+  void erase(uint64_t key);
 
  private:
-  static uint64_t key_of(int32_t parent, int32_t token) {
-    return (static_cast<uint64_t>(static_cast<uint32_t>(parent)) << 32) | static_cast<uint32_t>(token);
-  }
   int64_t slot_of(uint64_t key) const { return static_cast<int64_t>(TraceTokens::mix64(key) & mask_); }
   void rehash(int64_t capacity);
   std::vector<uint64_t> keys_;
   std::vector<int32_t> values_;
   uint64_t mask_ = 0;
   int64_t used_ = 0;
+};
+
+// (parent, first token of the child's key) -> the first such child; its siblings with the same first token
+// (possible only with pages of several tokens) follow through Node::next_same.
+class ChildMap {
+ public:
+  int32_t find(int32_t parent, int32_t token) const { return map_.find(key_of(parent, token)); }
+  void put(int32_t parent, int32_t token, int32_t node) { map_.put(key_of(parent, token), node); }
+  void erase(int32_t parent, int32_t token) { map_.erase(key_of(parent, token)); }
+
+ private:
+  static uint64_t key_of(int32_t parent, int32_t token) {
+    return (static_cast<uint64_t>(static_cast<uint32_t>(parent)) << 32) | static_cast<uint32_t>(token);
+  }
+  IndexMap map_;
 };
 
 // What a match found (HiRadixCache.match_prefix): the deepest node on device, and the host-only tokens below it
@@ -155,6 +178,9 @@ class RadixTree {
   const TierStats& stats() const { return stats_; }
   // Where the tree reports its events (none: nullptr).
   void set_event_log(EventLog* log) { events_ = log; }
+  // The storage tier under the host tier (a cluster's replicas share one); none: nullptr.
+  void set_store(SimStore* store) { store_ = store; }
+  const SimStore* store() const { return store_; }
   int64_t page_size() const { return page_size_; }
   const TraceTokens& tokens() const { return *tokens_; }
 
@@ -179,6 +205,11 @@ class RadixTree {
   // HiRadixCache.load_back: the host-only nodes ending at `host_node` (`host_tokens`, as a match found them) onto
   // the device; false, with nothing loaded, when the device is short.
   bool load_back(int32_t host_node, int64_t host_tokens);
+  // StoragePrefetch.prefetch of q's first key_len tokens: the whole pages after what the tree holds that the store
+  // has, read into host slots (inactive when none).
+  Prefetch prefetch(int32_t q, int64_t key_len);
+  // finish_prefetch: hangs what arrived under the tree's prefix, as host-only; the tokens attached.
+  int64_t finish_prefetch(const Prefetch& p, int32_t q);
   void lock_below(int32_t n, int32_t ancestor);
   void unlock(int32_t n);
   // evict: frees at least `num_tokens` tokens from unlocked leaves in policy order (or all there are).
@@ -229,6 +260,12 @@ class RadixTree {
   void backup_path(int32_t n);
   void backup_hot_path(int32_t n);
   void report_backed_up(const std::vector<int32_t>& nodes);
+  // storage tier (storage_tier.cpp)
+  uint64_t chain_names(uint64_t parent, int32_t q, int64_t from, int64_t to, std::vector<uint64_t>* names) const;
+  void name_node(int32_t n);
+  uint64_t name_at(const Walk& w) const;
+  std::pair<int64_t, int64_t> attach(const Prefetch& p, int32_t q);
+  void write_pages(const std::vector<int32_t>& nodes);
   void report_stored(int32_t n) {
     if (events_ != nullptr) events_->device_stored(nodes_[n].src, nodes_[n].depth, path_len(n), page_size_);
   }
@@ -260,6 +297,10 @@ class RadixTree {
   TierStats stats_;
   EventLog* events_ = nullptr;
   std::vector<int32_t> path_;  // scratch for backups
+  // storage tier
+  SimStore* store_ = nullptr;
+  int64_t prefetch_held_ = 0;  // host slots reading pages for prefetches, not yet the tree's
+  std::vector<uint64_t> names_;  // scratch for page names
   // pins
   int64_t pin_budget_;
   int64_t pinned_tokens_ = 0;
