@@ -18,9 +18,8 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from kvmem._checks import check_int, check_number
+from kvmem._checks import check_int
 from kvmem._paging import TOKEN_BYTES, round_up
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.batch import ForwardMode, Req, ReqStatus, ScheduleBatch, check_parts, token_ids
@@ -30,70 +29,10 @@ from kvmem.radix_cache import RadixCache, request_token_ids
 from kvmem.radix_tree import key_bytes
 from kvmem.req_to_token import ReqToTokenPool
 from kvmem.schedule_policy import SCHEDULE_POLICIES, PrefixRanker
+from kvmem.scheduler_config import SchedulerConfig, SchedulerStats
 from kvmem.timing import NO_TIMER, NullTimer, PhaseTimer
 
 __all__ = ["SCHEDULE_POLICIES", "Scheduler", "SchedulerConfig", "SchedulerStats"]
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """How the loop admits work.
-
-    schedule_policy: "lpm" (longest cached prefix first) or "fcfs" (arrival order).
-    max_running_requests: cap on requests in the running batch (None: the req_to_token rows).
-    chunked_prefill_size: new tokens per extend step (None: no cap, no chunking); a request longer
-        than what is left of the step is prefilled in chunks.
-    lpm_window: how many waiting requests "lpm" matches against the tree per step (bounds its cost).
-    load_back_threshold: with a tiered cache, a prefix part held only by the host is loaded back when it has
-        at least this many tokens, and recomputed when shorter (a copy costs more than a few tokens' prefill).
-    init_new_token_ratio / min_new_token_ratio / new_token_ratio_decay: the share of running requests'
-        remaining output tokens that admission keeps free.
-    cache_decode_pages: a running request's full pages of output count as cached as soon as they are written
-        (as vLLM caches them), so a request that continues them, or the request itself after a retraction,
-        reuses them; False caches output only when the request finishes (as SGLang does). The pages enter
-        the tree when a match reaches them or the request is retracted, so a decode step costs nothing more.
-    in_batch_prefix_caching: a waiting request whose next uncached page is one that a request admitted in the
-        same prefill batch computes waits for the next batch (with those behind it) and finds it cached there
-        (SGLang's in-batch prefix caching; vLLM gets the same hits by caching pages when they are scheduled).
-        Off: it computes the page again, beside the other.
-    """
-
-    schedule_policy: str = "lpm"
-    max_running_requests: int | None = None
-    chunked_prefill_size: int | None = 8192
-    lpm_window: int = 128
-    load_back_threshold: int = 16
-    init_new_token_ratio: float = 0.7
-    min_new_token_ratio: float = 0.1
-    new_token_ratio_decay: float = 0.001
-    cache_decode_pages: bool = True
-    in_batch_prefix_caching: bool = False
-
-    def __post_init__(self) -> None:
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
-        for name in ("max_running_requests", "chunked_prefill_size"):
-            if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), minimum=1)
-        check_int("lpm_window", self.lpm_window, minimum=1)
-        check_int("load_back_threshold", self.load_back_threshold, minimum=1)
-        for name in ("init_new_token_ratio", "min_new_token_ratio", "new_token_ratio_decay"):
-            check_number(name, getattr(self, name), 0)
-        if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
-            raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got "
-                             f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
-        for name in ("cache_decode_pages", "in_batch_prefix_caching"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-
-
-@dataclass
-class SchedulerStats:
-    retractions: int = 0
-    evicted_tokens: int = 0
-    prefill_batches: int = 0
-    decode_batches: int = 0
-    rejected: int = 0
 
 
 class Scheduler:
@@ -168,13 +107,13 @@ class Scheduler:
                              f"exceed max_context_len {self.req_to_token_pool.max_context_len}")
         if req.status is not ReqStatus.NEW:
             raise ValueError(f"request {req.rid!r} is already queued, running or finished ({req.status.value})")
+        key = req.match_key()
+        # A policy that looks ahead keeps what the request will match (and may refuse its id: before it is
+        # queued), and a storage tier starts reading the prompt's pages now, while the request waits.
+        self.tree_cache.request_waiting(req.rid, key, req.namespace)
+        req.prefetch = self.tree_cache.prefetch(key, req.namespace)
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
-        key = req.match_key()
-        # A storage tier starts reading the prompt's pages now, while the request waits to be admitted, and a
-        # policy that looks ahead keeps what it will match.
-        req.prefetch = self.tree_cache.prefetch(key, req.namespace)
-        self.tree_cache.request_waiting(req.rid, key, req.namespace)
 
     def abort(self, req: Req) -> None:
         """Drops a queued or running request: a waiting one leaves the queue (its storage prefetch released), a
@@ -207,6 +146,50 @@ class Scheduler:
 
     def is_idle(self) -> bool:
         return not self.waiting and not self.running and self.chunked_req is None
+
+    # ---- disaggregation (kvmem.disagg) ---------------------------------------------------------------
+    def hand_off(self, req: Req) -> None:
+        """Takes a running request out of the loop with its memory, for a prefill side to send its KV: it runs no more
+        batches here and no longer counts in held_by_requests; its new owner releases it with
+        `tree_cache.release_req(req, cache=True)`. Raises ValueError for a request that is not decoding here and
+        RuntimeError while the pending batch holds it."""
+        if not isinstance(req, Req):
+            raise TypeError(f"req must be a Req, got {type(req).__name__}")
+        if self._batch is not None and req in self._batch.reqs:
+            raise RuntimeError(f"request {req.rid!r} is in the pending batch: call process_batch_result first")
+        if req.status is not ReqStatus.RUNNING or req not in self.running:
+            raise ValueError(f"request {req.rid!r} is not decoding here ({req.status.value})")
+        self.running.remove(req)
+        self._tokens_left -= req.max_new_tokens - len(req.output_ids)
+        self.tails.untrack(req)
+
+    def add_prefilled_request(self, req: Req, stopped: bool = False) -> bool:
+        """Admits a request whose prompt another instance prefilled straight to decoding, as the step that prefills a
+        prompt here would: its row holds the KV of its whole prompt (kv_len == extend_end == len(input_ids)), its
+        first cache_protected_len slots are the tree's (locked through last_node), and output_ids holds the one
+        token the other instance sampled. Its prompt's whole pages enter the tree now. `stopped`: that token ends it.
+        Returns True when it finished at once (then cached and released). Raises, changing nothing, for a request
+        that is not so."""
+        if not isinstance(req, Req):
+            raise TypeError(f"req must be a Req, got {type(req).__name__}")
+        if req.status is not ReqStatus.RUNNING or req in self.running or req is self.chunked_req:
+            raise ValueError(f"request {req.rid!r} must hold memory outside this scheduler (status RUNNING, not "
+                             f"running here), got {req.status.value}")
+        prompt = len(req.input_ids)
+        if len(req.output_ids) != 1 or req.kv_len != prompt or req.extend_end != prompt:
+            raise ValueError(f"request {req.rid!r}: need one output token and kv_len == extend_end == {prompt} "
+                             f"(its prompt), got {len(req.output_ids)}, {req.kv_len} and {req.extend_end}")
+        self.tree_cache.cache_unfinished_req(req)  # checks its row, lock and slots before it changes anything
+        if stopped:
+            req.max_new_tokens = 1
+        if req.finished():
+            self._finish(req, [])
+            return True
+        self.running.append(req)
+        self._tokens_left += req.max_new_tokens - len(req.output_ids)
+        if self.config.cache_decode_pages:
+            self.tails.track(req)
+        return False
 
     # ---- the loop -----------------------------------------------------------------------------------
     def step(self) -> ScheduleBatch | None:
@@ -461,15 +444,15 @@ class Scheduler:
         return sum(round_up(r.kv_len, self.page_size) - r.cache_protected_len
                    for r in holders if r.status is ReqStatus.RUNNING)
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, held_outside: int = 0) -> None:
         """Raises AssertionError unless free + evictable + protected + held by requests == total,
         the output tokens the running requests still owe are counted right, and the tree's own invariants
-        hold."""
+        hold. held_outside: slots held by requests outside the loop (a disaggregated side's transfers)."""
         self.tree_cache.check_invariants()
         free = self.token_allocator.available_size()
         evictable = self.tree_cache.evictable_size()
         protected = self.tree_cache.protected_size()
-        held = self.held_by_requests()
+        held = self.held_by_requests() + held_outside
         total = self.token_allocator.size
         if free + evictable + protected + held != total:
             raise AssertionError(f"memory leak or double count: free {free} + evictable {evictable} + protected "
