@@ -116,6 +116,21 @@ def test_without_the_native_module_the_python_engine_replays_with_one_line_sayin
 
 
 @needs_native
+def test_a_native_sweep_replays_in_this_process_and_a_python_one_in_workers(capsys, monkeypatch):
+    import concurrent.futures
+
+    started = []
+    real = concurrent.futures.ProcessPoolExecutor
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", lambda *a, **k: started.append(a) or real(*a, **k))
+    reports = []
+    for name in ("native", "python"):
+        code, out, err = run(capsys, *FEW, "--sweep", "100000,200000", "--jobs", "2", "--engine", name)
+        assert code == 0 and err == "" and len(started) == (name == "python")
+        reports.append(without_timings(out))
+    assert reports[0] == reports[1]
+
+
+@needs_native
 def test_a_policy_comparison_replays_what_it_can_on_the_native_engine(capsys):
     code, out, err = run(capsys, *SMALL, "--compare-policies", "fifo,s3fifo", "--jobs", "1")
     assert code == 0

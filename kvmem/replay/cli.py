@@ -288,30 +288,39 @@ def default_jobs() -> int:
 
 def replay_all(trace: Trace, configs: list[ReplayConfig], jobs: int, progress: bool, engine: str = "native") -> list:
     """The ReplayReport of each config, in order, from `engine` (see kvmem.replay.engine): in this process (with a
-    progress bar per replay) when jobs is 1 or there is one config, else `jobs` at a time in worker processes (a
-    bar over replays)."""
-    from kvmem.replay.engine import replay  # the Python engine imports torch: only once the arguments are good
+    progress bar per replay) when jobs is 1 or at most one of them runs on the Python engine, else those `jobs` at
+    a time in worker processes (a bar over replays) while the native engine replays the rest here: a native replay
+    takes about as long as a worker's start, which imports torch."""
+    from kvmem.replay.engine import engine_for, replay  # the Python engine imports torch: once the arguments are good
 
-    if jobs == 1 or len(configs) == 1:
+    pooled = [i for i, c in enumerate(configs) if engine_for(engine, c) == "python"] if jobs > 1 else []
+    if len(pooled) < 2:
         return [replay(trace, c, progress, engine) for c in configs]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
+    reports = [None] * len(configs)
     # spawn, not fork: a forked child of a process that loaded torch and OpenBLAS may deadlock in their pools.
-    with ProcessPoolExecutor(min(jobs, len(configs)), mp_context=multiprocessing.get_context("spawn"),
+    with ProcessPoolExecutor(min(jobs, len(pooled)), mp_context=multiprocessing.get_context("spawn"),
                              initializer=_set_worker_trace, initargs=(trace,)) as pool:
-        futures = [pool.submit(_replay_in_worker, c, engine) for c in configs]
+        futures = {pool.submit(_replay_in_worker, configs[i], engine): i for i in pooled}
         bar = None
         if progress:
             from tqdm import tqdm
 
             bar = tqdm(total=len(configs), unit="replay", file=sys.stderr, dynamic_ncols=True)
-        for _ in as_completed(futures):
+        for i, config in enumerate(configs):
+            if i not in futures.values():
+                reports[i] = replay(trace, config, engine=engine)
+                if bar is not None:
+                    bar.update(1)
+        for future in as_completed(futures):
+            reports[futures[future]] = future.result()
             if bar is not None:
                 bar.update(1)
         if bar is not None:
             bar.close()
-        return [f.result() for f in futures]
+    return reports
 
 
 _worker_trace: Trace | None = None
