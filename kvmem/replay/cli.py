@@ -161,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=positive_int_arg, default=1, metavar="N",
                    help="GPUs per replica, tensor-parallel (with --gpu; default 1)")
     p.add_argument("--jobs", type=positive_int_arg, metavar="J",
-                   help="replays run at once by --sweep and --compare-policies, in separate processes (default: the "
-                        "cores)")
+                   help="Python-engine replays run at once by --sweep and --compare-policies, in separate processes "
+                        "(default: the cores)")
     p.add_argument("--engine", choices=ENGINES,
                    help="native: the compiled engine (the default where it is built and covers the configuration; "
                         "else the Python engine runs, saying why); python: the reference (kvmem's Scheduler and "
