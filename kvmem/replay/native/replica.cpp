@@ -549,9 +549,11 @@ bool Replica::rank_without_decode_pages(int32_t i) {
 // written request r's next page as its next full page.
 bool Replica::continues(const Request& q, int32_t node, int64_t matched) const {
   if (!q.next_page) return false;
+  const int32_t first = tokens_->token(q.rid, matched);  // a page that starts otherwise is not q's next one
   for (int32_t c : tails_[node]) {
     const Request& r = reqs_[c];
     if (r.kv_len - r.kv_len % page_size_ - r.cache_protected_len >= page_size_ &&
+        tokens_->token(r.rid, matched) == first &&
         tokens_->first_mismatch(r.rid, q.rid, matched, matched + page_size_) == matched + page_size_) {
       return true;
     }
@@ -566,9 +568,11 @@ bool Replica::take_decode_pages(int32_t q, int64_t key_len, int32_t node, int64_
   if (!in_tails(node)) return false;
   if (key_len < matched + page_size_) return false;
   const int32_t qrid = reqs_[q].rid;
+  const int32_t first = tokens_->token(qrid, matched);
   for (int32_t c : tails_[node]) {
     const Request& r = reqs_[c];
     if (r.kv_len - r.kv_len % page_size_ - r.cache_protected_len >= page_size_ &&
+        tokens_->token(r.rid, matched) == first &&
         tokens_->first_mismatch(r.rid, qrid, matched, matched + page_size_) == matched + page_size_) {
       untrack_tail(c);
       cache_req(c, false);  // its full pages up to kv_len; the rest are not written yet
