@@ -441,10 +441,11 @@ def test_no_arguments_at_all_tours_capacities_with_and_without_a_host_tier(capsy
     assert len(report["sweep"]) == 4 and "The tour" in err
 
 
-def test_a_sweep_runs_its_replays_in_worker_processes(capsys, tmp_path):
+def test_a_sweep_on_the_python_engine_runs_its_replays_in_worker_processes(capsys, tmp_path):
     path = write_trace(tmp_path, ['{"input_ids": [%s], "output_len": 3}' % ", ".join(map(str, range(i, i + 40)))
                                   for i in range(6)])
-    code, out, err = run(capsys, str(path), "--sweep", "64,128,4096", "--jobs", "2", "--no-progress")
+    code, out, err = run(capsys, str(path), "--sweep", "64,128,4096", "--jobs", "2", "--no-progress", "--engine",
+                         "python")
     assert code == 0
     sweep = json.loads(out)["sweep"]
     assert [r["capacity_tokens"] for r in sweep] == [64, 128, 4096]
@@ -596,8 +597,8 @@ def test_a_sweep_stopped_by_sigterm_leaves_no_worker_behind():
     import time
 
     proc = subprocess.Popen([sys.executable, "-m", "kvmem.replay.cli", "--format", "synthetic-chat", "--limit",
-                             "100000", "--sweep", "100000,200000", "--jobs", "2", "--no-progress"],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                             "100000", "--sweep", "100000,200000", "--jobs", "2", "--no-progress", "--engine",
+                             "python"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     children: set[int] = set()
     try:
         deadline = time.monotonic() + 120

@@ -184,8 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=positive_int_arg, default=1, metavar="N",
                    help="GPUs per replica, tensor-parallel (with --gpu; default 1)")
     p.add_argument("--jobs", type=positive_int_arg, metavar="J",
-                   help="replays run at once by --sweep and --compare-policies, in separate processes (default: the "
-                        "cores)")
+                   help="Python-engine replays run at once by --sweep and --compare-policies, in separate processes "
+                        "(default: the cores)")
     p.add_argument("--engine", choices=ENGINES,
                    help="native: the compiled engine (the default where it is built and covers the configuration; "
                         "else the Python engine runs, saying why); python: the reference (kvmem's Scheduler and "
@@ -276,11 +276,12 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
     if args.target_hit_fraction is not None:
         return _plan(args, trace, config, out, engine, title)
     if runs is not None:  # a cluster replay
-        if engine == "native":
-            reason = fallback_reason(engine, config) or "the native engine does not cover --replicas yet"
-            print(f"{PROG}: {reason}: the Python engine replays the cluster", file=sys.stderr)
+        reason = fallback_reason(engine, config)
+        if reason is not None:
+            print(f"{PROG}: {reason}: the Python engine replays the cluster{'s' if len(runs) > 1 else ''}",
+                  file=sys.stderr)
         try:
-            out = run_cluster(args, trace, config, runs, out, title)
+            out = run_cluster(args, trace, config, runs, out, title, engine)
         except RuntimeError as e:
             return _error(str(e))
     else:

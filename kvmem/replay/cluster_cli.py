@@ -55,18 +55,19 @@ def cluster_runs(args: argparse.Namespace, config: ReplayConfig) -> list[tuple[i
 
 
 def run_cluster(args: argparse.Namespace, trace, config: ReplayConfig, runs: list[tuple[int, str]],
-                out: dict, title: str) -> dict:
-    """Replays `runs`, prints their summary under `title` on stderr (unless --json-only) and adds their reports
-    (and plots, with --plot) to `out`; RuntimeError (one line) when the plots cannot be written."""
-    from kvmem.replay.cluster import replay_cluster  # imports torch: only once the arguments are good
+                out: dict, title: str, engine: str = "native") -> dict:
+    """Replays `runs` on `engine` (see kvmem.replay.engine), prints their summary under `title` on stderr (unless
+    --json-only) and adds their reports (and plots, with --plot) to `out`; RuntimeError (one line) when the plots
+    cannot be written."""
     from kvmem.replay.cluster_report import format_cluster_summary, write_cluster_sweep_plots
+    from kvmem.replay.engine import replay_cluster  # the Python engine imports torch: only once the arguments are good
 
     progress = not args.no_progress
     reports = []
     for replicas, policy in runs:
         if len(runs) > 1 and progress:
             print(f"kvmem-replay: {replicas} replicas, {policy}", file=sys.stderr)
-        reports.append(replay_cluster(trace, config, replicas, policy, progress=progress))
+        reports.append(replay_cluster(trace, config, replicas, policy, progress, engine))
     if len(runs) == 1:
         out.update(reports[0].to_json())
     else:

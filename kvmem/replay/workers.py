@@ -66,24 +66,34 @@ class ReplayPool:
 
     def run(self, configs: Sequence, progress: bool = False) -> list:
         """The ReplayReport of each config, in order: in this process (a progress bar per replay) with one job or
-        one config, else on the workers (a bar over replays)."""
-        from kvmem.replay.engine import replay  # the Python engine imports torch: only once the arguments are good
+        at most one config on the Python engine, else those on the workers (a bar over replays) while the native
+        engine replays the rest here: a native replay takes about as long as a worker's start, which imports torch."""
+        # The Python engine imports torch: only once the arguments are good.
+        from kvmem.replay.engine import engine_for, replay
 
-        if self._pool is None or len(configs) == 1:
+        pooled = [] if self._pool is None else [i for i, c in enumerate(configs)
+                                                 if engine_for(self.engine, c) == "python"]
+        if len(pooled) < 2:
             return [replay(self.trace, c, progress, self.engine) for c in configs]
         with sigint_blocked():
-            futures = [self._pool.submit(_replay_in_worker, c, self.engine) for c in configs]
+            futures = {self._pool.submit(_replay_in_worker, configs[i], self.engine): i for i in pooled}
         bar = None
         if progress:
             from tqdm import tqdm
 
             bar = tqdm(total=len(configs), unit="replay", file=sys.stderr, dynamic_ncols=True)
-        for _ in as_completed(futures):
+        reports = [None] * len(configs)
+        for i in sorted(set(range(len(configs))) - set(pooled)):
+            reports[i] = replay(self.trace, configs[i], engine=self.engine)
+            if bar is not None:
+                bar.update(1)
+        for future in as_completed(futures):
+            reports[futures[future]] = future.result()
             if bar is not None:
                 bar.update(1)
         if bar is not None:
             bar.close()
-        return [f.result() for f in futures]
+        return reports
 
 
 class sigint_blocked:
