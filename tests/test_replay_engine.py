@@ -117,11 +117,11 @@ def test_without_the_native_module_the_python_engine_replays_with_one_line_sayin
 
 @needs_native
 def test_a_native_sweep_replays_in_this_process_and_a_python_one_in_workers(capsys, monkeypatch):
-    import concurrent.futures
+    from kvmem.replay import workers
 
     started = []
-    real = concurrent.futures.ProcessPoolExecutor
-    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", lambda *a, **k: started.append(a) or real(*a, **k))
+    real = workers.ProcessPoolExecutor
+    monkeypatch.setattr(workers, "ProcessPoolExecutor", lambda *a, **k: started.append(a) or real(*a, **k))
     reports = []
     for name in ("native", "python"):
         code, out, err = run(capsys, *FEW, "--sweep", "100000,200000", "--jobs", "2", "--engine", name)

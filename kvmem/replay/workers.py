@@ -52,9 +52,6 @@ class ReplayPool:
         self._pool: ProcessPoolExecutor | None = None
 
     def __enter__(self) -> ReplayPool:
-        if self.jobs > 1:
-            self._pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_set_worker_trace, initargs=(self.trace,))
         return self
 
     def __exit__(self, kind, value, traceback) -> None:
@@ -71,10 +68,12 @@ class ReplayPool:
         # The Python engine imports torch: only once the arguments are good.
         from kvmem.replay.engine import engine_for, replay
 
-        pooled = [] if self._pool is None else [i for i, c in enumerate(configs)
-                                                 if engine_for(self.engine, c) == "python"]
+        pooled = [] if self.jobs == 1 else [i for i, c in enumerate(configs) if engine_for(self.engine, c) == "python"]
         if len(pooled) < 2:
             return [replay(self.trace, c, progress, self.engine) for c in configs]
+        if self._pool is None:  # started at the first replays that need it, kept for the next
+            self._pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_set_worker_trace, initargs=(self.trace,))
         with sigint_blocked():
             futures = {self._pool.submit(_replay_in_worker, configs[i], self.engine): i for i in pooled}
         bar = None
