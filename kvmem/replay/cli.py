@@ -595,9 +595,7 @@ def _check_torch(args: argparse.Namespace, engine: str, config: ReplayConfig, po
     """RuntimeError (one line) when a replay of this command needs the Python engine and torch is missing."""
     if torch_available():
         return
-    if runs is not None:
-        what = "a cluster replay (--replicas)"
-    elif args.compare_policies:
+    if args.compare_policies:
         what = "--compare-policies (belady, the ceiling, always)"
     else:
         python = [c for c in points or [config] if engine_for(engine, c) == "python"]
