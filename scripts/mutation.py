@@ -7,10 +7,11 @@
     python scripts/mutation.py --list
 
 MODULE is a table of `[tool.kvmem.mutation]` in pyproject.toml: the files mutmut mutates (paths inside the
-installed package, so kernels/ is kvmem/kernels/), the tests that must kill the mutants and, optionally, `env`
-(variables the tests run with); `[tool.mutmut]` holds
-what every run shares. scripts/mutation_equivalents.toml lists, per module, the survivors judged equivalent (the
-mutant, the line mutmut wrote, and why no test can tell it from the original).
+installed package, so kernels/ is kvmem/kernels/), the tests that must kill the mutants and, optionally, `marks`
+(a pytest -m expression that selects among those tests: "not mooncake" leaves out the tests that start a Mooncake
+master) and `env` (variables the tests run with); `[tool.mutmut]` holds what every run shares.
+scripts/mutation_equivalents.toml lists, per module, the survivors judged equivalent (the mutant, the line mutmut
+wrote, and why no test can tell it from the original).
 
 Each run builds a fresh copy of the package laid out as it installs (kvmem/ with kernels/ inside it), the
 tests and scripts, with a pyproject.toml whose `[tool.mutmut]` names the module's files and tests, in
@@ -81,7 +82,8 @@ def build_workdir(workdir: Path, module: dict, shared: dict) -> None:
     for path in module["mutate"] + module["tests"]:
         if not (workdir / path.split("::")[0]).exists():
             raise SystemExit(f"mutation.py: {path} (named in pyproject.toml) does not exist")
-    settings = {**shared, "only_mutate": module["mutate"], "pytest_add_cli_args_test_selection": module["tests"]}
+    selection = module["tests"] + (["-m", module["marks"]] if "marks" in module else [])
+    settings = {**shared, "only_mutate": module["mutate"], "pytest_add_cli_args_test_selection": selection}
     pytest_ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     lines = ["[tool.pytest.ini_options]", f"markers = {json.dumps(pytest_ini['markers'])}", "", "[tool.mutmut]"]
     lines += [f"{key} = {json.dumps(value)}" for key, value in settings.items()]
@@ -221,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                             "and score the run with their new results")
     args = ap.parse_args(argv)
     if args.list or args.module is None:
-        print(json.dumps({name: {"mutate": m["mutate"], "tests": m["tests"]} for name, m in modules.items()},
-                         indent=1))
+        print(json.dumps({name: {key: m[key] for key in ("mutate", "tests", "marks") if key in m}
+                          for name, m in modules.items()}, indent=1))
         return 0
     module = modules[args.module]
     workdir = (args.workdir or Path("/tmp/kvmem-mutation") / args.module).resolve()
@@ -244,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         run_mutmut(workdir, env, args.max_children)
         seconds = round(time.perf_counter() - t0)
     summary = {"module": args.module, "mutate": module["mutate"], "tests": module["tests"],
+               "marks": module.get("marks"),
                "statuses": None, **score(found := results(workdir, module, codes), equivalents(args.module)),
                "retested": None if codes is None else len(codes),
                "seconds": seconds, "max_children": args.max_children,
