@@ -9,7 +9,8 @@
 MODULE is a table of `[tool.kvmem.mutation]` in pyproject.toml: the files mutmut mutates (paths inside the
 installed package, so kernels/ is kvmem/kernels/), the tests that must kill the mutants and, optionally, `marks`
 (a pytest -m expression that selects among those tests: "not mooncake" leaves out the tests that start a Mooncake
-master) and `env` (variables the tests run with); `[tool.mutmut]` holds what every run shares.
+master), `deselect` (test ids left out: variants of a slow test that exercise another module's code more than this
+one's) and `env` (variables the tests run with); `[tool.mutmut]` holds what every run shares.
 scripts/mutation_equivalents.toml lists, per module, the survivors judged equivalent (the mutant, the line mutmut
 wrote, and why no test can tell it from the original).
 
@@ -79,10 +80,11 @@ def build_workdir(workdir: Path, module: dict, shared: dict) -> None:
     shutil.copytree(ROOT / "kernels", workdir / "kvmem" / "kernels", ignore=skip)
     shutil.copytree(ROOT / "tests", workdir / "tests", ignore=skip)
     shutil.copytree(ROOT / "scripts", workdir / "scripts", ignore=skip)
-    for path in module["mutate"] + module["tests"]:
+    for path in module["mutate"] + module["tests"] + module.get("deselect", []):
         if not (workdir / path.split("::")[0]).exists():
             raise SystemExit(f"mutation.py: {path} (named in pyproject.toml) does not exist")
     selection = module["tests"] + (["-m", module["marks"]] if "marks" in module else [])
+    selection += [arg for test in module.get("deselect", []) for arg in ("--deselect", test)]
     settings = {**shared, "only_mutate": module["mutate"], "pytest_add_cli_args_test_selection": selection}
     pytest_ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     lines = ["[tool.pytest.ini_options]", f"markers = {json.dumps(pytest_ini['markers'])}", "", "[tool.mutmut]"]
@@ -223,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                             "and score the run with their new results")
     args = ap.parse_args(argv)
     if args.list or args.module is None:
-        print(json.dumps({name: {key: m[key] for key in ("mutate", "tests", "marks") if key in m}
+        print(json.dumps({name: {key: m[key] for key in ("mutate", "tests", "marks", "deselect") if key in m}
                           for name, m in modules.items()}, indent=1))
         return 0
     module = modules[args.module]
@@ -246,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         run_mutmut(workdir, env, args.max_children)
         seconds = round(time.perf_counter() - t0)
     summary = {"module": args.module, "mutate": module["mutate"], "tests": module["tests"],
-               "marks": module.get("marks"),
+               "marks": module.get("marks"), "deselected": len(module.get("deselect", [])),
                "statuses": None, **score(found := results(workdir, module, codes), equivalents(args.module)),
                "retested": None if codes is None else len(codes),
                "seconds": seconds, "max_children": args.max_children,
