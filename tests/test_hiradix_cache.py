@@ -5,8 +5,13 @@ Inserts write it, backups and loads copy it, so every check can ask the question
 slot the tree hands out hold the right token?
 """
 
+import threading
+from datetime import timedelta
+
 import numpy as np
 import pytest
+import torch
+import torch.distributed as dist
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule, run_state_machine_as_test
@@ -16,6 +21,7 @@ from kvmem.eviction import ONLINE_POLICIES
 from kvmem.replay.belady import BeladyPolicy
 from kvmem.storage import FileStore
 from kvmem.tiers import Transfer
+from kvmem.tiers.backups import all_reduce_min
 from tests.test_radix_cache_model import future_index
 
 
@@ -413,6 +419,112 @@ def test_load_back_that_cannot_fit_evicts_nothing():
     assert w.cache.load_back(m.last_host_node, m.host_hit_length) is None
     assert (w.cache.total_size(), w.cache.evictable_size(), w.alloc.available_size()) == before
     w.cache.check_invariants()
+
+
+# ---- tensor-parallel ranks: threads of one process, each with its own cache ---------------------------------
+def on_ranks(fn, world=2):
+    """fn(rank) on `world` threads at once (a collective needs every rank); their results, or the first error."""
+    results, errors = [None] * world, []
+
+    def run(rank):
+        try:
+            results[rank] = fn(rank)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, on the test's thread
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a rank is stuck in a collective"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def tp_groups(world=2):
+    """One gloo process group per rank over an in-memory store: a tensor-parallel group whose ranks are threads."""
+    store = dist.HashStore()
+
+    def group(rank):
+        backend = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=30))
+        g = dist.ProcessGroup(store, rank, world)
+        g._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+        g._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        return g
+    return on_ranks(group, world)
+
+
+def test_ranks_agree_on_the_minimum_of_their_counts_and_on_a_flag_only_when_all_set_it():
+    groups = tp_groups()
+    assert on_ranks(lambda rank: all_reduce_min([3, 5][rank], groups[rank])) == [3, 3]
+    flags = [[True, False, True, True], [True, True, False, True]]
+    assert on_ranks(lambda rank: all_reduce_min(flags[rank], groups[rank])) == [[True, False, False, True]] * 2
+
+
+def test_a_backup_completes_on_every_rank_at_the_poll_where_the_slowest_rank_finished_it():
+    groups = tp_groups()
+
+    def serve(rank):
+        w = World(device=16, host=64, tp_group=groups[rank])
+        w.host.delay = (1, 4)[rank]             # the insert's own check polls once: rank 0's copy lands at the
+        w.put(tokens((1, 8)))                   # first poll after it, rank 1's at the fourth
+        polls = [w.cache.writing_check() for _ in range(6)]
+        return polls, w.cache.protected_size(), w.cache.host_protected_size(), w.cache.stats.backed_up_tokens
+    assert on_ranks(serve) == [([0, 0, 0, 1, 0, 0], 0, 8, 8)] * 2
+
+
+def test_a_copy_that_failed_on_one_rank_is_released_on_every_rank():
+    groups = tp_groups()
+
+    def serve(rank):
+        w = World(device=16, host=64, tp_group=groups[rank])
+        w.host.delay, w.host.fail_late = 2, rank   # rank 1's copy fails when it lands
+        w.put(tokens((1, 8)))
+        while w.cache._pending:
+            w.cache.writing_check()
+        w.cache.check_invariants()
+        evicted = w.cache.evict(8)
+        return (w.cache.stats.failed_transfers, w.cache.host_total_size(), w.host.allocator.available_size(),
+                evicted, w.cache.match_prefix(tokens((1, 8))).host_hit_length)
+    assert on_ranks(serve) == [(1, 0, 64, 8, 0)] * 2    # device-only on both: the eviction drops it everywhere
+
+
+def test_ranks_prefetch_and_attach_only_the_pages_every_rank_has(tmp_path):
+    prompt = tokens((100, 32))                          # 8 pages of 4
+    for rank, stored in enumerate((32, 12)):            # rank 1's store has only the first 3 pages
+        first = World(page_size=4, storage=FileStore(tmp_path / f"rank{rank}"))
+        first.put(prompt[:stored])
+        first.cache.close()
+    groups = tp_groups()
+
+    def serve(rank):
+        w = World(page_size=4, storage=FileStore(tmp_path / f"rank{rank}"), tp_group=groups[rank])
+        prefetch = w.cache.prefetch(prompt + [1])
+        attached = w.cache.finish_prefetch(prefetch)
+        w.cache.check_invariants()
+        return prefetch.pages, attached, w.cache.match_prefix(prompt).host_hit_length, w.cache.host_total_size()
+    assert on_ranks(serve) == [(3, 12, 12, 12)] * 2
+
+
+def test_ranks_attach_only_the_pages_every_rank_read(tmp_path):
+    prompt = tokens((100, 32))
+    first = World(page_size=4, storage=FileStore(tmp_path))
+    first.put(prompt)
+    first.cache.close()
+    groups = tp_groups()
+
+    class ShortReads(FileStore):  # rank 1's reads load the first 2 pages they are asked for, and say so
+        def batch_get(self, keys, host_pool, host_slots):
+            return super().batch_get(keys[:2], host_pool, host_slots[:2 * 4])
+
+    def serve(rank):
+        w = World(page_size=4, storage=(FileStore, ShortReads)[rank](tmp_path), tp_group=groups[rank])
+        prefetch = w.cache.prefetch(prompt + [1])
+        attached = w.cache.finish_prefetch(prefetch)
+        w.cache.check_invariants()
+        return prefetch.pages, attached, w.cache.host_total_size(), w.host.allocator.available_size()
+    assert on_ranks(serve) == [(8, 8, 8, 248)] * 2
 
 
 # ---- any sequence of operations ----------------------------------------------------------------------------
