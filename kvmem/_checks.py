@@ -91,6 +91,7 @@ def _number_arg(kind: type, accepts, wording: str):
 positive_int_arg = _number_arg(int, lambda v: v > 0, "a positive int")
 non_negative_int_arg = _number_arg(int, lambda v: v >= 0, "a non-negative int")
 positive_float_arg = _number_arg(float, lambda v: 0 < v < math.inf, "a positive number")
+non_negative_float_arg = _number_arg(float, lambda v: 0 <= v < math.inf, "a non-negative number")
 fraction_arg = _number_arg(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
 
 

@@ -6,8 +6,10 @@ a torch one there, which pays for checking every free against double frees and s
 allocator that checks nothing.
 Returned slot tensors are int64 copies on `device`; they stay valid however the allocator changes later.
 
-The public methods check their arguments; kvmem's own layers, which checked them where they entered, call the
-trusted bodies: `alloc_extend_unchecked`, `alloc_decode_unchecked`, `free_owned` and `allocated_mask`.
+Each page is FREE, HELD (handed out) or CACHED (handed out, and marked by the prefix cache that holds it, so that
+the cache refuses it when a caller hands it in again as a new slot). The public methods check their arguments;
+kvmem's own layers, which checked them where they entered, call the trusted bodies: `alloc_extend_unchecked`,
+`alloc_decode_unchecked`, `free_owned`, `mark_cached`, `allocated_mask` and `cached_mask`.
 """
 
 from __future__ import annotations
@@ -30,20 +32,23 @@ class AllocatorState:
     """An opaque snapshot taken by `backup_state()`."""
 
     free_pages: np.ndarray
-    allocated: np.ndarray
+    allocated: np.ndarray  # each page's state (FREE, HELD, CACHED)
+
+
+FREE, HELD, CACHED = 0, 1, 2  # a page's state: free, handed out, handed out and held by a prefix cache
 
 
 class _PageStack:
-    """Free page ids 1..num_pages, handed out oldest-freed first, with an allocated flag per page."""
+    """Free page ids 1..num_pages, handed out oldest-freed first, with a state per page (FREE, HELD, CACHED)."""
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         # Live free pages are buf[head:tail]; the buffer is twice the page count so that appends only
         # compact (move the live run to the front) once per num_pages frees: O(1) amortized.
         self._buf = np.empty(2 * num_pages, dtype=np.int64)
-        # Entry num_pages + 1 is a sentinel that stays False like page 0: `take(mode="clip")` sends every
+        # Entry num_pages + 1 is a sentinel that stays FREE like page 0: `take(mode="clip")` sends every
         # out-of-range page to one of the two, so a single gather checks range and ownership together.
-        self._allocated = np.zeros(num_pages + 2, dtype=np.bool_)
+        self._state = np.zeros(num_pages + 2, dtype=np.uint8)
         self._scratch = np.zeros(num_pages + 1, dtype=np.int64)
         self._arange = np.arange(num_pages + 1, dtype=np.int64)
         self.clear()
@@ -52,7 +57,7 @@ class _PageStack:
         self._buf[:self.num_pages] = self._arange[1:]
         self._head = 0
         self._tail = self.num_pages
-        self._allocated[:] = False
+        self._state[:] = FREE
 
     def num_free(self) -> int:
         return self._tail - self._head
@@ -64,14 +69,14 @@ class _PageStack:
             raise ValueError(f"cannot take {n} pages")
         pages = self._buf[self._head:self._head + n].copy()
         self._head += n
-        self._allocated[pages] = True
+        self._state[pages] = HELD
         return pages
 
     def check_free(self, name: str, pages: np.ndarray) -> None:
         """Raises unless `pages` are distinct, in range and allocated. Changes nothing."""
         n = len(pages)
         # count_nonzero rather than min/max/all: the cheapest full reduction on a short array.
-        if np.count_nonzero(self._allocated.take(pages, mode="clip")) != n:
+        if np.count_nonzero(self._state.take(pages, mode="clip")) != n:
             self._raise_not_freeable(name, pages)
         if self.has_repeats(pages):
             raise ValueError(f"{name} holds a page more than once")
@@ -94,12 +99,16 @@ class _PageStack:
             raise ValueError(f"{name}: slot/page {low} is {'the padding slot 0' if low == 0 else 'negative'}")
         if high > self.num_pages:
             raise IndexError(f"{name}: page {high} out of range [1, {self.num_pages}]")
-        held = self._allocated[pages]
-        raise ValueError(f"{name}: page {pages[~held][0]} is not allocated (double free?)")
+        free = self._state[pages] == FREE
+        raise ValueError(f"{name}: page {pages[free][0]} is not allocated (double free?)")
 
     def mark_free(self, pages: np.ndarray) -> None:
-        """Clears the flags of allocated, distinct `pages` (checked by `check_free`, or owned by the caller)."""
-        self._allocated[pages] = False
+        """Marks allocated, distinct `pages` (checked by `check_free`, or owned by the caller) FREE."""
+        self._state[pages] = FREE
+
+    def mark_cached(self, pages: np.ndarray) -> None:
+        """Marks held, distinct `pages` CACHED."""
+        self._state[pages] = CACHED
 
     def push(self, pages: np.ndarray) -> None:
         """Appends pages whose flags are cleared already to the free list."""
@@ -119,18 +128,23 @@ class _PageStack:
         self._scratch[starts] = 0
         return self._scratch[pages] != 0
 
-    def is_allocated(self, pages: np.ndarray) -> np.ndarray:
-        return self._allocated.take(pages, mode="clip")
+    def count(self, state: int) -> int:
+        """Pages in `state`."""
+        return int(np.count_nonzero(self._state == state))
+
+    def states(self, pages: np.ndarray) -> np.ndarray:
+        """[n] uint8: each page's state (FREE for one out of range)."""
+        return self._state.take(pages, mode="clip")
 
     def backup(self) -> AllocatorState:
-        return AllocatorState(self._buf[self._head:self._tail].copy(), self._allocated.copy())
+        return AllocatorState(self._buf[self._head:self._tail].copy(), self._state.copy())
 
     def restore(self, state: AllocatorState) -> None:
         n = len(state.free_pages)
         self._buf[:n] = state.free_pages
         self._head = 0
         self._tail = n
-        self._allocated[:] = state.allocated
+        self._state[:] = state.allocated
 
 
 class _SlotAllocator:
@@ -171,8 +185,8 @@ class _SlotAllocator:
 
     def free_owned(self, slots: np.ndarray) -> None:
         """free's trusted body, for an owner of `slots` ([n] host int64): the radix tree for its nodes, the
-        scheduler for its requests' rows. The owner keeps them allocated and distinct (the tree's ownership
-        bitmap, the requests' rows), so they are not checked again; the flags stay exact all the same."""
+        scheduler for its requests' rows. The owner keeps them allocated and distinct, so they are not checked
+        again; their states are kept exact all the same."""
         if len(slots):
             self._release_pages(self._pages_of("slots", slots))
 
@@ -214,7 +228,21 @@ class _SlotAllocator:
     def allocated_mask(self, slots: np.ndarray) -> np.ndarray:
         """is_allocated of in-range host int64 slots, as a numpy array: for kvmem's own checks (the tree's, the
         host pools'), whose slots are arrays already."""
-        return self._pages.is_allocated(slots if self.page_size == 1 else slots // self.page_size)
+        return self._pages.states(slots if self.page_size == 1 else slots // self.page_size) != FREE
+
+    def cached_size(self) -> int:
+        """Slots (tokens) in pages marked cached: O(pages), for invariant checks."""
+        return self._pages.count(CACHED) * self.page_size
+
+    def cached_mask(self, slots: np.ndarray) -> np.ndarray:
+        """[n] bool: True where a host int64 slot's page is marked cached (`mark_cached`)."""
+        return self._pages.states(slots if self.page_size == 1 else slots // self.page_size) == CACHED
+
+    def mark_cached(self, slots: np.ndarray) -> None:
+        """Trusted: marks handed-out host int64 slots (whole pages, each listed from its first slot) as held by a
+        prefix cache, which tells them from a request's when it checks what it is given. They free as any others.
+        """
+        self._pages.mark_cached(slots if self.page_size == 1 else slots[::self.page_size] // self.page_size)
 
     def backup_state(self) -> AllocatorState:
         """A snapshot to roll back to with `restore_state` (e.g. after a speculative step)."""
@@ -384,7 +412,7 @@ class PagedTokenAllocator(_SlotAllocator):
                 f"request {i}: last_loc {last[i]} is not the slot of token {prefix[i] - 1} "
                 f"(offset {last[i] % ps} in its page, expected {(prefix[i] - 1) % ps})")
         pages = last[partial] // ps
-        held = self._pages.is_allocated(pages)
+        held = self._pages.states(pages) == HELD  # a partial page is a request's, never the tree's
         if np.count_nonzero(held) != len(held):
             i = int(np.flatnonzero(partial)[~held][0])
             raise ValueError(f"request {i}: last_loc {last[i]} is not the slot of token {prefix[i] - 1} in an "

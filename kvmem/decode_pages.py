@@ -63,6 +63,8 @@ class DecodePageTails:
         self._order[req] = order
         self._count[node] = self._count.get(node, 0) + 1
         left = req.cache_protected_len + self.page_size - req.kv_len  # tokens until its next page is whole
+        # Indexing what is due first keeps the heap to the requests whose pages are still being written.
+        self._index_whole_pages()
         heapq.heappush(self._due, (self._decode_steps() + max(left, 0), order, req))
 
     def untrack(self, req: Req) -> None:

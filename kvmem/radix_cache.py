@@ -8,16 +8,19 @@ what makes it a cache over a slot allocator: slot ownership, indices on the allo
 seam through which requests enter it (`cache_finished_req`, `cache_unfinished_req`).
 
 The tree is host bookkeeping, like the allocator's: tensors exist only at the edges (`MatchResult.indices`
-on the allocator's device, slots handed to the allocator). A host bitmap of the slots the tree owns rejects,
-at insert, a slot that the tree already holds for another prefix: otherwise the mistake surfaces later as a
-double free deep inside `evict`. Page size > 1: `insert` takes whole pages only and raises otherwise,
-because a partial page is owned by its request, not the tree (`cache_*_req` cut it off themselves).
+on the allocator's device, slots handed to the allocator). The tree marks the slots it takes in the allocator
+(`mark_cached`), so that insert rejects a slot that the tree already holds for another prefix: otherwise the
+mistake surfaces later as a double free deep inside `evict`. Page size > 1: `insert` takes whole pages only and
+raises otherwise, because a partial page is owned by its request, not the tree (`cache_*_req` cut it off
+themselves).
 
 Two surfaces: the SGLang-named public methods (`match_prefix`, `insert`, `inc_lock_ref`, `dec_lock_ref`,
 `cache_finished_req`, `cache_unfinished_req`, `evict`) check their arguments, then call the trusted one that a
 scheduler, which checked its requests where they entered, calls directly: `lock` / `unlock` / `move_lock` (a
 node a match returned), `cache_req` (a request whose row, slots and locked prefix the scheduler keeps), and the
-read-only walks that rank a waiting queue (`prefix_walk`, `walk_is_current`, `next_page`).
+read-only walks that rank a waiting queue (`prefix_walk`, `walk_is_current`, `next_page`). A request's memory
+goes back on one path, `release_req`, whether it finishes, is retracted or aborted, or its admission is undone.
+Both surfaces keep the same bookkeeping, exactly: the allocator's page states are right after every call.
 """
 
 from __future__ import annotations
@@ -77,7 +80,6 @@ class CachedRequest(Protocol):
     input_ids: array
     output_ids: list[int]
     namespace: str | None
-    turn: int | None  # its conversation turn: None until a policy that tracks turns infers it (see multiturn)
 
 
 class RadixCache(RadixTree):
@@ -136,7 +138,6 @@ class RadixCache(RadixTree):
         self.req_to_token_pool = req_to_token_pool
         self.token_allocator = token_allocator
         self.device = token_allocator.device
-        self._in_tree = np.zeros(token_allocator.size + page_size, dtype=np.bool_)  # slots some node holds
         self._on_cpu = self.device.type == "cpu"
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self._turns: TurnTable | None = None
@@ -304,7 +305,7 @@ class RadixCache(RadixTree):
             bad = s[~held][0]
             raise ValueError(f"value holds slot {bad}, " + ("the padding slot" if bad == 0 else
                                                             "which token_allocator has not handed out"))
-        cached = self._in_tree.take(s)
+        cached = self.token_allocator.cached_mask(s)
         if np.count_nonzero(cached):
             raise ValueError(f"value holds slot {s[cached][0]}, which the tree already caches for another prefix")
         ps = self.page_size
@@ -333,13 +334,11 @@ class RadixCache(RadixTree):
 
     def _release(self, values: list[np.ndarray]) -> None:
         """Gives the slots of removed nodes back to the allocator in one call."""
-        slots = values[0] if len(values) == 1 else np.concatenate(values)
-        self._in_tree[slots] = False
-        self.token_allocator.free_owned(slots)
+        self.token_allocator.free_owned(values[0] if len(values) == 1 else np.concatenate(values))
 
     def _own(self, slots: np.ndarray) -> None:
-        """Marks `slots` the tree's in its ownership bitmap (what insert checks a value against)."""
-        self._in_tree[slots] = True
+        """Marks `slots` the tree's in the allocator (what insert checks a value against)."""
+        self.token_allocator.mark_cached(slots)
 
     def _split(self, child: TreeNode, into_child: int) -> TreeNode:
         head = super()._split(child, into_child)
@@ -508,7 +507,7 @@ class RadixCache(RadixTree):
             if np.count_nonzero(held) != len(own):
                 raise ValueError(f"request {rid!r}: its row holds slot {own[~held][0]}, which token_allocator has "
                                  f"not handed out")
-            cached = self._in_tree.take(own)
+            cached = self.token_allocator.cached_mask(own)
             if np.count_nonzero(cached):
                 raise ValueError(f"request {rid!r}: its row holds slot {own[cached][0]} after cache_protected_len, "
                                  f"which the tree caches")
@@ -538,17 +537,18 @@ class RadixCache(RadixTree):
         """Raises AssertionError naming the first broken invariant: tree links and child keys, node sizes
         (whole pages), lock refs (non-negative, a child never above its parent), the size counters, the
         evictable set (exactly the unlocked leaves, each under its current policy key), and the slots
-        (distinct, never slot 0, allocated in the allocator, matching the tree's ownership bitmap)."""
+        (distinct, never slot 0, and exactly the slots the allocator has marked cached)."""
         values = [node.value for node in self._check_tree()]
         slots = np.concatenate(values) if values else np.empty(0, dtype=np.int64)
         if len(slots) and slots.min() <= 0:
             fail_invariant(f"the tree holds slot {slots.min()} (slot 0 is padding)")
         if len(np.unique(slots)) != len(slots):
             fail_invariant("the tree holds a slot more than once")
-        if len(slots) and not self.token_allocator.allocated_mask(slots).all():
-            fail_invariant("the tree holds a slot that token_allocator considers free")
-        if np.count_nonzero(self._in_tree) != len(slots) or not self._in_tree[slots].all():
-            fail_invariant("the ownership bitmap does not match the slots in the tree")
+        if len(slots) and not self.token_allocator.cached_mask(slots).all():
+            fail_invariant("the tree holds a slot that token_allocator has not marked cached (or considers free)")
+        if self.token_allocator.cached_size() != len(slots):
+            fail_invariant(f"token_allocator marks {self.token_allocator.cached_size()} slots cached; the tree holds "
+                           f"{len(slots)}")
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(page_size={self.page_size}, eviction_policy={self.eviction_policy!r}, "

@@ -6,8 +6,8 @@ the other in this process: every replica has --capacity-tokens of device cache a
 
 - a policy in --routers replays with local caches only;
 - a policy in --tiered adds a host tier of --host-capacity-tokens per replica (no storage);
-- a policy in --shared-storage adds that host tier and a storage tier that every replica shares (a FileStore in
-  a fresh temporary directory, deleted after the point): Mooncake's global pool.
+- a policy in --shared-storage adds that host tier and a storage tier that every replica shares (a simulated
+  store, `--storage sim`: the pages a file store would hold, with no file written): Mooncake's global pool.
 
 Each row: the point's options, hit rate (and per tier), its ratio to the first row's, load imbalance (max / mean
 requests), the index's hit rate (what the router saw), requests per replica, and the replay's wall time.
@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
 
 import _peer  # scripts/_peer.py: the script's own folder is on sys.path
@@ -75,25 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     host = ["--host-capacity-tokens", str(args.host_capacity_tokens)]
     points = [[*base, "--router", p] for p in args.routers]
     points += [[*base, "--router", p, *host] for p in args.tiered]
-    points += [[*base, "--router", p, *host, "--storage", "file:{fresh}"] for p in args.shared_storage]
+    points += [[*base, "--router", p, *host, "--storage", "sim"] for p in args.shared_storage]
     try:
         requests = read_trace(args.trace, limit=args.limit)
-        _peer.check_points(requests, args.trace, [[o.replace("{fresh}", tempfile.gettempdir()) for o in p]
-                                                  for p in points], args.out, cluster=True)
+        _peer.check_points(requests, args.trace, points, args.out, cluster=True)
     except _peer.usage_errors() as e:
         print(f"replay_cluster.py: error: {e}", file=sys.stderr)
         return 2
     rows = []
     for point in points:
-        store = tempfile.mkdtemp(prefix="kvmem-cluster-store-") if "file:{fresh}" in point else None
-        try:
-            options = [f"file:{store}" if o == "file:{fresh}" else o for o in point]
-            rows.append(run_point(requests, args.trace, options))
-        finally:
-            if store is not None:
-                shutil.rmtree(store, ignore_errors=True)
-        if store is not None:
-            rows[-1]["options"] = rows[-1]["options"].replace(store, "TMPDIR")
+        rows.append(run_point(requests, args.trace, point))
         rows[-1]["vs_first"] = round(rows[-1]["hit_rate"] / rows[0]["hit_rate"], 3) if rows[0]["hit_rate"] else None
         print(json.dumps(rows[-1]), file=sys.stderr)
     _peer.emit({"trace": args.trace, "rows": rows}, args.out)

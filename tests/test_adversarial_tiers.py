@@ -14,7 +14,7 @@ from kvmem import HiRadixCache, HostKVPool, MHAKVPool, PagedTokenAllocator, ReqT
 from kvmem.events import BlockStored, EventBatch, EventDecodeError, decode_batch, encode_batch
 from kvmem.page_hash import page_digests, storage_key
 from kvmem.router import BlockIndex, ReplicaLoad, Router
-from kvmem.storage import FileStore
+from kvmem.storage import FileStore, PageStore
 from kvmem.storage.page_format import decode_page, encode_page, fingerprint
 
 
@@ -98,12 +98,12 @@ def test_a_file_store_refuses_hostile_arguments(tmp_path_factory, data):
     for _ in range(4):
         call = data.draw(st.sampled_from([store.batch_exists, store.batch_get, store.batch_set]))
         args = [data.draw(st.one_of(NASTY, good)) for _ in range(arity(call))]
-        stored = sorted(p.name for p in store.path.rglob("*.page"))
+        stored = sorted((p.name, p.stat().st_size) for p in store.path.iterdir())
         try:
             call(*args)
         except PROMISED as e:
             assert any(n in str(e) for n in ("keys", "host_pool", "host_slots")), str(e)
-            assert sorted(p.name for p in store.path.rglob("*.page")) == stored
+            assert sorted((p.name, p.stat().st_size) for p in store.path.iterdir()) == stored
 
 
 @SETTINGS
@@ -159,3 +159,77 @@ def test_numpy_keys_and_values_reach_the_tiers_like_lists():
     cache = HiRadixCache(ReqToTokenPool(2, 16), alloc, HostKVPool(MHAKVPool(16, 1, torch.float32, 1, 2, 1), ratio=2))
     cache.insert(np.arange(5, 9), alloc.alloc(4).numpy())
     assert cache.match_prefix(np.arange(5, 9)).indices.numel() == 4
+
+
+# ---- stores that lie about what they have -------------------------------------------------------------------
+class LyingStore(PageStore):
+    """Answers every lookup (and read) with `count(asked)`: negative, too large, not an int, or raising."""
+
+    def __init__(self, count):
+        super().__init__()
+        self.count = count
+
+    def batch_exists(self, keys):
+        return self.count(len(keys))
+
+    def batch_get(self, keys, host_pool, host_slots):
+        return self.count(len(keys))
+
+    def batch_set(self, keys, host_pool, host_slots):
+        return self.count(len(keys))
+
+
+def _raise(n):
+    raise OSError("store gone")
+
+
+LIES = {"negative": lambda n: -3, "too many": lambda n: n + 5, "a float": lambda n: n / 2, "None": lambda n: None,
+        "a bool": lambda n: True, "a string": lambda n: "1", "numpy too many": lambda n: np.int64(n + 1),
+        "raising": _raise}
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "best_effort"])
+@pytest.mark.parametrize("lie", list(LIES))
+def test_a_store_that_miscounts_costs_hits_and_is_counted_never_an_exception(policy, lie):
+    from kvmem import Req, Scheduler
+
+    store = LyingStore(LIES[lie])
+    device = MHAKVPool(64, 4, torch.float32, 1, 1, 1)
+    alloc, rows = PagedTokenAllocator(64, 4), ReqToTokenPool(2, 64)
+    tree = HiRadixCache(rows, alloc, HostKVPool(device, ratio=4), page_size=4, storage=store,
+                        prefetch_policy=policy)
+    sched = Scheduler(rows, alloc, tree)
+    for rid, prompt in (("a", list(range(1, 20))), ("b", list(range(1, 12)) + [500] * 8)):
+        sched.add_request(Req(rid, prompt, 2))
+        while not sched.is_idle():
+            sched.process_batch_result(sched.step(), [7])
+            sched.check_invariants()
+    tree.writing_check()
+    tree.storage_link.drain_writes()
+    assert store.stats.failed_ops > 0 and tree.storage_link.stats.prefetched_tokens == 0
+    assert tree.storage_link.stats.stored_tokens == 0
+    tree.close()
+    tree.check_invariants()
+
+
+def test_a_read_that_reports_more_pages_than_it_was_asked_for_attaches_none():
+    class OverReading(FileStore):
+        def batch_get(self, keys, host_pool, host_slots):
+            return super().batch_get(keys, host_pool, host_slots) + 2
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        device = MHAKVPool(64, 4, torch.float32, 1, 1, 1)
+        alloc = PagedTokenAllocator(64, 4)
+        first = HiRadixCache(ReqToTokenPool(2, 64), alloc, HostKVPool(device, ratio=4), page_size=4,
+                             storage=FileStore(folder), prefetch_policy="wait_complete")
+        first.insert(list(range(16)), alloc.alloc(16))
+        first.close()
+        store = OverReading(folder)
+        second = HiRadixCache(ReqToTokenPool(2, 64), PagedTokenAllocator(64, 4), HostKVPool(device, ratio=4),
+                              page_size=4, storage=store, prefetch_policy="wait_complete")
+        free = second.host_allocator.available_size()
+        assert second.finish_prefetch(second.prefetch(list(range(17)))) == 0 and store.stats.failed_ops == 1
+        assert second.host_allocator.available_size() == free
+        second.check_invariants()

@@ -179,6 +179,19 @@ def test_a_shared_storage_tier_serves_the_pages_one_replica_wrote_to_another(tmp
     assert shared.to_json()["storage_hit_rate"] == pytest.approx(256 / 514, abs=1e-6)
 
 
+def test_replicas_share_one_simulated_store_as_they_share_a_file_store(tmp_path):
+    prompt = list(range(1000, 1256))
+    requests = [TraceRequest(prompt + [1], 4, 0.0), TraceRequest(prompt + [2], 4, 100.0)]
+    config = ReplayConfig(capacity_tokens=1024, max_context_len=512, page_size=16, host_capacity_tokens=2048)
+    files = replay_cluster(requests, dataclasses.replace(config, storage=f"file:{tmp_path}"), 2, "round-robin")
+    sim = replay_cluster(requests, dataclasses.replace(config, storage="sim"), 2, "round-robin")
+    assert sim.reports[1].storage_cached_tokens == 256
+    timings = ("storage", "cache_op_seconds", "replay_seconds", "routing_seconds", "cache_op_breakdown_s",
+               "per_replica")
+    assert {k: v for k, v in sim.to_json().items() if k not in timings} == \
+        {k: v for k, v in files.to_json().items() if k not in timings}
+
+
 # ---- bad input ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("replicas, policy, error, match", [
     (0, "round-robin", ValueError, "replicas must be a positive int"),

@@ -164,7 +164,7 @@ def test_an_evicted_backed_up_prefix_stays_on_host_and_loads_back_with_its_kv():
     w.check_content()
 
 
-def test_a_load_back_marks_its_slots_in_the_ownership_bitmap():
+def test_a_load_back_marks_its_slots_cached_in_the_allocator():
     # The loaded slots are the tree's the moment they land: a checked insert refuses them as another prefix's.
     w = World(device=16, host=64)
     key = tokens((100, 12))
@@ -172,7 +172,7 @@ def test_a_load_back_marks_its_slots_in_the_ownership_bitmap():
     assert w.cache.evict(12) == 12
     m = w.cache.match_prefix(key)
     loaded = w.cache.load_back(m.last_host_node, 12)
-    assert w.cache._in_tree[loaded.numpy()].all()
+    assert w.alloc.cached_mask(loaded.numpy()).all()
     with pytest.raises(ValueError, match="already caches for another prefix"):
         w.cache.insert(tokens((500, 2)), loaded[:2])
     w.put(tokens((100, 12), (300, 4)))

@@ -950,19 +950,17 @@ def corrupt(case):
         cache._pinned.add((0, -1, None))
         return cache, "the evictable sets hold 3 entries for 2 unlocked leaves"
     if case == "slot 0":
-        cache._in_tree[leaf.value] = False
         leaf.value = np.array([0, 1])
         return cache, "the tree holds slot 0 (slot 0 is padding)"
     if case == "twice":
-        cache._in_tree[leaf.value] = False
         leaf.value = head.value.copy()
         return cache, "the tree holds a slot more than once"
     if case == "freed":
         alloc.free(torch.from_numpy(leaf.value))
-        return cache, "the tree holds a slot that token_allocator considers free"
-    if case == "bitmap":
-        cache._in_tree[15] = True
-        return cache, "the ownership bitmap does not match the slots in the tree"
+        return cache, "the tree holds a slot that token_allocator has not marked cached (or considers free)"
+    if case == "marked":
+        alloc.mark_cached(alloc.alloc(2).numpy())
+        return cache, "token_allocator marks 8 slots cached; the tree holds 6"
     if case == "depth":
         leaf.depth += 2
         return cache, f"node {leaf.id}: depth 4, but its parent's path ends at 2 tokens"
@@ -990,7 +988,7 @@ def corrupt(case):
 
 @pytest.mark.parametrize("case", ["root", "root key", "root child", "parent", "child key", "whole pages", "lock",
                                   "slots", "entry", "extra entry", "stale entry", "counters", "set size", "slot 0",
-                                  "twice", "freed", "bitmap", "depth", "pin mark", "pin depth", "pin counters",
+                                  "twice", "freed", "marked", "depth", "pin mark", "pin depth", "pin counters",
                                   "pin budget", "pinned entry"])
 def test_check_invariants_names_the_invariant_that_broke(case):
     cache, message = corrupt(case)
@@ -1139,9 +1137,9 @@ def cache_request(cache, req, finished, checked):
         cache.cache_req(req, finished)
 
 
-def test_the_scheduler_s_inserts_and_evictions_keep_the_ownership_bitmap_and_the_allocator_exact():
-    # Whoever inserts and evicts (the Scheduler's trusted path, or the checked API), the tree's slot bitmap and the
-    # allocator's flags say exactly which slots are whose: a checked insert refuses a slot the tree holds and takes
+def test_the_scheduler_s_inserts_and_evictions_keep_the_allocators_page_states_exact():
+    # Whoever inserts and evicts (the Scheduler's trusted path, or the checked API), the allocator's page states
+    # say exactly which slots are whose: a checked insert refuses a slot the tree holds and takes
     # one it evicted, with no rebuild in between.
     from kvmem.scheduler import Scheduler
 
@@ -1150,11 +1148,11 @@ def test_the_scheduler_s_inserts_and_evictions_keep_the_ownership_bitmap_and_the
     sched.add_request(Req("a", list(range(1, 11)), 1))
     sched.process_batch_result(sched.step(), [99])  # finishes: 10 tokens cached through cache_req
     held = tree.match_prefix(list(range(1, 11))).indices
-    assert len(held) == 10 and tree._in_tree[held.numpy()].all() and alloc.is_allocated(held).all()
+    assert len(held) == 10 and alloc.cached_mask(held.numpy()).all()
     with pytest.raises(ValueError, match="already caches for another prefix"):
         tree.insert([500, 501], held[:2])
     assert tree.evict(64) == 10 and tree.total_size() == 0
-    assert not tree._in_tree.any() and not alloc.is_allocated(held).any()
+    assert alloc.cached_size() == 0 and not alloc.is_allocated(held).any()
     again = alloc.alloc(64)
     assert tree.insert([500, 501], again[:2]) == 0
     tree.check_invariants()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmem.replay import cli
+from kvmem.replay import cli, native_replay
 from kvmem.replay.cli import DEFAULT_CAPACITY_TOKENS, main
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.report import ReplayReport, write_sweep_plot
@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def fake_replay(monkeypatch):
-    """Stands in for kvmem.replay.simulator.replay: admits every request with half its prompt cached."""
+    """Stands in for both engines' replay (kvmem.replay.simulator's and native_replay's): admits every request with
+    half its prompt cached."""
     calls = []
 
     def replay(requests, config, progress=False):
@@ -28,7 +29,11 @@ def fake_replay(monkeypatch):
             report.record_step(float(step), min(req.input_ids.size, config.capacity_tokens), 0, 1)
         return report
 
-    monkeypatch.setitem(sys.modules, "kvmem.replay.simulator", types.SimpleNamespace(replay=replay))
+    from kvmem.replay.simulator import open_storage  # the CLI opens the store as the replay will, before it
+
+    monkeypatch.setitem(sys.modules, "kvmem.replay.simulator", types.SimpleNamespace(replay=replay,
+                                                                                      open_storage=open_storage))
+    monkeypatch.setattr(native_replay, "replay", replay)
     monkeypatch.setattr(cli, "default_jobs", lambda: 1)  # sweeps in this process, where the stand-in is
     return calls
 
@@ -227,10 +232,42 @@ def test_a_missing_trace_file_exits_2(capsys, fake_replay, tmp_path):
      "--storage-metadata needs a storage tier"),
     (["--host-capacity-tokens", "600000", "--storage-capacity-tokens", "5000"],
      "--storage-capacity-tokens needs a storage tier"),
+    (["--host-capacity-tokens", "600000", "--storage-latency-us", "50"], "--storage-latency-us needs a storage tier"),
+    (["--host-capacity-tokens", "600000", "--storage", "sim", "--storage-latency-us", "-1"], "non-negative"),
+    (["--host-capacity-tokens", "600000", "--storage", "sim:0"], "'sim[:CAPACITY_TOKENS]'"),
+    (["--host-capacity-tokens", "600000", "--storage", "sim:5000", "--storage-capacity-tokens", "5000"],
+     "give the simulated store's capacity once"),
+    (["--host-capacity-tokens", "600000", "--storage", "file:{tmp}", "--storage-capacity-tokens", str(1 << 62)],
+     "is more than"),
 ])
-def test_bad_arguments_exit_2_with_one_line(capsys, fake_replay, argv, fragment):
-    assert_one_line_error(*run(capsys, *argv), fragment)
+def test_bad_arguments_exit_2_with_one_line(capsys, fake_replay, tmp_path, argv, fragment):
+    assert_one_line_error(*run(capsys, *[a.replace("{tmp}", str(tmp_path)) for a in argv]), fragment)
     assert fake_replay == []
+
+
+@pytest.mark.mooncake
+def test_a_mooncake_address_where_no_master_speaks_is_a_one_line_error(capfd, fake_replay):
+    import socket
+
+    from kvmem.storage.mooncake_store import _mooncake_store_class
+
+    try:
+        _mooncake_store_class()
+    except RuntimeError as e:
+        pytest.skip(f"the Mooncake store cannot load here: {e}")
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog), never answers: not a master
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        code = main(["--host-capacity-tokens", "600000", "--storage", f"mooncake:127.0.0.1:{silent.getsockname()[1]}"])
+    out, err = capfd.readouterr()
+    assert_one_line_error(code, out, err, "no Mooncake master answered within 5 s")
+    assert fake_replay == []
+
+
+def test_the_help_offers_the_simulated_store_for_planning(capsys):
+    code, out, _ = run(capsys, "--help")
+    text = " ".join(out.split())
+    assert code == 0 and "sim[:CAPACITY_TOKENS] (a simulated store" in text and "--storage-latency-us US" in text
 
 
 def test_a_replay_that_rejects_every_request_reports_it_and_exits_2(capsys):

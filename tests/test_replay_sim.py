@@ -153,6 +153,23 @@ def test_loads_from_the_host_overlap_the_prefill_they_feed():
     assert loaded == pytest.approx(max(compute, 20000 * 131072 / 50e9)) and loaded > compute
 
 
+def test_a_prefill_that_reads_from_storage_waits_one_round_trip_then_the_bytes_at_its_bandwidth():
+    cost = RooflineCost("H100", "llama-3-8b", storage_gbps=10.0, storage_latency_us=250.0)
+    compute = cost.extend_seconds(np.array([20000]), np.array([20100]))
+    host_only = cost.extend_seconds(np.array([20000]), np.array([20100]), loaded_tokens=20000)
+    read = cost.extend_seconds(np.array([20000]), np.array([20100]), loaded_tokens=20000, storage_tokens=20000)
+    assert host_only == pytest.approx(max(compute, 20000 * 131072 / 50e9))
+    assert read == pytest.approx(20000 * 131072 * (1 / 50e9 + 1 / 10e9) + 250e-6) and read > host_only
+    assert RooflineCost("H100", "llama-3-8b").storage_latency_us == 100.0
+    for bad in (-1.0, float("inf"), "5"):
+        with pytest.raises(ValueError, match="storage_latency_us"):
+            RooflineCost("H100", "llama-3-8b", storage_latency_us=bad)
+        with pytest.raises(ValueError, match="storage_latency_us"):
+            ReplayConfig(capacity_tokens=4096, max_context_len=512, storage_latency_us=bad)
+    config = ReplayConfig(capacity_tokens=4096, max_context_len=512, gpu="H100", storage_latency_us=30.0)
+    assert cost_model(config).storage_latency_us == 30.0
+
+
 def test_the_kv_capacity_of_a_gpu_server_is_what_its_memory_leaves_beside_the_weights():
     cost = RooflineCost("H100", "llama-3-70b", tp=8)
     left = 8 * 80e9 * 0.9 - 70.6e9 * 2

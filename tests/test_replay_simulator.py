@@ -290,6 +290,35 @@ def test_a_file_store_of_limited_capacity_keeps_the_leading_pages_of_what_it_can
     assert open_storage(config(40)) is None
 
 
+@pytest.mark.parametrize("capacity", [None, 100, 7])
+def test_a_replay_over_a_simulated_store_reports_what_a_replay_over_a_file_store_does(tmp_path, capacity):
+    # The simulated store is for planning: the figures a fresh file store gives, with no file written. A's pages
+    # leave the 80-token host tier while B and C run, and come back from the store for A's second turn.
+    a, b, c = list(range(1, 37)), list(range(100, 136)), list(range(200, 236))
+    trace = [request(a, [500], 0.0), request(b, [501], 1.0), request(c, [502], 2.0), request(a + [7], [503], 3.0)]
+    reports = {}
+    for spec in ("sim", f"file:{tmp_path}"):
+        cfg = config(40, host_capacity_tokens=80, storage=spec, storage_capacity_tokens=capacity)
+        reports[spec[:4]] = replay(trace, cfg).to_json()
+    strip = ("storage", "cache_op_seconds", "replay_seconds", "cache_op_breakdown_s")
+    assert {k: v for k, v in reports["sim"].items() if k not in strip} == \
+        {k: v for k, v in reports["file"].items() if k not in strip}
+    assert reports["sim"]["storage"] == "sim" and reports["sim"]["stored_tokens"] > 0
+    assert (reports["sim"]["storage_hit_rate"] > 0) == (capacity != 7)
+
+
+def test_a_simulated_store_takes_its_capacity_from_its_spec_or_the_option_but_not_both():
+    from kvmem.replay.simulator import open_storage
+
+    for spec, capacity, tokens in (("sim", None, None), ("sim:4096", None, 4096), ("sim", 4096, 4096),
+                                   ("sim:3", None, 4)):  # at least one page, as a file store
+        store = open_storage(config(40, page_size=4, host_capacity_tokens=80, storage=spec,
+                                    storage_capacity_tokens=capacity))
+        assert store.capacity_tokens == tokens
+    with pytest.raises(ValueError, match="give the simulated store's capacity once"):
+        config(40, host_capacity_tokens=80, storage="sim:4096", storage_capacity_tokens=4096)
+
+
 def test_a_replay_over_a_file_store_reports_what_it_stored_and_found(tmp_path):
     # Device 40, host 80, a file store under them. The first replay computes the 36-token prompt, backs it up to
     # the host and writes it to the store (36 each way). The second, over the same store, prefetches the 35

@@ -210,6 +210,27 @@ def test_replay_benchmark_runs_kvmem_on_the_peers_workload_and_skips_missing_pee
         assert kvmem["vllm"]["cache_s"] > 0 and kvmem["vllm"]["hit_rate"] >= kvmem["sglang"]["hit_rate"] > 0
         assert "not found" in row["vllm"]["error"] and row["ratios"]["vllm_cache_ops_plus_hash"] is None
     assert report["kvmem_faster_than_vllm_cache_ops_plus_hash"] is False
+def test_trace_replay_benchmark_sets_both_engines_beside_dynamo_and_skips_a_missing_dynamo(tmp_path, monkeypatch):
+    from kvmem.replay.native_replay import native_built
+    from kvmem.replay.traces import default_trace_path
+
+    traces = tmp_path / "shared" / "traces" / "mooncake"
+    traces.mkdir(parents=True)
+    (traces / "conversation_trace.jsonl").write_bytes(default_trace_path().read_bytes())
+    monkeypatch.setenv("DYNAMO_PEER_VENV", str(tmp_path / "no-venv"))
+    out = tmp_path / "report.json"
+    sides = "native,native-no-torch,python,dynamo" if native_built() else "python,dynamo"
+    report = run_script("bench_trace_replay.py", "--traces", "conversation", "--page-sizes", "16", "--limit", "30",
+                        "--capacity-tokens", "200000", "--sides", sides, "--shared", str(tmp_path / "shared"),
+                        "--out", str(out))
+    assert json.loads(out.read_text()) == report
+    (row,) = report["rows"]
+    assert (row["trace"], row["page_size"]) == ("conversation", 16) and "no Dynamo venv" in row["dynamo"]["skipped"]
+    kvmem = [row[side] for side in sides.split(",")[:-1]]
+    assert all(r["requests"] == 30 and r["wall_s"] > 0 and r["peak_rss_mb"] > 0 for r in kvmem)
+    assert len({r["hit_rate"] for r in kvmem}) == 1 and row["ratios"] == {}  # one replay, whatever the engine
+
+
 def test_eviction_benchmark_times_every_online_policy_against_lru(tmp_path):
     from kvmem.eviction import ONLINE_POLICIES
 
@@ -559,3 +580,22 @@ def test_continuation_oracle_refuses_bad_arguments_as_usage_errors(argv, option,
 def test_continuation_oracle_refuses_a_bad_trace_as_a_usage_error(tmp_path, monkeypatch, capsys):
     (tmp_path / "t.jsonl").write_text('{"input_ids": [1, 2], "output_len": 2}\n')
     usage_error("continuation_oracle.py", [str(tmp_path / "t.jsonl")], "argument trace", monkeypatch, capsys)
+
+
+def test_storage_footprint_counts_what_each_store_leaves_and_removes_it(tmp_path, monkeypatch, capsys):
+    from kvmem.replay.traces import default_trace_path
+
+    main = load_script("storage_footprint.py", monkeypatch)["main"]
+    assert main([str(default_trace_path()), "--stores", "file,sim", "--dir", str(tmp_path), "--",
+                 "--limit", "3", "--host-capacity-tokens", "400000", "--page-size", "16"]) == 0
+    files, sim = json.loads(capsys.readouterr().out)["rows"]
+    assert files["exit"] == sim["exit"] == 0 and files["stored_tokens"] == sim["stored_tokens"] > 0
+    assert files["files"] == 1 and files["bytes"] > 0 and "--storage file:DIR " in files["command"]
+    assert (sim["files"], sim["bytes"]) == (0, 0) and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, option", [(["t.jsonl", "--stores", "nfs"], "--stores"),
+                                          (["t.jsonl", "--dir", "/nonexistent-kvmem"], "--dir"),
+                                          (["t.jsonl", "--timeout-s", "0"], "--timeout-s")])
+def test_storage_footprint_refuses_bad_arguments_before_any_replay(argv, option, monkeypatch, capsys):
+    usage_error("storage_footprint.py", argv, option, monkeypatch, capsys)

@@ -9,10 +9,12 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvmem import HiRadixCache, HostKVPool, MHAKVPool, PagedTokenAllocator, ReqToTokenPool
 from kvmem.page_hash import page_digests, storage_key
-from kvmem.storage import FileStore, PageStore, parse_store_spec
+from kvmem.storage import FileStore, PageStore, SimStore, parse_store_spec
 from kvmem.storage.page_format import CHECKSUM_BYTES, HEADER_BYTES, decode_page, encode_page, fingerprint, is_intact
 from kvmem.tiers import HostSlotPool
 
@@ -64,23 +66,35 @@ def test_pages_round_trip_through_a_file_store_bit_exactly_across_host_layouts(t
     assert FileStore(tmp_path).batch_get(keys_of(PROMPT), other_host, dst) == 8  # a second store: another process
     for layer in range(2):
         assert all(torch.equal(a, b) for a, b in zip(host.host_rows(slots, layer), other_host.host_rows(dst, layer)))
-    assert not list(tmp_path.rglob("*.tmp"))  # writes land by rename
+    assert [p.suffix for p in tmp_path.iterdir()] == [".kvseg"]  # 8 pages, one segment file
 
 
-def test_a_corrupt_or_truncated_page_file_is_a_counted_miss_and_is_dropped(tmp_path):
+def damage(store, key, *, flip_at=None, cut_at=None):
+    """Flips a byte of page `key`'s stored value, or cuts its segment file there (a torn write)."""
+    path, offset, _ = store.locate(key)
+    data = bytearray(path.read_bytes())
+    if flip_at is not None:
+        data[offset + flip_at] ^= 0xFF
+    else:
+        del data[offset + cut_at:]
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_or_truncated_page_is_a_counted_miss_and_the_next_write_repairs_it(tmp_path):
     _, host, slots = kv_world()
     store = FileStore(tmp_path)
     keys = keys_of(PROMPT)
     store.batch_set(keys, host, slots)
-    files = {f.stem: f for f in tmp_path.rglob("*.page")}
-    data = bytearray(files[keys[2]].read_bytes())
-    data[200] ^= 0xFF
-    files[keys[2]].write_bytes(bytes(data))
-    files[keys[5]].write_bytes(files[keys[5]].read_bytes()[:50])
+    damage(store, keys[2], flip_at=200)
+    damage(store, keys[5], cut_at=50)                             # pages 5.. torn off the segment's end
     dst = host.allocator.alloc(len(PROMPT))
     assert store.batch_get(keys, host, dst) == 2 and store.stats.corrupt == 1
-    assert not files[keys[2]].exists()
+    assert store.batch_exists(keys) == 2                          # dropped, not found again
     assert store.batch_get(keys[3:], host, dst[:20]) == 2 and store.stats.corrupt == 2
+    assert store.batch_set(keys, host, slots) == 8                # the next write of the pages stores them again
+    assert FileStore(tmp_path).batch_get(keys, host, dst) == 8
+    assert all(torch.equal(a, b) for a, b in zip(host.host_rows(slots, 1), host.host_rows(dst, 1)))
+    assert store.stats.corrupt == 2
 
 
 def test_a_page_of_another_model_is_a_miss_that_stays_for_its_model(tmp_path):
@@ -150,23 +164,45 @@ def test_a_capped_file_store_keeps_a_chain_whole_across_its_batches(tmp_path):
     assert store.batch_exists(chain) == 3 and store.batch_exists(other) == 0
 
 
-def test_a_chains_page_files_are_timed_root_newest_whatever_the_clock(tmp_path):
-    # The file system's clock is coarse: a chain refreshed within microseconds got one time for all its pages,
-    # and a process opening the folder ordered them by name.
-    store, pool, slots = capped_store(tmp_path, 64)
-    chain = keys_of(list(range(8 * PS)))
-    store.batch_set(chain, pool, slots[:8 * PS])
-    times = [store._file(key).stat().st_mtime_ns for key in chain]
-    assert times == sorted(times, reverse=True) and len(set(times)) == 8
+def forget_open_stores():
+    """Drops this process's index of every folder no store holds any more: the next store of a folder reads it
+    from disk, as another process would."""
+    import gc
+
+    gc.collect()
+
+
+def test_a_reopened_capped_store_evicts_in_the_order_the_last_one_used_its_pages(tmp_path):
+    # The order lives in the records' times (a nanosecond apart, root newest): a chain refreshed within
+    # microseconds must not come back in another order.
+    import weakref
+
+    store, pool, slots = capped_store(tmp_path, 9)
+    index = weakref.ref(store._folder)
+    a, b = keys_of(list(range(8 * PS))), keys_of(list(range(1000, 1000 + PS)))
+    store.batch_set(a, pool, slots[:8 * PS])
+    store.batch_set(b, pool, slots[:PS])
+    assert store.batch_get(a, pool, slots[:8 * PS]) == 8          # b's page, then a[7], are the oldest now
+    capacity = store.capacity_bytes
+    del store
+    forget_open_stores()
+    assert index() is None                                       # read from disk again, as another process would
+    reopened = FileStore(tmp_path, capacity_bytes=capacity)
+    reopened.batch_set(keys_of(list(range(2000, 2000 + PS))), pool, slots[:PS])
+    assert reopened.batch_exists(a) == 8 and reopened.batch_exists(b) == 0
+    reopened.batch_set(keys_of(list(range(3000, 3000 + PS))), pool, slots[:PS])
+    assert reopened.batch_exists(a) == 7                          # then a's deepest page, not its root
 
 
 def test_capped_file_stores_of_one_folder_share_its_cap(tmp_path):
     # A cluster's replicas over one store each open it: the folder must not hold the cap once per replica.
     first, pool, slots = capped_store(tmp_path, 4)
     second = FileStore(tmp_path, capacity_bytes=first.capacity_bytes)
-    first.batch_set(keys_of(list(range(4 * PS))), pool, slots[:4 * PS])
-    second.batch_set(keys_of(list(range(500, 500 + 4 * PS))), pool, slots[:4 * PS])
-    assert len(list(tmp_path.glob("*/*/*.page"))) == 4 and first.used_bytes() == second.used_bytes()
+    a, b = keys_of(list(range(4 * PS))), keys_of(list(range(500, 500 + 4 * PS)))
+    first.batch_set(a, pool, slots[:4 * PS])
+    second.batch_set(b, pool, slots[:4 * PS])
+    assert first.batch_exists(a) == 0 and first.batch_exists(b) == 4
+    assert first.used_bytes() == second.used_bytes() == first.capacity_bytes
 
 
 def test_bad_arguments_to_a_store_are_refused(tmp_path):
@@ -189,10 +225,280 @@ def test_bad_arguments_to_a_store_are_refused(tmp_path):
     for bad in (" " + key[1:-1] + " ", key[:-2] + "\n\t", key.upper()):  # bytes.fromhex takes these
         with pytest.raises(ValueError, match="keys"):
             store.batch_exists([bad])
-    for spec in ("file:   ", "file:/tmp/x\0y", "file:", "nfs:/x"):
+    for spec in ("file:   ", "file:/tmp/x\0y", "file:", "nfs:/x", "sim:", "sim:0", "sim:-5", "sim:1e6", "sim:x",
+                 "sim:١٢"):
         with pytest.raises(ValueError, match="storage must be"):
             parse_store_spec(spec)
     assert parse_store_spec("file:~/kv") == ("file", os.path.expanduser("~/kv"))
+    assert parse_store_spec("sim") == ("sim", "") and parse_store_spec("sim:4096") == ("sim", "4096")
+
+
+@pytest.mark.parametrize("path, error", [("", ValueError), ("   ", ValueError), ("a\0b", ValueError),
+                                         (123, TypeError), (b"/tmp/kv", TypeError), (None, TypeError)])
+def test_a_file_store_refuses_a_path_that_names_no_directory(tmp_path, monkeypatch, path, error):
+    monkeypatch.chdir(tmp_path)  # an empty path was the current directory
+    with pytest.raises(error, match="path"):
+        FileStore(path)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name, bad", [("capacity_bytes", "3"), ("capacity_bytes", 0), ("capacity_bytes", 2.5),
+                                       ("segment_bytes", 0), ("segment_bytes", None), ("min_free_bytes", -1),
+                                       ("min_free_bytes", "1")])
+def test_a_file_store_refuses_a_bad_count_naming_it(tmp_path, name, bad):
+    with pytest.raises((TypeError, ValueError), match=name):
+        FileStore(tmp_path, **{name: bad})
+
+
+def test_a_file_store_packs_its_pages_into_a_few_segment_files(tmp_path):
+    # One file per page made a page-size-1 replay write millions of files.
+    pool = HostSlotPool(4096, 1)
+    slots = pool.allocator.alloc(4000)
+    keys = [storage_key(d) for d in page_digests(list(range(4000)), 1)]
+    store = FileStore(tmp_path, segment_bytes=64 << 10)
+    assert store.batch_set(keys, pool, slots) == 4000
+    segments = sorted(tmp_path.iterdir())
+    value = HEADER_BYTES + CHECKSUM_BYTES
+    assert all(p.suffix == ".kvseg" for p in segments) and 1 < len(segments) <= 8
+    assert sum(p.stat().st_size for p in segments) == 4000 * (value + 20)  # a 20-byte record header a page
+    del store
+    forget_open_stores()
+    assert FileStore(tmp_path).batch_get(keys, pool, slots) == 4000
+
+
+def test_another_process_finds_the_pages_written_after_it_opened_the_folder(tmp_path):
+    import subprocess
+    import sys
+
+    pool = HostSlotPool(64, PS)
+    slots = pool.allocator.alloc(8 * PS)
+    store = FileStore(tmp_path)
+    mine, theirs = keys_of(list(range(8 * PS))), keys_of(list(range(900, 900 + 8 * PS)))
+    store.batch_set(mine, pool, slots)
+    assert store.batch_exists(theirs) == 0
+    writer = f"""
+from kvmem.page_hash import page_digests, storage_key
+from kvmem.storage import FileStore
+from kvmem.tiers import HostSlotPool
+pool = HostSlotPool(64, {PS})
+keys = [storage_key(d) for d in page_digests(list(range(900, 900 + {8 * PS})), {PS})]
+store = FileStore({str(tmp_path)!r})
+assert store.batch_exists(keys[:1]) == 0 and store.batch_exists({mine[:1]!r}) == 1
+assert store.batch_set(keys, pool, pool.allocator.alloc({8 * PS})) == 8
+"""
+    subprocess.run([sys.executable, "-c", writer], check=True, timeout=120)
+    assert store.batch_exists(theirs) == 8 and store.batch_get(theirs, pool, slots) == 8
+    assert store.batch_set(theirs, pool, slots) == 8 and len(list(tmp_path.iterdir())) == 2  # not written twice
+
+
+def test_a_capped_store_rewrites_segments_so_its_disk_holds_at_most_twice_its_cap_and_a_segment(tmp_path):
+    pool = HostSlotPool(512, PS)
+    slots = pool.allocator.alloc(4 * PS)
+    page = HEADER_BYTES + CHECKSUM_BYTES
+    store = FileStore(tmp_path, capacity_bytes=20 * page, segment_bytes=8 * (page + 20))
+    for chain in range(60):
+        keys = keys_of(list(range(1000 * chain, 1000 * chain + 4 * PS)))
+        assert store.batch_set(keys, pool, slots) == 4
+        assert sum(p.stat().st_size for p in tmp_path.iterdir()) <= 2 * store.capacity_bytes + store.segment_bytes
+    last = [keys_of(list(range(1000 * c, 1000 * c + 4 * PS))) for c in range(55, 60)]
+    assert [store.batch_exists(keys) for keys in last] == [4] * 5 and store.used_bytes() == 20 * page
+    del store
+    forget_open_stores()
+    reopened = FileStore(tmp_path, capacity_bytes=20 * page)    # the copies, their order with them
+    assert [reopened.batch_exists(keys) for keys in last] == [4] * 5 and reopened.used_bytes() == 20 * page
+    reopened.batch_set(keys_of(list(range(99000, 99000 + 4 * PS))), pool, slots)
+    assert reopened.batch_exists(last[0]) == 0 and reopened.batch_exists(last[1]) == 4
+
+
+def test_a_store_stops_writing_with_one_warning_while_its_disk_is_nearly_full(tmp_path):
+    pool = HostSlotPool(64, PS)
+    slots = pool.allocator.alloc(8 * PS)
+    store = FileStore(tmp_path, min_free_bytes=1 << 62)        # more than any disk: always nearly full
+    with pytest.warns(RuntimeWarning, match="min_free_bytes") as warned:
+        assert store.batch_set(keys_of(PROMPT), pool, slots) == 0
+        assert store.batch_set(keys_of(list(range(300, 332))), pool, slots) == 0
+    assert len(warned) == 1 and store.stats.failed_ops == 2 and store.stats.stored == 0
+    assert sum(p.stat().st_size for p in tmp_path.iterdir()) == 0
+
+
+def test_a_cap_larger_than_the_disk_can_hold_is_refused(tmp_path):
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(ValueError, match="capacity_bytes .* is more than"):
+        FileStore(tmp_path, capacity_bytes=free + (1 << 40))
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        FileStore(tmp_path, capacity_bytes=free // 2, min_free_bytes=free)
+
+
+def test_a_torn_record_at_a_segments_end_hides_only_the_pages_it_held(tmp_path):
+    # A crash in the middle of an append leaves a torn record: the pages before it are found, and a new process
+    # writes after it in a segment of its own.
+    pool = HostSlotPool(64, PS)
+    slots = pool.allocator.alloc(8 * PS)
+    keys = keys_of(PROMPT)
+    store = FileStore(tmp_path)
+    store.batch_set(keys, pool, slots)
+    damage(store, keys[6], cut_at=10)
+    del store
+    forget_open_stores()
+    reopened = FileStore(tmp_path)
+    assert reopened.batch_exists(keys) == 6 and reopened.batch_get(keys, pool, slots) == 6
+    assert reopened.batch_set(keys, pool, slots) == 8 and len(list(tmp_path.iterdir())) == 2
+    assert reopened.stats.corrupt == 0 and reopened.batch_get(keys, pool, slots) == 8
+
+
+def test_a_page_is_found_under_the_key_its_own_value_carries_whatever_file_holds_it(tmp_path):
+    # Segment files swapped between two folders: each page is still found under its own key, never another's.
+    _, host, slots = kv_world()
+    a, b = keys_of(PROMPT), keys_of(list(range(600, 632)))
+    FileStore(tmp_path / "x").batch_set(a, host, slots)
+    FileStore(tmp_path / "y").batch_set(b, host, slots)
+    forget_open_stores()
+    (x,), (y,) = (tmp_path / "x").iterdir(), (tmp_path / "y").iterdir()
+    x.rename(tmp_path / "y" / x.name)
+    y.rename(tmp_path / "x" / y.name)
+    store = FileStore(tmp_path / "x")
+    dst = host.allocator.alloc(len(PROMPT))
+    assert store.batch_exists(a) == 0 and store.batch_get(b, host, dst) == 8 and store.stats.corrupt == 0
+    assert all(torch.equal(p, q) for p, q in zip(host.host_rows(slots, 0), host.host_rows(dst, 0)))
+
+
+def test_a_store_whose_segment_another_process_deleted_writes_a_new_one(tmp_path):
+    pool = HostSlotPool(64, PS)
+    slots = pool.allocator.alloc(8 * PS)
+    store = FileStore(tmp_path)
+    store.batch_set(keys_of(PROMPT[:8]), pool, slots[:8])
+    for segment in tmp_path.iterdir():
+        segment.unlink()
+    later = keys_of(list(range(400, 400 + 8 * PS)))
+    assert store.batch_set(later, pool, slots) == 8
+    del store
+    forget_open_stores()
+    assert FileStore(tmp_path).batch_exists(later) == 8
+
+
+# ---- the simulated store -----------------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.sampled_from(["set", "get", "exists"]), st.integers(0, 5), st.integers(1, 6)),
+                    max_size=25),
+       capacity=st.one_of(st.none(), st.integers(1, 14)), page_size=st.sampled_from([1, 4]))
+def test_a_simulated_store_holds_what_a_capped_file_store_holds(tmp_path_factory, ops, capacity, page_size):
+    # The simulated store is what a replay plans with: it must keep, find and evict as the file store does.
+    pool = HostSlotPool(64 * page_size, page_size)
+    slots = pool.allocator.alloc(6 * page_size)
+    page = HEADER_BYTES + CHECKSUM_BYTES
+    files = FileStore(tmp_path_factory.mktemp("store"), None if capacity is None else capacity * page, batch_size=2)
+    sim = SimStore(None if capacity is None else capacity * page_size)
+    for op, chain, pages in ops:
+        keys = [storage_key(d) for d in page_digests(list(range(100 * chain, 100 * chain + 6 * page_size)),
+                                                     page_size)][:pages]
+        if op == "exists":
+            assert sim.batch_exists(keys) == files.batch_exists(keys)
+        else:
+            call = "batch_set" if op == "set" else "batch_get"
+            got = getattr(sim, call)(keys, pool, slots[:len(keys) * page_size])
+            assert got == getattr(files, call)(keys, pool, slots[:len(keys) * page_size])
+        assert sim.used_tokens() // page_size == files.used_bytes() // page
+    assert (sim.stats.hits, sim.stats.stored, sim.stats.failed_ops) == \
+        (files.stats.hits, files.stats.stored, files.stats.failed_ops)
+
+
+def test_a_simulated_store_never_serves_a_host_pool_that_holds_kv_bytes(tmp_path):
+    _, host, slots = kv_world()
+    store = SimStore()
+    for call in (store.batch_set, store.batch_get):
+        with pytest.raises(ValueError, match="host_pool holds KV bytes"):
+            call(keys_of(PROMPT), host, slots)
+    with pytest.raises(ValueError, match="storage SimStore keeps no KV bytes"):
+        cache_over(store, host_pool=host)
+    with pytest.raises((TypeError, ValueError), match="capacity_tokens"):
+        SimStore(0)
+
+
+def test_a_simulated_store_shared_by_threads_counts_every_page(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = HostSlotPool(4096, 1)
+    store = SimStore(capacity_tokens=1000)
+    chains = [[storage_key(d) for d in page_digests(list(range(t * 10_000, t * 10_000 + 200)), 1)] for t in range(8)]
+
+    slots = pool.allocator.alloc(200)
+
+    def write(keys):
+        return store.batch_set(keys, pool, slots)
+    with ThreadPoolExecutor(4) as workers:
+        stored = list(workers.map(write, chains))
+    assert stored == [200] * 8 and store.used_tokens() == 1000 and store.stats.stored == 1600
+
+
+# ---- what every store does with a value that fails its checks -----------------------------------------------
+class DictStore(PageStore):
+    """A store in a dict, whose values a test may damage."""
+
+    def __init__(self):
+        super().__init__()
+        self.values = {}
+
+    def _exists(self, keys):
+        return next((i for i, key in enumerate(keys) if key not in self.values), len(keys))
+
+    def _read(self, keys, value_bytes):
+        return [self.values[key] for key in keys[:self._exists(keys)]]
+
+    def _write(self, keys, values):
+        for key, value in zip(keys, values):
+            self.values.setdefault(key, value)
+        return len(keys)
+
+    def _discard(self, key):
+        self.values.pop(key, None)
+
+
+def test_a_page_filed_under_another_key_is_dropped_and_the_next_write_repairs_it():
+    _, host, slots = kv_world()
+    store, keys = DictStore(), keys_of(PROMPT)
+    store.batch_set(keys, host, slots)
+    store.values[keys[3]], store.values[keys[4]] = store.values[keys[4]], store.values[keys[3]]  # swapped
+    dst = host.allocator.alloc(len(PROMPT))
+    assert store.batch_get(keys, host, dst) == 3 and (store.stats.corrupt, store.stats.foreign) == (1, 0)
+    assert keys[3] not in store.values
+    assert store.batch_set(keys, host, slots) == 8 and store.batch_get(keys, host, dst) == 4   # 4 is still wrong
+    assert store.batch_set(keys, host, slots) == 8 and store.batch_get(keys, host, dst) == 8
+    assert all(torch.equal(a, b) for a, b in zip(host.host_rows(slots, 0), host.host_rows(dst, 0)))
+
+
+def test_an_intact_page_of_the_wrong_length_is_a_counted_miss_not_an_exception():
+    _, host, slots = kv_world()
+    store, keys = DictStore(), keys_of(PROMPT)
+    store.batch_set(keys, host, slots)
+    fp, n = fingerprint(host.storage_format()), host.page_payload_bytes()
+    for i, length in ((2, n - 1), (5, n + 16)):  # a valid checksum over a short or long payload
+        store.values[keys[i]] = encode_page(bytes.fromhex(keys[i]), fp, PS, bytes(length))
+    dst = host.allocator.alloc(len(PROMPT))
+    assert store.batch_get(keys, host, dst) == 2 and store.stats.corrupt == 1 and keys[2] not in store.values
+    assert store.batch_get(keys[3:], host, dst[:20]) == 2 and store.stats.corrupt == 2
+    assert decode_page(encode_page(bytes(32), fp, PS, bytes(n - 1)), bytes(32), fp, PS, n) is None
+
+
+def test_a_scheduler_over_a_store_of_wrong_length_pages_admits_its_request_and_counts_the_miss():
+    from kvmem import Req, Scheduler, TokenAllocator
+
+    store = DictStore()
+    device = MHAKVPool(64, 1, torch.float32, 1, 1, 1)
+    alloc, rows = TokenAllocator(64), ReqToTokenPool(2, 64)
+    tree = HiRadixCache(rows, alloc, HostKVPool(device, ratio=4), storage=store, prefetch_policy="wait_complete")
+    prompt = list(range(1, 20))
+    fp, n = fingerprint(tree.host_pool.storage_format()), tree.host_pool.page_payload_bytes()
+    for key in [storage_key(d) for d in page_digests(prompt, 1)]:
+        store.values[key] = encode_page(bytes.fromhex(key), fp, 1, bytes(n - 1))
+    sched = Scheduler(rows, alloc, tree)
+    sched.add_request(Req("a", prompt + [99], 1))
+    while not sched.is_idle():
+        sched.process_batch_result(sched.step(), [7])
+        sched.check_invariants()
+    assert store.stats.corrupt == 1 and tree.storage_link.stats.prefetched_tokens == 0
+    tree.close()
 
 
 # ---- a hierarchical cache over a store -------------------------------------------------------------------
@@ -500,6 +806,53 @@ def test_a_mooncake_master_that_cannot_be_reached_is_a_clear_error():
 
 
 @pytest.mark.mooncake
+def test_joining_a_port_where_no_mooncake_master_speaks_fails_within_connect_timeout_s():
+    # Mooncake retried such a setup for a minute; the store bounds it, and says so in one line.
+    import socket
+
+    MooncakeServer, MooncakeStore = mooncake_or_skip()
+    outcome = []
+
+    def join(port):
+        try:
+            MooncakeStore(f"127.0.0.1:{port}", connect_timeout_s=0.5)
+        except RuntimeError as e:
+            outcome.append(str(e))
+
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        worker = threading.Thread(target=join, args=(silent.getsockname()[1],), daemon=True)
+        worker.start()
+        worker.join(timeout=30)
+    assert not worker.is_alive() and len(outcome) == 1
+    assert "no Mooncake master answered within 0.5 s (connect_timeout_s" in outcome[0] and "\n" not in outcome[0]
+    for bad in (0, -1, float("nan"), "5"):
+        with pytest.raises(ValueError, match="connect_timeout_s"):
+            MooncakeStore("127.0.0.1:1", connect_timeout_s=bad)
+
+
+@pytest.mark.mooncake
+def test_an_oversized_mooncake_value_is_dropped_and_the_next_write_repairs_its_key():
+    MooncakeServer, MooncakeStore = mooncake_or_skip()
+    _, host, slots = kv_world()
+    keys = keys_of(PROMPT)
+    with MooncakeServer(64) as server:
+        store = MooncakeStore(server.master_addr, server.metadata_server)
+        assert store.batch_set(keys, host, slots) == 8
+        oversized = store._stage(1 << 16)
+        oversized[:] = 7
+        store._store.remove(keys[2], True)
+        assert store._store.batch_put_from([keys[2]], [oversized.ctypes.data], [len(oversized)]) == [0]
+        dst = host.allocator.alloc(len(PROMPT))
+        assert store.batch_get(keys, host, dst) == 2 and (store.stats.corrupt, store.stats.failed_ops) == (1, 0)
+        assert store.batch_exists(keys) == 2                          # removed, not found again
+        assert store.batch_set(keys, host, slots) == 8 and store.batch_get(keys, host, dst) == 8
+        assert all(torch.equal(a, b) for a, b in zip(host.host_rows(slots, 1), host.host_rows(dst, 1)))
+        store.close()
+
+
+@pytest.mark.mooncake
 def test_a_mooncake_master_that_times_out_marks_the_store_down_with_growing_waits():
     MooncakeServer, MooncakeStore = mooncake_or_skip()
     with MooncakeServer(64) as server:
@@ -644,22 +997,29 @@ def test_the_mooncake_server_command_stops_its_processes_on_sigterm():
             proc.wait()
 
 
-def test_a_store_whose_lookup_fails_costs_hits_not_an_exception(tmp_path, monkeypatch):
+def test_a_store_whose_reads_or_listing_fail_costs_hits_not_an_exception(tmp_path, monkeypatch):
+    import kvmem.storage.file_store as file_store
+
     store_prompt(tmp_path)
     store = FileStore(tmp_path)
     keys = keys_of(PROMPT)
-    unreadable = store._file(keys[2])
-    real_exists = type(unreadable).exists
+    _, unreadable, _ = store.locate(keys[2])
+    real_pread = os.pread
 
-    def exists(path, *args, **kwargs):  # a folder it may not search (EACCES), as root never sees one
-        if path == unreadable:
-            raise PermissionError(13, "Permission denied", str(path))
-        return real_exists(path, *args, **kwargs)
-    monkeypatch.setattr(type(unreadable), "exists", exists)
-    assert store.batch_exists(keys) == 2 and store.stats.failed_ops == 1
+    def pread(fd, n, offset):  # an I/O error under one page
+        if offset == unreadable:
+            raise OSError(5, "Input/output error")
+        return real_pread(fd, n, offset)
+    monkeypatch.setattr(file_store.os, "pread", pread)
     second, _, _ = cache_over(store)
     assert second.finish_prefetch(second.prefetch(PROMPT + [1])) == 2 * PS   # the pages before it
+    assert store.stats.failed_ops == 1
     second.check_invariants()
+
+    def scandir(path):  # a folder it may not list (EACCES), as root never sees one
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(file_store.os, "scandir", scandir)
+    assert store.batch_exists(keys_of(list(range(700, 708)))) == 0 and store.stats.failed_ops == 2
 
     class DownStore(PageStore):  # any store: its lookup raising is a miss
         def batch_exists(self, keys):

@@ -22,7 +22,13 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvmem._checks import fraction_arg, non_negative_int_arg, positive_float_arg, positive_int_arg
+from kvmem._checks import (
+    fraction_arg,
+    non_negative_float_arg,
+    non_negative_int_arg,
+    positive_float_arg,
+    positive_int_arg,
+)
 from kvmem.replay.cluster_cli import add_cluster_arguments, cluster_runs, run_cluster
 from kvmem.replay.compare import DEFAULT_POLICIES
 from kvmem.replay.config import (
@@ -33,7 +39,8 @@ from kvmem.replay.config import (
     WRITE_POLICIES,
     ReplayConfig,
 )
-from kvmem.replay.cost import DEFAULT_MODEL, GPUS, RooflineCost
+from kvmem.replay.cost import DEFAULT_MODEL, DEFAULT_STORAGE_LATENCY_US, GPUS, RooflineCost
+from kvmem.replay.engine import ENGINES, fallback_note, fallback_reason, requested_engine
 from kvmem.replay.report import format_summary, require_matplotlib, write_sweep_plot
 from kvmem.replay.traces import Trace, TraceError, default_trace_path, read_trace
 
@@ -103,14 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_PCIE_GBPS:g}, PCIe 5 x16)")
     p.add_argument("--d2h-gbps", type=positive_float_arg, metavar="B",
                    help=f"device-to-host copy bandwidth, GB/s (default: as --h2d-gbps, {DEFAULT_PCIE_GBPS:g})")
-    p.add_argument("--storage", metavar="SPEC", help="a storage tier under the host tier: file:DIR (a directory, "
-                   "kept across runs) or mooncake:HOST:PORT (a Mooncake master; see kvmem.storage.mooncake_server)")
+    p.add_argument("--storage", metavar="SPEC", help="a storage tier under the host tier: sim[:CAPACITY_TOKENS] (a "
+                   "simulated store: its pages' keys, capacity and LRU eviction, no bytes written; for planning), "
+                   "file:DIR (a directory of segment files, kept across runs) or mooncake:HOST:PORT (a Mooncake "
+                   "master; see kvmem.storage.mooncake_server)")
     p.add_argument("--storage-metadata", metavar="URL",
                    help="the Mooncake metadata server (default P2PHANDSHAKE: none)")
     p.add_argument("--storage-capacity-tokens", type=positive_int_arg, metavar="N",
-                   help="what a file store may hold, in tokens (default: unbounded)")
+                   help="what a simulated or file store may hold, in tokens (default: unbounded)")
     p.add_argument("--storage-gbps", type=positive_float_arg, metavar="B",
                    help=f"storage bandwidth, GB/s (default {DEFAULT_STORAGE_GBPS:g})")
+    p.add_argument("--storage-latency-us", type=non_negative_float_arg, metavar="US",
+                   help=f"what a prefill reading from storage waits before its bytes flow, microseconds (default "
+                        f"{DEFAULT_STORAGE_LATENCY_US:g}; the --gpu clock charges it)")
     p.add_argument("--eviction-policy", choices=EVICTION_POLICIES,
                    help="which cached prefixes go first (default lru; belady: the offline optimum)")
     p.add_argument("--compare-policies", nargs="?", const=list(DEFAULT_POLICIES), type=_policy_list,
@@ -151,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=positive_int_arg, metavar="J",
                    help="replays run at once by --sweep and --compare-policies, in separate processes (default: the "
                         "cores)")
+    p.add_argument("--engine", choices=ENGINES,
+                   help="native: the compiled engine (the default where it is built and covers the configuration; "
+                        "else the Python engine runs, saying why); python: the reference (kvmem's Scheduler and "
+                        "RadixCache). Both give the same report. Default: $KVMEM_ENGINE, else native")
     p.add_argument("--json-only", action="store_true", help="no human summary on stderr, only the JSON report")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--seed", type=non_negative_int_arg, default=0,
@@ -199,6 +215,7 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
     try:
         if args.plot:
             require_matplotlib()
+        engine = requested_engine(args.engine)
         trace = _load_trace(args)
         config = _replay_config(args, trace)
         runs = None if tour else cluster_runs(args, config)
@@ -221,15 +238,21 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
     out = {"trace": trace.name, "format": trace_format, "skipped_lines": len(trace.skipped),
            "config": dataclasses.asdict(config)}
     if args.compare_policies:
-        return _compare(args, trace, config, [p.capacity_tokens for p in points] if points else None, out)
+        return _compare(args, trace, config, [p.capacity_tokens for p in points] if points else None, out, engine)
     if runs is not None:  # a cluster replay
+        if engine == "native":
+            reason = fallback_reason(engine, config) or "the native engine does not cover --replicas yet"
+            print(f"{PROG}: {reason}: the Python engine replays the cluster", file=sys.stderr)
         try:
             out = run_cluster(args, trace, config, runs, out)
         except RuntimeError as e:
             return _error(str(e))
     else:
+        note = fallback_note(engine, points or [config])
+        if note is not None:
+            print(f"{PROG}: {note}", file=sys.stderr)
         reports = replay_all(trace, points or [config], 1 if points is None else args.jobs or default_jobs(),
-                             progress)
+                             progress, engine)
         if points is None:
             out.update(reports[0].to_json())
         else:
@@ -262,20 +285,21 @@ def default_jobs() -> int:
     return os.cpu_count() or 1
 
 
-def replay_all(trace: Trace, configs: list[ReplayConfig], jobs: int, progress: bool) -> list:
-    """The ReplayReport of each config, in order: in this process (with a progress bar per replay) when
-    jobs is 1 or there is one config, else `jobs` at a time in worker processes (a bar over replays)."""
-    from kvmem.replay.simulator import replay  # imports torch: only once the arguments are good
+def replay_all(trace: Trace, configs: list[ReplayConfig], jobs: int, progress: bool, engine: str = "native") -> list:
+    """The ReplayReport of each config, in order, from `engine` (see kvmem.replay.engine): in this process (with a
+    progress bar per replay) when jobs is 1 or there is one config, else `jobs` at a time in worker processes (a
+    bar over replays)."""
+    from kvmem.replay.engine import replay  # the Python engine imports torch: only once the arguments are good
 
     if jobs == 1 or len(configs) == 1:
-        return [replay(trace, c, progress=progress) for c in configs]
+        return [replay(trace, c, progress, engine) for c in configs]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     # spawn, not fork: a forked child of a process that loaded torch and OpenBLAS may deadlock in their pools.
     with ProcessPoolExecutor(min(jobs, len(configs)), mp_context=multiprocessing.get_context("spawn"),
                              initializer=_set_worker_trace, initargs=(trace,)) as pool:
-        futures = [pool.submit(_replay_in_worker, c) for c in configs]
+        futures = [pool.submit(_replay_in_worker, c, engine) for c in configs]
         bar = None
         if progress:
             from tqdm import tqdm
@@ -297,10 +321,10 @@ def _set_worker_trace(trace: Trace) -> None:
     _worker_trace = trace
 
 
-def _replay_in_worker(config: ReplayConfig):
-    from kvmem.replay.simulator import replay
+def _replay_in_worker(config: ReplayConfig, engine: str):
+    from kvmem.replay.engine import replay
 
-    return replay(_worker_trace, config)
+    return replay(_worker_trace, config, engine=engine)
 
 
 def _title(trace: Trace, trace_format: str, config: ReplayConfig, tour: bool) -> str:
@@ -314,12 +338,12 @@ def _title(trace: Trace, trace_format: str, config: ReplayConfig, tour: bool) ->
 
 
 def _compare(args: argparse.Namespace, trace: Trace, config: ReplayConfig, capacities: list[int] | None,
-             out: dict) -> int:
+             out: dict, engine: str) -> int:
     from kvmem.replay.compare import compare_policies, format_table, write_policy_plot
 
     result = compare_policies(trace, config, args.compare_policies, capacities or [config.capacity_tokens],
                               args.jobs or default_jobs(),
-                              functools.partial(_load_trace, args))
+                              functools.partial(_load_trace, args), engine)
     if not args.json_only:
         print(format_table(result), file=sys.stderr)
     out["compare"] = result
@@ -397,6 +421,7 @@ def _replay_config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
         h2d_gbps=h2d, d2h_gbps=args.d2h_gbps or h2d, storage=args.storage,
         storage_metadata=args.storage_metadata or "P2PHANDSHAKE", storage_capacity_tokens=args.storage_capacity_tokens,
         storage_gbps=args.storage_gbps or DEFAULT_STORAGE_GBPS,
+        storage_latency_us=DEFAULT_STORAGE_LATENCY_US if args.storage_latency_us is None else args.storage_latency_us,
         cache_decode_pages=args.cache_decode_pages, in_batch_prefix_caching=args.in_batch_prefix_caching,
         gpu=args.gpu, model=_model_name(args, None), tp=args.tp, pin_prefix_tokens=args.pin_prefix_tokens,
         pin_budget=args.pin_budget, **tiers)
@@ -411,7 +436,8 @@ def _check_tier_options(args: argparse.Namespace) -> None:
     if given and args.host_capacity_tokens is None and args.host_mem_gb is None:
         raise ValueError(f"{given[0][0]} needs a host tier (--host-capacity-tokens or --host-mem-gb)")
     for option, value in (("--storage-metadata", args.storage_metadata), ("--storage-gbps", args.storage_gbps),
-                          ("--storage-capacity-tokens", args.storage_capacity_tokens)):
+                          ("--storage-capacity-tokens", args.storage_capacity_tokens),
+                          ("--storage-latency-us", args.storage_latency_us)):
         if value is not None and args.storage is None:
             raise ValueError(f"{option} needs a storage tier (--storage)")
 
@@ -436,13 +462,14 @@ def _is_regular_file(path: str) -> bool:
 
 
 def _check_storage(config: ReplayConfig) -> None:
-    """Opens the storage tier once before the replay, so that an unreachable store is a one-line error."""
+    """Opens the storage tier once before the replay, as the replay will, so that an unreachable store, or a cap its
+    disk cannot hold, is a one-line error."""
     if config.storage is None:
         return
-    from kvmem.storage import open_store
+    from kvmem.replay.simulator import open_storage
 
     try:
-        open_store(config.storage, metadata_server=config.storage_metadata).close()
+        open_storage(config).close()
     except OSError as e:
         raise RuntimeError(f"--storage {config.storage}: {e.strerror or e}") from None
 

@@ -20,10 +20,11 @@ step ends past it waits for the arrival to be routed. A cluster of one replays e
 The router hashes a prompt's whole pages as the replicas name them (`kvmem.page_hash`), up to the prompt's
 last token (which a replica always recomputes), only for the policies that read the index.
 
-With a storage tier (`ReplayConfig.storage`), every replica opens the same store, so the pages one replica
-wrote are read by any other: a global pool, Mooncake's. The index does not see that pool (a replica reports
-no event for a shared store's pages, see `kvmem.tiers.hiradix_cache`); before each routing every replica's
-queued writes are finished, so the store holds what the steps run so far wrote and a replay repeats exactly.
+With a storage tier (`ReplayConfig.storage`), every replica opens the same store (or shares the one simulated
+store), so the pages one replica wrote are read by any other: a global pool, Mooncake's. The index does not see
+that pool (a replica reports no event for a shared store's pages, see `kvmem.tiers.hiradix_cache`); before each
+routing every replica's queued writes are finished, so the store holds what the steps run so far wrote and a
+replay repeats exactly.
 """
 
 from __future__ import annotations
@@ -43,7 +44,14 @@ from kvmem.page_hash import chain_page_digests, event_hashes, namespace_prefix
 from kvmem.replay.cluster_report import ClusterReport, EventCounts
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.cost import RooflineCost, StepCost, cost_model
-from kvmem.replay.simulator import ReplicaSim, _arrival_order, _progress_bar, requests_arrival
+from kvmem.replay.simulator import (
+    ReplicaSim,
+    _arrival_order,
+    _progress_bar,
+    is_simulated,
+    open_storage,
+    requests_arrival,
+)
 from kvmem.replay.traces import TraceRequest
 from kvmem.router import POLICIES, ReplicaLoad, Router
 
@@ -66,10 +74,10 @@ class _Replica:
     """One simulated engine (a `ReplicaSim`: scheduler, cache, tiers, clock, report), its events, and the step
     results the router has not seen yet."""
 
-    def __init__(self, rank: int, config: ReplayConfig, cost: StepCost | RooflineCost) -> None:
+    def __init__(self, rank: int, config: ReplayConfig, cost: StepCost | RooflineCost, storage=None) -> None:
         self.rank = rank
         self.collector = EventCollector(clock=lambda: self.sim.clock)
-        self.sim = ReplicaSim(config, cost, event_sink=self.collector, name=f"replica {rank}")
+        self.sim = ReplicaSim(config, cost, event_sink=self.collector, name=f"replica {rank}", storage=storage)
         self.busy_s = 0.0
         self.prefill_s = 0.0
         self.routed = 0
@@ -138,7 +146,9 @@ class ClusterReplay:
         self.progress = progress
         self.router = Router(policy, replicas, block_size=config.page_size, **router_params)
         cost = cost_model(config) if cost is None else cost
-        self.replicas = [_Replica(r, config, cost) for r in range(replicas)]
+        # A simulated store lives in this process: the replicas share one, as they would a real store's pages.
+        shared = open_storage(config) if is_simulated(config) else None
+        self.replicas = [_Replica(r, config, cost, shared) for r in range(replicas)]
         self.events = EventCounts()
         self._reads_index = policy in INDEX_POLICIES
         self._running = [0] * replicas

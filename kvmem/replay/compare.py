@@ -5,7 +5,7 @@ policy; with `jobs` > 1 they run in `jobs` worker processes, started with "spawn
 torch's threads can deadlock the child), each of which loads the trace once with the picklable `load_trace`.
 `belady` (the offline optimum) is the ceiling and `lru` the baseline, so both always run; each policy's
 `gap_closed` is (hit rate - lru's) / (belady's - lru's), the share of what LRU leaves on the table that the
-policy gets back.
+policy gets back. `engine` replays each policy it covers (kvmem.replay.engine), the Python engine the others.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from kvmem.replay.config import ReplayConfig
+from kvmem.replay.engine import fallback_note
 from kvmem.replay.report import format_seconds, require_matplotlib
 
 BASELINE, CEILING = "lru", "belady"
@@ -32,14 +33,14 @@ def _load_worker_trace(load_trace: Callable) -> None:
     _trace = load_trace()
 
 
-def _replay_one(config: ReplayConfig, trace=None) -> dict:
-    from kvmem.replay.simulator import replay
+def _replay_one(config: ReplayConfig, trace=None, engine: str = "python") -> dict:
+    from kvmem.replay.engine import replay
 
-    return replay(_trace if trace is None else trace, config).to_json()
+    return replay(_trace if trace is None else trace, config, engine=engine).to_json()
 
 
 def compare_policies(trace, config: ReplayConfig, policies: Sequence[str], capacities: Sequence[int],
-                     jobs: int = 1, load_trace: Callable | None = None) -> dict:
+                     jobs: int = 1, load_trace: Callable | None = None, engine: str = "python") -> dict:
     """Replays `trace` under each policy (plus lru and belady) at each capacity, in this process or (jobs > 1) in
     worker processes that build the trace with `load_trace()` (a picklable callable; required then). Returns the
     JSON-ready result: `policies`, `capacities`, `hit_rate[policy]` and `gap_closed[policy]` (one value per
@@ -53,15 +54,18 @@ def compare_policies(trace, config: ReplayConfig, policies: Sequence[str], capac
         print(f"kvmem-replay: {c.eviction_policy} at {c.capacity_tokens:,} tokens: hit rate {report['hit_rate']:.4f}",
               file=sys.stderr)
 
+    note = fallback_note(engine, configs)
+    if note is not None:
+        print(f"kvmem-replay: {note}", file=sys.stderr)
     if jobs <= 1 or len(configs) == 1:
         for c in configs:
-            done(c, _replay_one(c, trace))
+            done(c, _replay_one(c, trace, engine))
     else:
         if load_trace is None:
             raise ValueError("jobs > 1 needs load_trace: each worker process builds the trace itself")
         with ProcessPoolExecutor(max_workers=min(jobs, len(configs)), mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_load_worker_trace, initargs=(load_trace,)) as pool:
-            futures = {pool.submit(_replay_one, c): c for c in configs}
+            futures = {pool.submit(_replay_one, c, None, engine): c for c in configs}
             for future in as_completed(futures):
                 done(futures[future], future.result())
     hit = {p: [reports[p, c]["hit_rate"] for c in capacities] for p in policies}

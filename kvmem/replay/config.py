@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvmem._checks import check_host_bytes, check_int, check_number
 from kvmem.eviction import EVICTION_POLICIES as _POLICY_KEYS
-from kvmem.replay.cost import DEFAULT_MODEL, GPUS, MODEL_COMPUTE, kv_copies
+from kvmem.replay.cost import DEFAULT_MODEL, DEFAULT_STORAGE_LATENCY_US, GPUS, MODEL_COMPUTE, kv_copies
 from kvmem.scheduler import SCHEDULE_POLICIES
 from kvmem.sizing import bytes_per_token, get_model_config
 from kvmem.storage import parse_store_spec
@@ -51,9 +51,13 @@ class ReplayConfig:
         dtype; llama-3-8b's without a model).
     h2d_gbps / d2h_gbps: host-to-device and device-to-host copy bandwidth, GB/s (1e9 bytes; None: the `gpu`'s
         host link, 50 GB/s without a gpu; d2h as h2d).
-    storage: a storage tier under the host tier, "file:DIR" (a FileStore) or "mooncake:HOST:PORT" (a Mooncake
-        master); None: none. storage_metadata: the Mooncake metadata server ("P2PHANDSHAKE" or a URL).
-    storage_capacity_tokens: what the file store may hold (None: unbounded). storage_gbps: storage bandwidth.
+    storage: a storage tier under the host tier: "sim" or "sim:CAPACITY_TOKENS" (a SimStore: the pages' keys,
+        capacity and eviction without their bytes, what a plan needs), "file:DIR" (a FileStore) or
+        "mooncake:HOST:PORT" (a Mooncake master); None: none. storage_metadata: the Mooncake metadata server
+        ("P2PHANDSHAKE" or a URL).
+    storage_capacity_tokens: what the file or simulated store may hold (None: unbounded, or sim:CAPACITY_TOKENS's;
+        at least one page). storage_gbps / storage_latency_us: the storage tier's bandwidth (GB/s) and a read's
+        latency (us), what the roofline clock charges a prefill that reads from it.
     cache_decode_pages: a running request's full output pages count as cached as soon as they are written (as
         vLLM does; see kvmem.SchedulerConfig); False: outputs are cached when the request finishes (as SGLang).
     in_batch_prefix_caching: a request waits a step for a page another request of its prefill batch computes
@@ -83,6 +87,7 @@ class ReplayConfig:
     storage_metadata: str = "P2PHANDSHAKE"
     storage_capacity_tokens: int | None = None
     storage_gbps: float = DEFAULT_STORAGE_GBPS
+    storage_latency_us: float = DEFAULT_STORAGE_LATENCY_US
     cache_decode_pages: bool = True
     in_batch_prefix_caching: bool = False
     gpu: str | None = None
@@ -123,13 +128,17 @@ class ReplayConfig:
             if getattr(self, name) is not None:
                 check_number(name, getattr(self, name), 0, allow_minimum=False)
         check_number("storage_gbps", self.storage_gbps, 0, allow_minimum=False)
+        check_number("storage_latency_us", self.storage_latency_us, 0)
+        if self.storage_capacity_tokens is not None:
+            check_int("storage_capacity_tokens", self.storage_capacity_tokens, minimum=1)
         if self.storage is not None:
-            parse_store_spec(self.storage)
+            scheme, where = parse_store_spec(self.storage)
             if self.host_capacity_tokens is None:
                 raise ValueError("storage needs a host tier (--host-capacity-tokens or --host-mem-gb): pages reach "
                                  "it through the host")
-        if self.storage_capacity_tokens is not None:
-            check_int("storage_capacity_tokens", self.storage_capacity_tokens, minimum=1)
+            if scheme == "sim" and where and self.storage_capacity_tokens is not None:
+                raise ValueError(f"storage_capacity_tokens with storage {self.storage!r}: give the simulated store's "
+                                 f"capacity once")
         for name in ("cache_decode_pages", "in_batch_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -161,6 +170,16 @@ class ReplayConfig:
         pages), since a request longer than the KV capacity can never run. One absurd request in a trace is
         then rejected, instead of sizing every row after it."""
         return min(self.max_context_len, self.capacity_tokens // self.page_size * self.page_size)
+
+    @property
+    def store_capacity_tokens(self) -> int | None:
+        """What the storage tier may hold, in tokens: storage_capacity_tokens, or a simulated store's sim:N (None:
+        unbounded)."""
+        if self.storage is not None and self.storage_capacity_tokens is None:
+            scheme, where = parse_store_spec(self.storage)
+            if scheme == "sim" and where:
+                return int(where)
+        return self.storage_capacity_tokens
 
     @property
     def host_pages(self) -> int:

@@ -124,6 +124,10 @@ MODEL_COMPUTE: MappingProxyType[str, ModelCompute] = MappingProxyType({
 
 # The share of GPU memory an engine takes for weights and KV cache (vLLM's gpu_memory_utilization default).
 MEMORY_FRACTION = 0.9
+# What a read from the storage tier waits before its bytes flow: a NAND flash read takes about 100 us, and NVMe
+# drives answer in 20-100 us end to end (Pure Storage, "What is NVMe?"); a distributed store's get adds a metadata
+# round trip to its master, tens of us on a datacenter network. 100 us is the order of either.
+DEFAULT_STORAGE_LATENCY_US = 100.0
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,9 @@ class RooflineCost:
     mfu / mbu: the share of peak FLOP/s and of memory bandwidth the kernels reach (0.5 and 0.8 are what
     well-tuned prefill and decode kernels reach on these GPUs). kv_bytes_per_token: KV bytes a token weighs
     (default: the model's in its own dtype). h2d_gbps / storage_gbps: each GPU's host link and the storage
-    tier's bandwidth, GB/s, for loads from those tiers (default: the GPU's link; 10 GB/s).
+    tier's bandwidth, GB/s, for loads from those tiers (default: the GPU's link; 10 GB/s). storage_latency_us: what
+    a step that reads from the storage tier waits before the first bytes arrive, once (its requests' reads are
+    issued together), in microseconds (see DEFAULT_STORAGE_LATENCY_US).
     """
 
     gpu: str
@@ -144,6 +150,7 @@ class RooflineCost:
     kv_bytes_per_token: int | None = None
     h2d_gbps: float | None = None
     storage_gbps: float = 10.0
+    storage_latency_us: float = DEFAULT_STORAGE_LATENCY_US
 
     def __post_init__(self) -> None:
         if self.gpu not in GPUS:
@@ -162,6 +169,7 @@ class RooflineCost:
             object.__setattr__(self, "h2d_gbps", GPUS[self.gpu].host_link_gbps)
         check_number("h2d_gbps", self.h2d_gbps, 0, allow_minimum=False)
         check_number("storage_gbps", self.storage_gbps, 0, allow_minimum=False)
+        check_number("storage_latency_us", self.storage_latency_us, 0)
         spec, compute = GPUS[self.gpu], MODEL_COMPUTE[self.model]
         kv = sizing.get_model_config(self.model)
         # Per-step constants: FLOP/s and bytes/s the GPUs reach together, weights bytes, attention FLOPs a
@@ -197,13 +205,15 @@ class RooflineCost:
                        storage_tokens: int = 0) -> float:
         """A prefill step over tokens prefix_lens[i]..seq_lens[i]-1 of each request ([bs] int64 each), of which
         `loaded_tokens` of cached prefix were loaded back from the host (`storage_tokens` of them first read
-        from the storage tier)."""
+        from the storage tier: one round trip of latency, then the bytes at its bandwidth)."""
         new_tokens = int((seq_lens - prefix_lens).sum())
         flops = self._token_flops * new_tokens + self._pair_flops * float(_causal_pairs(prefix_lens, seq_lens))
         moved = self._weight_bytes + self._kv_bytes * float(seq_lens.sum())
         compute = max(flops / self._flops_per_s, moved / self._bytes_per_s)
         load = self._kv_bytes * (loaded_tokens / (self.tp * self.h2d_gbps * 1e9)
                                           + storage_tokens / (self.storage_gbps * 1e9))
+        if storage_tokens:
+            load += self.storage_latency_us * 1e-6
         return max(compute, load)
 
     def decode_seconds(self, batch_size: int, kv_tokens: int) -> float:
@@ -247,7 +257,7 @@ def cost_model(config) -> StepCost | RooflineCost:
         return StepCost()
     return RooflineCost(config.gpu, config.model or DEFAULT_MODEL, config.tp,
                         kv_bytes_per_token=config.kv_bytes_per_token, h2d_gbps=config.h2d_gbps,
-                        storage_gbps=config.storage_gbps)
+                        storage_gbps=config.storage_gbps, storage_latency_us=config.storage_latency_us)
 
 
 DEFAULT_MODEL = "llama-3-8b"  # the model a --gpu prices without --model (DEFAULT_KV_BYTES_PER_TOKEN's)

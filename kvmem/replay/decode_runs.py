@@ -48,13 +48,41 @@ class ReplayScheduler(Scheduler):
         # load pages back.
         self._walk_tells_match = getattr(self.tree_cache, "host_pool", None) is None
 
-    def step(self):
-        self._arrays = None
-        return super().step()
+    # The arrays follow every change to the running batch, so that a run starts from them with no pass over the
+    # requests: a decode step adds a token to each (or retracts some), its results finish some, an extend step's
+    # results add the requests that start decoding.
+    def _get_decode_batch(self):
+        batch = super()._get_decode_batch()
+        if self._arrays is not None:
+            if batch.retracted:
+                self._arrays = None
+            else:
+                kv, rows, left = self._arrays
+                self._arrays = (kv + 1, rows, left)
+        return batch
 
     def process_batch_result(self, batch, next_token_ids, stopped=()):
-        self._arrays = None
+        if stopped:  # a stop changes what a request owes
+            self._arrays = None
         return super().process_batch_result(batch, next_token_ids, stopped)
+
+    def _process_decode(self, batch, tokens):
+        finished = super()._process_decode(batch, tokens)
+        if self._arrays is not None:
+            kv, rows, left = self._arrays
+            left = left - 1
+            if finished:
+                keep = left > 0
+                kv, rows, left = kv[keep], rows[keep], left[keep]
+            self._arrays = (kv, rows, left)
+        return finished
+
+    def _process_extend(self, batch, tokens):
+        before = len(self.running)
+        finished = super()._process_extend(batch, tokens)
+        if self._arrays is not None and len(self.running) > before:
+            self._arrays = tuple(np.concatenate(pair) for pair in zip(self._arrays, _arrays(self.running[before:])))
+        return finished
 
     def abort(self, req: Req) -> None:
         self._arrays = None
@@ -64,6 +92,15 @@ class ReplayScheduler(Scheduler):
     def _finish(self, req: Req, finished: list[Req]) -> None:
         self._outputs.pop(req, None)
         super()._finish(req, finished)
+
+    def check_invariants(self) -> None:
+        """The Scheduler's invariants, and the run arrays equal to what the running requests hold."""
+        super().check_invariants()
+        if self._arrays is not None:
+            for name, have, want in zip(("kv_len", "rows", "output tokens left"), self._arrays, _arrays(self.running)):
+                if not np.array_equal(have, want):
+                    raise AssertionError(f"the running batch's {name} array {have.tolist()} != its requests' "
+                                         f"{want.tolist()}")
 
     def running_kv_tokens(self) -> int:
         """The KV tokens the running requests hold (the sum of their kv_len): what a decode step reads."""
@@ -293,8 +330,12 @@ class ReplayScheduler(Scheduler):
     def _run_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The running requests' kv_len, req_to_token rows and output tokens left (each [bs] int64)."""
         if self._arrays is None:
-            reqs, n = self.running, len(self.running)
-            self._arrays = (np.fromiter((r.kv_len for r in reqs), dtype=np.int64, count=n),
-                            np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=n),
-                            np.fromiter((r.max_new_tokens - len(r.output_ids) for r in reqs), dtype=np.int64, count=n))
+            self._arrays = _arrays(self.running)
         return self._arrays
+
+
+def _arrays(reqs: list[Req]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n = len(reqs)
+    return (np.fromiter((r.kv_len for r in reqs), dtype=np.int64, count=n),
+            np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=n),
+            np.fromiter((r.max_new_tokens - len(r.output_ids) for r in reqs), dtype=np.int64, count=n))

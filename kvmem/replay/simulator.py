@@ -37,7 +37,7 @@ from kvmem.replay.report import ReplayReport
 from kvmem.replay.traces import TraceRequest
 from kvmem.req_to_token import ReqToTokenPool
 from kvmem.scheduler import SchedulerConfig
-from kvmem.storage import open_store
+from kvmem.storage import SimStore, open_store, parse_store_spec
 from kvmem.storage.page_format import CHECKSUM_BYTES, HEADER_BYTES
 from kvmem.tiers import HiRadixCache, HostSlotPool
 from kvmem.timing import PhaseTimer
@@ -48,10 +48,11 @@ MAX_SKIP_NOTES = 10  # requests that can never run, named one by one on stderr; 
 
 def build_scheduler(config: ReplayConfig, timer: PhaseTimer | None = None,
                     event_sink: Callable[[KVCacheEvent], None] | None = None,
-                    policies: dict | None = None) -> ReplayScheduler:
+                    policies: dict | None = None, storage=None) -> ReplayScheduler:
     """The pools, tree and scheduler a replay of `config` runs on; the tree reports its KV events to
-    `event_sink` (a cluster replay's replicas feed their router that way), and `policies` overrides the tiers'
-    eviction policies with objects (`kvmem.replay.belady.oracle_policies`).
+    `event_sink` (a cluster replay's replicas feed their router that way), `policies` overrides the tiers'
+    eviction policies with objects (`kvmem.replay.belady.oracle_policies`), and `storage` is a store to use
+    instead of opening config.storage's (a cluster's replicas share one simulated store).
 
     Rows are as long as the longest request that can run: a request longer than the KV capacity can never
     be admitted, so one absurd request in a trace is rejected instead of sizing every row after it.
@@ -67,7 +68,8 @@ def build_scheduler(config: ReplayConfig, timer: PhaseTimer | None = None,
     else:
         # A replay waits for every prefetch: its clock, not the store's speed, decides what arrives in time.
         tree = HiRadixCache(pool, alloc, HostSlotPool(config.host_pages * ps, ps), page_size=ps,
-                            write_policy=config.write_policy, storage=open_storage(config),
+                            write_policy=config.write_policy,
+                            storage=open_storage(config) if storage is None else storage,
                             prefetch_policy="wait_complete", event_sink=event_sink, **policies)
     return ReplayScheduler(pool, alloc, tree, SchedulerConfig(
         schedule_policy=config.schedule_policy, max_running_requests=config.max_running,
@@ -77,14 +79,22 @@ def build_scheduler(config: ReplayConfig, timer: PhaseTimer | None = None,
 
 
 def open_storage(config: ReplayConfig):
-    """The storage tier of `config` (None without one). The replay's host tier holds slots, not bytes, so a
-    stored page is its header alone: a real store (keys, presence, persistence across runs) without KV bytes."""
+    """The storage tier of `config` (None without one), holding at least one page when capped. A simulated store
+    keeps the pages' keys; a real one, under the replay's host tier of slots, stores each page's header alone:
+    keys, presence and persistence across runs without KV bytes."""
     if config.storage is None:
         return None
-    capacity = config.storage_capacity_tokens
+    capacity = config.store_capacity_tokens
+    pages = None if capacity is None else max(1, capacity // config.page_size)
+    if is_simulated(config):
+        return SimStore(None if pages is None else pages * config.page_size)
     return open_store(config.storage, metadata_server=config.storage_metadata,
-                      capacity_bytes=None if capacity is None else
-                      max(1, capacity // config.page_size) * (HEADER_BYTES + CHECKSUM_BYTES))
+                      capacity_bytes=None if pages is None else pages * (HEADER_BYTES + CHECKSUM_BYTES))
+
+
+def is_simulated(config: ReplayConfig) -> bool:
+    """Whether `config`'s storage tier is a simulated store."""
+    return config.storage is not None and parse_store_spec(config.storage)[0] == "sim"
 
 
 class StepOutcome(NamedTuple):
@@ -99,7 +109,8 @@ class ReplicaSim:
 
     Requests arrive with `add_request` (at the replica's clock); `run_until(t)` takes steps while the clock is
     before `t`, each step advancing it by `cost`; `close()` returns the report. A cluster of replicas, each
-    with its own clock, routes every arrival to one of them after running them all until its time.
+    with its own clock, routes every arrival to one of them after running them all until its time. `storage`: a
+    store to use instead of opening config.storage's (see `build_scheduler`).
 
     >>> from kvmem.replay.config import ReplayConfig
     >>> from kvmem.replay.traces import TraceRequest
@@ -118,12 +129,12 @@ class ReplicaSim:
 
     def __init__(self, config: ReplayConfig, cost: StepCost | RooflineCost | None = None, *,
                  progress=None, event_sink: Callable[[KVCacheEvent], None] | None = None, name: str = "",
-                 policies: dict | None = None) -> None:
+                 policies: dict | None = None, storage=None) -> None:
         self.config = config
         self._note = f"kvmem-replay: {name}: " if name else "kvmem-replay: "  # how its notes on stderr start
         self.cost = cost_model(config) if cost is None else cost
         self.timer = PhaseTimer()
-        self.sched = build_scheduler(config, self.timer, event_sink, policies)
+        self.sched = build_scheduler(config, self.timer, event_sink, policies, storage)
         self.clock = 0.0
         self.report = ReplayReport(capacity_tokens=self.sched.token_allocator.size, cost_model=self.cost.name,
                                    num_gpus=self.cost.num_gpus)

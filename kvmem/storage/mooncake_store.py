@@ -7,12 +7,19 @@ memory segment of their own (`MooncakeServer` explains why): pages live in a lon
 Calls go in batches through registered staging memory (`batch_put_from`, `batch_get_into`, `batch_is_exist`:
 one master round trip per batch, no Python bytes per page). Mooncake reports every failure as a return code,
 never an exception: a full store (-200), a missing key (-704), an RPC error (-900 to -999: -900 a dead
-master, -901 one that does not answer in time). Once the master is gone every call blocks about 4 s before it
-fails (30 s for a master that hangs), and Mooncake's own `health_check()` keeps answering "healthy" while the
-client is busy (measured), so the store keeps its own view: an RPC error marks it down, and while down it skips
-every call (a miss, counted in `stats.failed_ops`), probing the master's port after `retry_s` seconds and
-resuming when it answers. Each RPC error in a row doubles that wait, up to 64 x `retry_s`: a hung master
-still accepts connections, so the probe alone cannot tell it from a live one.
+master, -901 one that does not answer in time). Every wait is bounded by `connect_timeout_s`: the store sets
+Mooncake's RPC timeout to it (`MC_RPC_TIMEOUT_MS`, read when a client is set up) and makes one setup attempt, so
+that joining a port where something else listens (which Mooncake retries for a minute) fails within it, with a
+one-line RuntimeError; the client's log of that failure is summed up in the error instead of printed. Once the
+master is gone every call blocks up to that long before it fails, and Mooncake's own `health_check()` keeps
+answering "healthy" while the client is busy (measured), so the store keeps its own view: an RPC error marks it
+down, and while down it skips every call (a miss, counted in `stats.failed_ops`), probing the master's port after
+`retry_s` seconds and resuming when it answers. Each RPC error in a row doubles that wait, up to 64 x `retry_s`:
+a hung master still accepts connections, so the probe alone cannot tell it from a live one.
+
+A value larger than a page of the reader's format cannot be read into its buffer (Mooncake refuses the read): the
+store counts it as corrupt and removes it, as any damaged value, so that the next write of the right page repairs
+the key.
 
 A store may be shared by threads (a cache's storage worker and a scheduler's lookups, replicas in one process):
 its reads and writes take turns, as they share one registered staging buffer.
@@ -20,9 +27,12 @@ its reads and writes take turns, as they share one registered staging buffer.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
+import sys
+import tempfile
 import threading
 import time
 
@@ -31,7 +41,8 @@ import numpy as np
 from kvmem._checks import check_int, check_number
 from kvmem.storage.base import PageStore
 
-SETUP_RETRIES = "2"  # Mooncake retries a failed setup 20 times, 4.5 s each, unless told otherwise
+SETUP_RETRIES = "1"  # Mooncake retries a failed setup 20 times unless told otherwise; the port probe comes first
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
 RPC_ERRORS = range(-999, -899)  # Mooncake's RPC error codes: -900 failed, -901 timed out, ...
 NOT_FOUND = -704
 MAX_BACKOFF = 64  # the longest wait between probes of a master that keeps failing, in retry_s
@@ -39,13 +50,67 @@ MAX_BACKOFF = 64  # the longest wait between probes of a master that keeps faili
 
 def _mooncake_store_class():
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # before the import: the client logs every setup otherwise
-    os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", SETUP_RETRIES)
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:
         raise RuntimeError(f"the Mooncake store is not installed: pip install 'kvmem[storage]' (on Debian, "
                            f"apt-get install libibverbs1 librdmacm1 first) ({e})") from None
     return MooncakeDistributedStore
+
+
+_SETUP_LOCK = threading.Lock()  # setup reads its settings from the process's environment
+
+
+@contextlib.contextmanager
+def _mooncake_settings(**settings: str):
+    """Sets Mooncake's environment settings for the block (a client reads them when it is set up), then restores
+    what was there."""
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+class _KeptLog:
+    """What the process wrote to its stderr (fd 2) during a block: Mooncake's C++ client logs there directly."""
+
+    text = ""
+
+    def first_error(self) -> str:
+        """The first error logged (glog's "E" lines), without its prefix (time, thread, source); "" for none."""
+        for line in self.text.splitlines():
+            if line.startswith("E") and "] " in line:
+                return line.split("] ", 1)[1].strip()
+        return ""
+
+    def replay(self) -> None:
+        """Prints what was kept, once the block is over."""
+        if self.text:
+            sys.stderr.write(self.text)
+            sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def _stderr_kept():
+    """Keeps what is written to fd 2 during the block in a `_KeptLog` instead of printing it."""
+    sys.stderr.flush()
+    log = _KeptLog()
+    with tempfile.TemporaryFile() as file:
+        saved = os.dup(2)
+        try:
+            os.dup2(file.fileno(), 2)
+            yield log
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            file.seek(0)
+            log.text = file.read().decode("utf-8", "replace")
 
 
 def _one_at_a_time(method):
@@ -62,17 +127,21 @@ class MooncakeStore(PageStore):
     """Pages in a Mooncake store whose master is at `master_addr` ("host:port").
 
     metadata_server: "P2PHANDSHAKE" (the default) or the master's metadata URL ("http://host:port/metadata").
-    local_buffer_mb: the client's transfer buffer. Raises RuntimeError when the library is missing or the master
-    cannot be reached.
+    local_buffer_mb: the client's transfer buffer. connect_timeout_s: the longest any wait on the master lasts (see
+    the module docstring). Raises RuntimeError (one line) when the library is missing or no master answers in time.
     """
 
     def __init__(self, master_addr: str, metadata_server: str = "P2PHANDSHAKE", *, local_buffer_mb: int = 64,
-                 batch_size: int = 32, retry_s: float = 1.0) -> None:
+                 batch_size: int = 32, retry_s: float = 1.0,
+                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
         super().__init__(batch_size)
         host, _, port = master_addr.rpartition(":") if isinstance(master_addr, str) else ("", "", "")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"master_addr must be 'host:port', got {master_addr!r}")
+        if not isinstance(metadata_server, str) or not metadata_server:
+            raise ValueError(f"metadata_server must be 'P2PHANDSHAKE' or a metadata URL, got {metadata_server!r}")
         local_buffer_mb = check_int("local_buffer_mb", local_buffer_mb, minimum=1)
+        self.connect_timeout_s = check_number("connect_timeout_s", connect_timeout_s, 0, allow_minimum=False)
         self.master_addr = master_addr
         self.retry_s = check_number("retry_s", retry_s, 0)
         self._master = (host, int(port))
@@ -80,15 +149,24 @@ class MooncakeStore(PageStore):
         self._next_probe = 0.0
         self._backoff = 0  # the wait before the next probe, in retry_s (doubles with each RPC error in a row)
         self._lock = threading.Lock()
+        self._store = None
         try:  # Mooncake's setup retries an absent master for seconds; a closed port says it at once
-            socket.create_connection(self._master, timeout=1.0).close()
+            socket.create_connection(self._master, timeout=self.connect_timeout_s).close()
         except OSError as e:
             raise RuntimeError(f"cannot join the Mooncake store at {master_addr}: no master answers there "
                                f"({e.strerror or e})") from None
-        self._store = _mooncake_store_class()()
-        rc = self._store.setup("127.0.0.1", metadata_server, 0, local_buffer_mb << 20, "tcp", "", master_addr)
-        if rc != 0:
-            raise RuntimeError(f"cannot join the Mooncake store at {master_addr} (setup returned {rc})")
+        store = _mooncake_store_class()()
+        with _SETUP_LOCK, _mooncake_settings(MC_RPC_TIMEOUT_MS=str(max(1, round(self.connect_timeout_s * 1000))),
+                                             MC_STORE_CLIENT_SETUP_RETRIES=SETUP_RETRIES), _stderr_kept() as log:
+            rc = store.setup("127.0.0.1", metadata_server, 0, local_buffer_mb << 20, "tcp", "", master_addr)
+        if rc == 0:
+            log.replay()  # nothing went wrong: what the client said is the user's to see
+        else:
+            said = log.first_error()
+            raise RuntimeError(f"cannot join the Mooncake store at {master_addr}: no Mooncake master answered "
+                               f"within {self.connect_timeout_s:g} s (connect_timeout_s; setup returned {rc}"
+                               f"{'; ' + said if said else ''})")
+        self._store = store
         self._staging = np.empty(0, dtype=np.uint8)
 
     def healthy(self) -> bool:
@@ -142,7 +220,9 @@ class MooncakeStore(PageStore):
         self._check_codes(codes)
         for i, got in enumerate(codes):
             if got <= 0:
-                if got != NOT_FOUND:  # anything else is the store failing
+                if got != NOT_FOUND and got not in RPC_ERRORS and self._store.get_size(keys[i]) > value_bytes:
+                    values.append(b"")  # larger than any page it could be: damaged, dropped by batch_get
+                elif got != NOT_FOUND:  # anything else is the store failing
                     self.stats.failed_ops += 1
                 break
             values.append(buf[i * value_bytes:i * value_bytes + got].tobytes())

@@ -14,9 +14,11 @@
 A value is loaded only if every field matches what the reader expects: its magic and version, its page size,
 the digest of the page the reader is looking for (so a value filed under the wrong key is never taken for
 the right page), the fingerprint of the reader's pool (another model, dtype or layout is a miss, not a wrong
-load), and its checksum (a corrupt or truncated value is a miss). `decode_page` returns None for any of these;
-`is_intact` tells a damaged value (which the store counts as corrupt and drops, so that it can be written again)
-from an intact one written for another reader (a miss it leaves for its owner).
+load), its payload length (what the reader's pool holds per page), and its checksum (a corrupt or truncated value
+is a miss). `decode_page` returns None for any of these; `is_foreign` tells an intact value written for another
+reader under its own key (a miss the store leaves for its owner) from every other failure: a damaged value, or an
+intact one filed under another page's key or of the wrong length, which the store counts as corrupt and drops, so
+that the next write of the right page stores it again.
 
 The checksum guards against corruption (bit rot, a torn or truncated write), not forgery: whoever can write a
 value can compute any checksum of it, so a store is trusted as much as its writers. CRC-32 catches every burst
@@ -61,9 +63,32 @@ def is_intact(value) -> bool:
         _CHECKSUM.unpack(view[end:])[0] == zlib.crc32(view[:end])
 
 
-def decode_page(value, digest: bytes, format_fingerprint: bytes, page_size: int) -> memoryview | None:
-    """The payload of `value` if it is an intact page with the expected digest, fingerprint and page size;
-    None otherwise (the caller counts it as a miss)."""
+def value_extent(header) -> tuple[bytes, int] | None:
+    """(the digest it claims, its whole length in bytes) of the value whose first HEADER_BYTES are `header`; None
+    unless its magic and version are right. What a reader walking values packed end to end needs; it proves
+    nothing about the value (`decode_page` does)."""
+    view = memoryview(header).cast("B")
+    if len(view) < HEADER_BYTES:
+        return None
+    magic, version, _, _, length, digest, _ = _HEADER.unpack(view[:HEADER_BYTES])
+    if (magic, version) != (MAGIC, FORMAT_VERSION):
+        return None
+    return digest, HEADER_BYTES + length + CHECKSUM_BYTES
+
+
+def is_foreign(value, digest: bytes, format_fingerprint: bytes, page_size: int) -> bool:
+    """Whether `value` is an intact page filed under its own `digest` but written for another pool format or page
+    size: another reader's page, not a damaged one."""
+    if not is_intact(value):
+        return False
+    _, _, _, size, _, stored_digest, stored_fingerprint = _HEADER.unpack(memoryview(value).cast("B")[:HEADER_BYTES])
+    return stored_digest == digest and (stored_fingerprint, size) != (format_fingerprint, page_size)
+
+
+def decode_page(value, digest: bytes, format_fingerprint: bytes, page_size: int,
+                payload_bytes: int | None = None) -> memoryview | None:
+    """The payload of `value` if it is an intact page with the expected digest, fingerprint and page size (and
+    `payload_bytes` long, unless None); None otherwise (the caller counts it as a miss)."""
     if value is None:
         return None
     view = memoryview(value).cast("B")
@@ -72,6 +97,8 @@ def decode_page(value, digest: bytes, format_fingerprint: bytes, page_size: int)
     magic, version, _, size, length, stored_digest, stored_fingerprint = _HEADER.unpack(view[:HEADER_BYTES])
     if (magic, version, size, stored_digest, stored_fingerprint) != (MAGIC, FORMAT_VERSION, page_size, digest,
                                                                       format_fingerprint):
+        return None
+    if payload_bytes is not None and length != payload_bytes:
         return None
     end = HEADER_BYTES + length
     if len(view) != end + CHECKSUM_BYTES:

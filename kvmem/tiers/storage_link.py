@@ -10,6 +10,9 @@ for a slow store unless its prefetch policy says so. Two rules keep them safe an
   policies, whose admission must not wait for the store, it counts the pages of queued writes as present (their
   read runs after them) and never waits, not even for a slow read queued before those writes.
 
+A store is not trusted to count: an answer that is not a count of the pages asked about (negative, too large, not
+an int, or an exception) is the store failing, a miss counted in its `stats.failed_ops`.
+
 Prefetch policies (when admission takes a prefetch's pages): "best_effort" takes what has arrived, "wait_complete"
 waits for the whole read, "timeout" waits at most `prefetch_timeout_s` for it. A read is issued in chunks of
 `read_chunk_pages` pages (one `batch_get` each, in order), so a prefetch taken while its read is still running gives
@@ -73,10 +76,14 @@ class _PageSnapshot:
     def __init__(self, host_pool, host_slots: np.ndarray) -> None:
         self.page_size = host_pool.page_size
         self._format = host_pool.storage_format()
+        self._payload_bytes = host_pool.page_payload_bytes()
         self._payloads = host_pool.read_pages(host_slots)
 
     def storage_format(self) -> str:
         return self._format
+
+    def page_payload_bytes(self) -> int:
+        return self._payload_bytes
 
     def check_host_slots(self, host_slots) -> np.ndarray:
         return np.asarray(host_slots)
@@ -94,6 +101,9 @@ class StorageLink:
             if not callable(getattr(storage, method, None)):
                 raise TypeError(f"storage must implement batch_exists, batch_get and batch_set "
                                 f"(kvmem.storage), got {type(storage).__name__}")
+        if not getattr(storage, "keeps_payloads", True) and host_pool.page_payload_bytes():
+            raise ValueError(f"storage {type(storage).__name__} keeps no KV bytes, and host_pool holds them: a "
+                             f"simulated store serves only a HostSlotPool (a replay's host tier)")
         if prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"prefetch_policy must be one of {PREFETCH_POLICIES}, got {prefetch_policy!r}")
         self.storage = storage
@@ -118,6 +128,8 @@ class StorageLink:
         def store() -> int:
             try:
                 stored = self.storage.batch_set(keys, snapshot, positions)
+            except Exception:  # noqa: BLE001 - a store that raises is a store that failed: nothing stored
+                stored = None
             finally:  # written, or failed: either way the store now says what it has
                 with self._queued_lock:
                     queued = self._queued_keys
@@ -125,6 +137,7 @@ class StorageLink:
                         queued[key] -= 1
                         if not queued[key]:
                             del queued[key]
+            stored = self._count(stored, len(keys))
             self.stats.stored_tokens += stored * snapshot.page_size
             return stored
         with self._queued_lock:
@@ -156,10 +169,20 @@ class StorageLink:
 
     def _exists(self, keys: list[str]) -> int:
         try:
-            return self.storage.batch_exists(keys)
+            found = self.storage.batch_exists(keys)
         except Exception:  # noqa: BLE001 - a store that raises is a store that failed: a miss
-            _count_failure(self.storage)
-            return 0
+            found = None
+        return self._count(found, len(keys))
+
+    def _count(self, pages, most: int) -> int:
+        """`pages`, a store's answer to a call on `most` pages, if it is a count of them; anything else (None for a
+        call that raised, a negative, too large or non-integer count) is the store failing: 0, counted."""
+        if isinstance(pages, (int, np.integer)) and not isinstance(pages, (bool, np.bool_)) and 0 <= pages <= most:
+            return int(pages)
+        stats = getattr(self.storage, "stats", None)
+        if stats is not None:
+            stats.failed_ops += 1
+        return 0
 
     def read(self, namespace, key: bytes, start: int, digests: bytes, host_slots: np.ndarray) -> Prefetch:
         """Starts reading the pages `digests` into `host_slots` on the worker, a chunk at a time."""
@@ -183,16 +206,14 @@ class StorageLink:
             if not future.done():
                 break
             taken = i + 1
-            chunk = min(step, prefetch.pages - i * step)
+            asked = min(step, prefetch.pages - i * step)
             try:
-                loaded = int(future.result())
+                loaded = future.result()
             except Exception:  # noqa: BLE001 - a store that raises is a store that failed: a miss
-                loaded = 0
-            if not 0 <= loaded <= chunk:  # a store that miscounts: nothing it read can be trusted to be there
-                _count_failure(self.storage)
-                loaded = 0
+                loaded = None
+            loaded = self._count(loaded, asked)
             pages += loaded
-            if loaded < chunk:  # the pages after a gap hang from nothing
+            if loaded < asked:  # the pages after a gap hang from nothing
                 break
         reading = np.zeros(prefetch.pages, dtype=bool)
         ps = self.host_pool.page_size
@@ -230,10 +251,3 @@ class StorageLink:
         """Waits for every queued write and read, then stops the worker."""
         self._closed = True
         self._worker.shutdown(wait=True)
-
-
-def _count_failure(storage) -> None:
-    """Counts a failed call in the store's stats (a store without stats counts nothing)."""
-    stats = getattr(storage, "stats", None)
-    if stats is not None:
-        stats.failed_ops += 1
