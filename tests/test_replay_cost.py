@@ -35,13 +35,13 @@ def test_a_prefill_that_loads_nothing_costs_no_load_time_however_slow_the_links(
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
 def test_link_bandwidths_are_in_decimal_gigabytes_per_second_exactly(tp):
-    cost = RooflineCost("H100", "llama-3-8b", tp=tp, h2d_gbps=1.0, storage_gbps=1.0)
+    cost = RooflineCost("H100", "llama-3-8b", tp=tp, h2d_gbps=1.0, storage_gbps=1.0, storage_latency_us=250.0)
     n = 10**6  # tokens of 131072 bytes (split over the GPUs), one new token: the load is the step
     prefix, seq = np.array([n]), np.array([n + 1])
     h2d = 131072 * n / (tp * 1e9)
     assert cost.extend_seconds(prefix, seq, loaded_tokens=n) == pytest.approx(h2d, rel=EXACT)
     assert cost.extend_seconds(prefix, seq, loaded_tokens=n, storage_tokens=n) == \
-        pytest.approx(h2d + 131072 * n / 1e9, rel=EXACT)
+        pytest.approx(h2d + 131072 * n / 1e9 + 250e-6, rel=EXACT)
 
 
 def test_a_compute_bound_decode_step_counts_the_attention_of_every_kv_token():
