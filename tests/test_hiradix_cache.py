@@ -336,6 +336,33 @@ def test_a_prefetch_hangs_its_pages_only_under_a_parent_whose_host_copy_landed(t
     w.cache.check_invariants()
 
 
+class WaitedTransfer(DelayedTransfer):
+    """A copy that lands only when waited for (a stream nothing else synchronizes): polling it never completes it,
+    and a cache that polls it without end fails the test instead of hanging."""
+
+    def done(self):
+        self.polls_left = getattr(self, "polls_left", 1000) - 1
+        assert self.polls_left > 0, "polled a copy that only a wait completes"
+        return self.polls < 0 and super().done()
+
+
+def test_a_prefetch_under_a_parent_whose_backup_is_queued_behind_another_waits_for_both(tmp_path):
+    prompt = tokens((100, 32))
+    first = World(page_size=4, storage=FileStore(tmp_path))
+    first.put(prompt)
+    first.cache.close()
+    w = World(page_size=4, storage=FileStore(tmp_path), prefetch_policy="wait_complete")
+    w.host.delay = 1
+    w.host._transfer = lambda copy: WaitedTransfer(1, copy)
+    w.put(tokens((500, 8)))              # another prompt's backup, issued first
+    w.put(prompt[:8])                    # the backup of the parent the prefetch's pages will hang from
+    assert len(w.cache._pending) == 2
+    assert w.cache.finish_prefetch(w.cache.prefetch(prompt + [1])) == 24
+    assert not w.cache._pending and w.cache.stats.backed_up_tokens == 16
+    w.cache.check_invariants()
+    w.check_content()
+
+
 def test_load_back_refuses_a_stale_length_and_a_foreign_node():
     w = World(device=16, host=64)
     w.put(tokens((1, 8)))
@@ -396,7 +423,8 @@ def test_reset_waits_for_backups_in_flight_however_deep_they_lock_and_refuses_on
 def assert_reset_refused_under_a_lock_then_empties_both_tiers(w, key):
     m = w.cache.match_prefix(key)
     w.cache.inc_lock_ref(m.last_node)
-    with pytest.raises(RuntimeError, match="requests lock"):
+    with pytest.raises(RuntimeError, match=r"^reset\(\) while requests lock cached tokens; release them "
+                                           r"\(dec_lock_ref\) first$"):
         w.cache.reset()
     w.cache.check_invariants()
     w.cache.dec_lock_ref(m.last_node)
