@@ -250,3 +250,49 @@ def test_a_slot_pool_refuses_a_size_below_one_slot_by_name_and_its_pages_carry_n
     pool.write_pages(slots, [b"", b""])
     with pytest.raises(ValueError, match="payloads must be 2 pages of 0 bytes"):
         pool.write_pages(slots, [b"", b"x"])
+
+
+# ---- construction ---------------------------------------------------------------------------------------------
+def test_a_host_pool_is_twice_the_device_by_default_and_whole_pages_at_any_ratio():
+    device = MHAKVPool(16, 4, torch.float16, 1, 8, 1)
+    assert HostKVPool(device).size == 32 and HostKVPool(device, ratio=2.6).size == 40   # 41.6 tokens: 10 pages
+    host = HostKVPool(device, size=48)
+    assert host.size == 48 and host.allocator.page_size == 4 and host.allocator.size == 48
+    assert HostKVPool(MHAKVPool(16, 2, torch.float16, 1, 8, 1)).allocator.page_size == 2
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(ratio=0), ValueError, "^ratio must be a finite number > 0, got 0$"),
+    (dict(size=0), ValueError, "^size must be a positive int, got 0$"),
+    (dict(size="32"), TypeError, "^size must be a positive int, got '32'$"),
+    (dict(size=1), ValueError, "^a host pool of 1 tokens must be larger than the device pool's 16$"),
+    (dict(model_id=5), TypeError, "^model_id must be a str, got int$"),
+])
+def test_a_host_pool_names_the_argument_it_refuses(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        HostKVPool(MHAKVPool(16, 1, torch.float16, 1, 8, 1), **kwargs)
+    with pytest.raises(TypeError, match="^device_pool must be an MHAKVPool or MLAKVPool, got object$"):
+        HostKVPool(object())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinned memory is refused only without CUDA")
+def test_pinned_host_memory_is_refused_without_cuda():
+    with pytest.raises(ValueError, match="^pin_memory needs CUDA: page-locked memory is for copies to a GPU$"):
+        HostKVPool(MHAKVPool(16, 1, torch.float16, 1, 8, 1), pin_memory=True)
+    assert HostKVPool(MHAKVPool(16, 1, torch.float16, 1, 8, 1), pin_memory=False).size == 32
+
+
+def test_a_host_pool_larger_than_the_machines_memory_is_refused(monkeypatch):
+    device = MHAKVPool(16, 4, torch.float16, 2, 8, 3)
+    need = (48 + 4) * 3 * (2 * 2 * 8 * 2)  # slots with the padding page x layers x a row's K and V bytes
+    monkeypatch.setattr("os.sysconf", lambda name: {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": need}[name])
+    HostKVPool(device, size=48)  # exactly what the machine has
+    with pytest.raises(ValueError) as raised:
+        HostKVPool(device, size=52)
+    assert str(raised.value).startswith("a host KV pool of 52 tokens needs 0.0 GiB of host memory")
+
+
+def test_copies_name_a_padding_slot_exactly():
+    host = HostKVPool(MHAKVPool(16, 1, torch.float32, 1, 4, 1), size=32)
+    with pytest.raises(ValueError, match="^device_slots holds slot 0, the padding slot$"):
+        host.load(torch.tensor([0, 1]), host.allocator.alloc(2))
