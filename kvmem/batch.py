@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from itertools import compress
 from typing import TYPE_CHECKING
 
@@ -142,14 +142,16 @@ def _as_token_array(rid, input_ids) -> array:
             raise ValueError(f"request {rid!r}: input_ids holds a token id outside int64")
         ids = array("q")
         ids.frombytes(np.ascontiguousarray(input_ids, dtype=np.int64).data.cast("B"))  # no bytes copy between
-    elif isinstance(input_ids, (bytes, bytearray, str)):
-        # array("q", b"...") would read raw bytes as machine integers.
-        raise TypeError(f"request {rid!r}: input_ids must hold ints, got {type(input_ids).__name__}")
+    elif isinstance(input_ids, (bytes, bytearray, str, Set, Mapping)):
+        # array("q", b"...") would read raw bytes as machine integers; a set or a dict has no order.
+        raise TypeError(f"request {rid!r}: input_ids must be a sequence of ints, got {type(input_ids).__name__}")
     else:
         try:
             ids = array("q", input_ids)
         except TypeError:
-            raise TypeError(f"request {rid!r}: input_ids must hold ints, got {type(input_ids).__name__}") from None
+            bad = next((t for t in input_ids if not isinstance(t, (int, np.integer))), input_ids) \
+                if isinstance(input_ids, Sequence) else input_ids
+            raise TypeError(f"request {rid!r}: input_ids must hold ints, got {type(bad).__name__}") from None
         except OverflowError:
             raise ValueError(f"request {rid!r}: input_ids holds a token id outside int64") from None
     if not ids:

@@ -88,7 +88,8 @@ class RadixCache(RadixTree):
     Args:
         req_to_token_pool: the requests' slot table (read and written by `cache_finished_req` /
             `cache_unfinished_req`).
-        token_allocator: where evicted slots go back; its page_size must equal `page_size`.
+        token_allocator: where evicted slots go back; its page_size must equal `page_size`. It serves this cache
+            alone: the cache marks the slots it holds there (`mark_cached`).
         page_size: tokens per page; keys are matched and inserted in whole pages.
         eviction_policy: a name of `kvmem.eviction.EVICTION_POLICIES` ("lru", "lfu", "fifo", "priority",
             "s3fifo", "arc", "2q", "gdsf", "lookahead", "multiturn"), a key function of a node, or an `EvictionPolicy`.

@@ -168,13 +168,13 @@ class Scheduler:
                              f"exceed max_context_len {self.req_to_token_pool.max_context_len}")
         if req.status is not ReqStatus.NEW:
             raise ValueError(f"request {req.rid!r} is already queued, running or finished ({req.status.value})")
+        key = req.match_key()
+        # A policy that looks ahead keeps what the request will match (and may refuse its id: before it is
+        # queued), and a storage tier starts reading the prompt's pages now, while the request waits.
+        self.tree_cache.request_waiting(req.rid, key, req.namespace)
+        req.prefetch = self.tree_cache.prefetch(key, req.namespace)
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
-        key = req.match_key()
-        # A storage tier starts reading the prompt's pages now, while the request waits to be admitted, and a
-        # policy that looks ahead keeps what it will match.
-        req.prefetch = self.tree_cache.prefetch(key, req.namespace)
-        self.tree_cache.request_waiting(req.rid, key, req.namespace)
 
     def abort(self, req: Req) -> None:
         """Drops a queued or running request: a waiting one leaves the queue (its storage prefetch released), a

@@ -70,7 +70,7 @@ def test_two_decodes_continuing_the_same_page_are_refused():
 
 def test_a_node_of_another_tree_is_refused_by_lock_and_unlock():
     pool, alloc = ReqToTokenPool(2, 8), TokenAllocator(32)
-    mine, other = RadixCache(pool, alloc), RadixCache(pool, alloc)
+    mine, other = RadixCache(pool, TokenAllocator(32)), RadixCache(pool, alloc)  # an allocator serves one cache
     other.insert([1, 2, 3], alloc.alloc(3))
     node = other.match_prefix([1, 2, 3]).last_node
     for call in (mine.inc_lock_ref, mine.dec_lock_ref):
@@ -260,3 +260,29 @@ def test_absurd_options_end_in_one_line_naming_the_problem(capsys, argv, message
     code, out, err = run_cli(capsys, *argv, "--limit", "3", "--no-progress")
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("input_ids, message", [({1, 2}, "must be a sequence of ints, got set"),
+                                                 ({1: 2}, "must be a sequence of ints, got dict"),
+                                                 ([1.0, 2.0], "must hold ints, got float"),
+                                                 ([1, "2"], "must hold ints, got str")])
+def test_a_prompt_in_no_order_or_of_other_kinds_is_refused_naming_what_it_holds(input_ids, message):
+    with pytest.raises(TypeError, match=f"request 'a': input_ids {message}"):
+        Req("a", input_ids, 1)
+
+
+def test_a_request_the_tree_refuses_on_queueing_is_not_queued():
+    from kvmem.scheduler import Scheduler
+
+    pool, alloc = ReqToTokenPool(2, 64), TokenAllocator(64)
+    tree = RadixCache(pool, alloc)
+    sched = Scheduler(pool, alloc, tree)
+
+    def refuse(rid, key, namespace=None):
+        raise ValueError(f"request id {rid!r} is not in the trace")
+
+    tree.request_waiting = refuse
+    req = Req("stranger", [1, 2, 3], 1)
+    with pytest.raises(ValueError, match="not in the trace"):
+        sched.add_request(req)
+    assert not sched.waiting and req.status.value == "new" and sched.is_idle()

@@ -112,6 +112,19 @@ def test_merge_state_rejects_mismatched_states(args, error, message):
         merge_state(*args)
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_an_lse_of_nan_or_plus_infinity_is_refused_not_merged_into_zeros(bad):
+    v, s = torch.ones(2, HQ, D), torch.zeros(2, HQ)
+    broken = s.clone()
+    broken[1, 2] = bad
+    with pytest.raises(ValueError, match="s_a holds NaN or \\+inf"):
+        merge_state(v, broken, v, s)
+    with pytest.raises(ValueError, match="s_b holds NaN or \\+inf"):
+        merge_state(v, s, v, broken)
+    with pytest.raises(ValueError, match="s holds NaN or \\+inf"):
+        merge_states(torch.stack((v, v), dim=1), torch.stack((s, broken), dim=1))
+
+
 # ---- cascade levels from the tree ----------------------------------------------------------------------
 class Server:
     """A scheduler, its tree and random paged K/V for every slot of the pool."""
@@ -284,6 +297,23 @@ def test_a_short_shared_segment_is_read_with_what_follows_it():
     assert md.num_levels == 2 and md.levels[0].kv_indptr.tolist() == [0, 0, 64]
 
 
+@pytest.mark.parametrize("page_size, chat_len, at_least, kept", [
+    (1, 40, 40, [[0, 0, 64], [0, 0, 40]]),  # the 40-token chat holds exactly min_shared_tokens: kept
+    (1, 40, 41, [[0, 0, 64]]),              # one token short: read with the requests' own tokens
+    (1, 40, 64, [[0, 0, 64]]),              # the system prompt at the boundary, the chat below it
+    (1, 40, 65, [[0, 0, 104]]),             # system prompt and chat together: one span for the odd requests
+    (1, 8, 72, [[0, 0, 72]]),               # a span of two segments, exactly at the boundary
+    (1, 8, 73, []),
+    (16, 32, 96, [[0, 0, 6]]),              # whole pages: 96 tokens are 6 pages
+    (16, 32, 97, []),
+])
+def test_a_shared_entry_holds_at_least_min_shared_tokens_and_exactly_that_many_is_enough(page_size, chat_len,
+                                                                                        at_least, kept):
+    server, batch = system_prompt_batch(page_size=page_size, chat_len=chat_len)
+    md = server.check_cascade_equals_flat(batch, min_shared_tokens=at_least)
+    assert [level.kv_indptr.tolist() for level in md.levels[:-1]] == kept
+
+
 def test_prefixes_shared_at_three_depths_give_four_levels():
     a, b, c = list(range(100, 164)), list(range(300, 348)), list(range(500, 532))
     prompts = [a + [900], a + b + [901], a + b + [902], a + b + c + [903], a + b + c + [904, 905]]
@@ -343,6 +373,22 @@ def test_cascade_metadata_rejects_bad_limits(kwargs, error, message):
     server, batch = system_prompt_batch()
     with pytest.raises(error, match=message):
         build_cascade_metadata(batch, server.tree, **kwargs)
+
+
+@pytest.mark.parametrize("args, name", [
+    (lambda server, batch: (None, server.tree), "batch must be a ScheduleBatch, got NoneType"),
+    (lambda server, batch: (server.sched, server.tree), "batch must be a ScheduleBatch, got Scheduler"),
+    (lambda server, batch: (batch, None), "tree must be the batch's radix cache .*, got NoneType"),
+    (lambda server, batch: (batch, server.sched), "tree must be the batch's radix cache .*, got Scheduler"),
+    (lambda server, batch: (batch, batch.req_to_token_pool), "tree must be"),
+])
+def test_cascade_metadata_rejects_arguments_of_the_wrong_type_by_name(args, name):
+    server, batch = system_prompt_batch()
+    with pytest.raises(TypeError, match=name):
+        build_cascade_metadata(*args(server, batch))
+    for kwargs in (dict(min_shared_tokens=None), dict(max_levels="2")):
+        with pytest.raises(TypeError, match=next(iter(kwargs))):
+            build_cascade_metadata(batch, server.tree, **kwargs)
 
 
 def test_cascade_metadata_rejects_another_tree():

@@ -9,10 +9,11 @@ from kvmem.events import MEDIUM_CPU_PINNED, MEDIUM_GPU
 from kvmem.page_hash import event_hashes
 from kvmem.replay.cluster import ClusterReplay, replay_cluster
 from kvmem.replay.config import ReplayConfig
+from kvmem.replay.cost import StepCost
 from kvmem.replay.simulator import replay
 from kvmem.replay.synthetic import multi_turn_chat, shared_system_prompts
 from kvmem.replay.traces import TraceRequest
-from kvmem.router import POLICIES
+from kvmem.router import POLICIES, ReplicaLoad
 
 
 def config_for(trace, capacity=4096, **kw):
@@ -135,6 +136,59 @@ def test_the_router_sees_each_request_prefilled_and_each_replica_its_prefill_tim
     assert sim._prefill_tokens == [0, 0, 0] and not sim._queued_prefill  # every routed prompt was prefilled
     for busy, prefill, routed in zip(report.busy_seconds, report.prefill_seconds, report.routed):
         assert 0 < prefill < busy and routed > 0
+
+
+def loads_seen(sim):
+    """Records the loads the router of `sim` is handed at each routing, in order."""
+    seen, route = [], sim.router.route
+    sim.router.route = lambda hashes, loads, num_tokens: seen.append(loads) or route(hashes, loads, num_tokens)
+    return seen
+
+
+def test_the_router_sees_each_replicas_running_requests_active_blocks_and_queued_prefill_in_their_fields():
+    # At page 16 the fields differ in kind (requests, pages, tokens); at page 1 with kv-overlap's default weight,
+    # active blocks and prefill tokens swapped would cost the same.
+    z, a, b, c = (list(range(1000 * k, 1000 * k + 64)) for k in (1, 2, 3, 4))
+    requests = [TraceRequest(z, 2, 0.0), TraceRequest(a, 200, 0.5), TraceRequest(b, 4, 1.0), TraceRequest(c, 4, 1.0)]
+    sim = ClusterReplay(requests, ReplayConfig(capacity_tokens=1024, max_context_len=512, page_size=16), 2,
+                        "kv-overlap")
+    seen = loads_seen(sim)
+    assert sim.run().routed == [2, 2]
+    assert seen[1] == [ReplicaLoad(), ReplicaLoad()]  # z finished on replica 0: its pages are cached, not pinned
+    # b at 1 s: a (on replica 0) was prefilled and has decoded for a while (at most 17 steps of 30 ms): it pins its
+    # pages, and only those (z's are evictable), and queues no prefill.
+    running, active, prefill = seen[2][0]
+    assert (running, prefill) == (1, 0) and 64 // 16 < active <= (64 + 17) // 16 + 1 and seen[2][1] == ReplicaLoad()
+    # c at the same instant: b went to replica 1, whose step has not run: 64 prompt tokens queued, no page pinned.
+    assert seen[3] == [seen[2][0], ReplicaLoad(running_requests=1, active_blocks=0, prefill_tokens=64)]
+
+
+def test_a_step_that_ends_as_a_request_arrives_is_seen_by_the_router_and_the_request_joins_the_next_step():
+    # Exact binary times: a's prefill takes 0.25 + 64 / 256 = 0.5 s, decode steps 0.25 s; b arrives at 0.5 s.
+    cost = StepCost(decode_step_s=0.25, prefill_tokens_per_s=256.0)
+    a, b = list(range(1000, 1064)), list(range(2000, 2064))
+    config = ReplayConfig(capacity_tokens=1024, max_context_len=512, page_size=16)
+    for a_tokens, loads in ((1, ReplicaLoad()), (3, ReplicaLoad(running_requests=1, active_blocks=4))):
+        requests = [TraceRequest(a, a_tokens, 0.0), TraceRequest(b, 2, 0.5)]
+        sim = ClusterReplay(requests, config, 1, "kv-overlap", cost=cost)
+        seen = loads_seen(sim)
+        cluster = sim.run()
+        assert seen[1] == [loads]  # a's step ended at 0.5 s: finished, or pinning its prompt's 4 pages
+        single = replay(requests, config, cost=cost)
+        assert list(cluster.reports[0].ttft_s) == list(single.ttft_s) == [0.5, 0.5]  # b prefilled at once
+
+
+def test_the_router_counts_as_cached_the_whole_pages_before_a_prompts_last_token_as_a_replica_matches():
+    prompt = list(range(1000, 1064))  # 4 pages: a replica matches 63 tokens, 3 whole pages
+    other = list(range(5000, 5064))
+    requests = [TraceRequest(prompt, 2, 0.0), TraceRequest(prompt, 2, 100.0), TraceRequest(other, 2, 100.0)]
+    sim = ClusterReplay(requests, ReplayConfig(capacity_tokens=1024, max_context_len=512, page_size=16), 2,
+                        "cache-aware")
+    seen = loads_seen(sim)
+    report = sim.run()
+    assert report.routed == [2, 1] and report.index_cached_tokens == report.to_json()["cached_tokens"] == 48
+    assert seen[1] == [ReplicaLoad(), ReplicaLoad()]
+    assert seen[2] == [ReplicaLoad(running_requests=1, prefill_tokens=64 - 48), ReplicaLoad()]  # what is left
 
 
 def test_round_robin_takes_replicas_in_turn_and_reports_the_imbalance():

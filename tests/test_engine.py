@@ -184,6 +184,40 @@ def test_engine_arguments_of_the_wrong_kind_are_named():
     assert engine.is_idle()
 
 
+@pytest.mark.parametrize("prompts, max_new_tokens, error, match", [
+    (None, 2, TypeError, "prompts must be a sequence of prompts .*got NoneType"),
+    (5, 2, TypeError, "prompts must be .*got int"),
+    ("ab", 2, TypeError, "prompts must be .*got str"),
+    ({0: [1, 2]}, 2, TypeError, "prompts must be .*got dict"),
+    ([{1, 2}], 2, TypeError, r"request 'prompts\[0\]': input_ids must be a sequence of token ids, got set"),
+    ([{1: 2}], 2, TypeError, r"request 'prompts\[0\]': input_ids must be a sequence .*got dict"),
+    ([[1, 2]], None, TypeError, "max_new_tokens must be an int or one per prompt, got NoneType"),
+    ([[1, 2]], "3", TypeError, "max_new_tokens must be an int or one per prompt, got str"),
+    ([[1, 2], [3]], {2, 4}, TypeError, "max_new_tokens .* got set"),
+    ([[1, 2]], {0: 3}, TypeError, "max_new_tokens .* got dict"),
+    ([[1, 2]], True, TypeError, "max_new_tokens must be a positive int, got True"),
+    ([[1, 2]], 0, ValueError, "max_new_tokens must be a positive int, got 0"),
+])
+def test_generate_refuses_arguments_of_the_wrong_kind_by_name_and_stays_idle(prompts, max_new_tokens, error, match):
+    engine = Engine(model_of("llama-tiny"), capacity_tokens=64)
+    with pytest.raises(error, match=match):
+        engine.generate(prompts, max_new_tokens)
+    assert engine.is_idle() and engine.stats.requests == 0 and engine.token_allocator.available_size() == 64
+
+
+def test_add_request_refuses_a_prompt_in_no_order_by_name():
+    engine = Engine(model_of("llama-tiny"), capacity_tokens=64)
+    with pytest.raises(TypeError, match="request 0: input_ids must be a sequence of token ids, got set"):
+        engine.add_request({1, 2}, 2)
+    assert engine.is_idle()
+
+
+def test_generate_takes_any_iterable_of_prompts():
+    engine = Engine(model_of("llama-tiny"), capacity_tokens=64)
+    want = engine.generate([[1, 2], [3, 4]], 2)
+    assert engine.generate(([1, 2], [3, 4]), 2) == engine.generate(iter([[1, 2], [3, 4]]), iter([2, 2])) == want
+
+
 def test_bad_requests_are_rejected_by_name_while_the_others_keep_running():
     model = model_of("llama-tiny")
     prompts = workload()[:4]

@@ -262,6 +262,26 @@ def test_a_restarted_engine_is_followed_from_zero_and_its_old_blocks_cleared(ctx
     raw.close(linger=0)
 
 
+def test_a_live_frame_numbered_at_the_top_of_the_sequence_range_is_malformed_and_the_stream_goes_on(ctx):
+    # 2**64-1 is the replay's end marker (-1 signed): no batch can carry it. Applied, it left next_seq at 2**64,
+    # which no replay request can name: every later sync() raised OverflowError.
+    index = BlockIndex(1)
+    raw, sub = live_subscriber(ctx, index, replay_endpoint="tcp://127.0.0.1:9")
+    with sub:
+        for seq, block in ((2**64 - 1, 50), (1, 2)):
+            raw.send_multipart([b"kv-events", seq.to_bytes(8, "big"), encode_batch(EventBatch(0.0, [stored(block)]))])
+        for _ in range(100):
+            if sub.next_seq == 2:
+                break
+            sub.poll(0.05)
+        assert index.blocks(0) == {1, 2}
+        assert (sub.malformed, sub.lost, sub.clears, sub.next_seq) == (1, 0, 0, 2)
+        assert sub.sync() is False  # nothing answers on port 9; it must not raise
+        with pytest.raises(ValueError, match="seq"):
+            sub.catch_up(2**64 - 1)
+    raw.close(linger=0)
+
+
 def test_an_older_engines_replay_without_the_topic_frame_fills_a_gap(ctx):
     router = ctx.socket(zmq.ROUTER)
     router.bind(LOCAL)
@@ -285,6 +305,55 @@ def test_an_older_engines_replay_without_the_topic_frame_fills_a_gap(ctx):
         assert index.blocks(0) == {1, 2, 3, 4} and (sub.replayed, sub.malformed, sub.lost) == (2, 0, 0)
     raw.close(linger=0)
     router.close(linger=0)
+
+
+def test_a_sync_ahead_of_the_live_stream_counts_what_the_live_stream_skipped_and_its_duplicates(ctx):
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(LOCAL)
+    payloads = [encode_batch(EventBatch(0.0, [stored(b)])) for b in (1, 2, 3, 4)]
+
+    def answer():  # a frame without the empty delimiter first (not a replay frame), then batches 1..3, the end
+        if router.poll(TIMEOUT_MS):
+            client, _, start = router.recv_multipart()
+            router.send_multipart([client, b"junk", b"kv-events", (1).to_bytes(8, "big"),
+                                   encode_batch(EventBatch(0.0, [stored(666)]))])
+            for seq in range(int.from_bytes(start, "big"), 4):
+                router.send_multipart([client, b"", b"kv-events", seq.to_bytes(8, "big"), payloads[seq]])
+            router.send_multipart([client, b"", b"", END_SEQ, b""])
+
+    index = BlockIndex(1)
+    raw, sub = live_subscriber(ctx, index, replay_endpoint=router.getsockopt_string(zmq.LAST_ENDPOINT))
+    with sub:
+        thread = threading.Thread(target=answer)
+        thread.start()
+        sub.replay_timeout = TIMEOUT_MS / 1000
+        assert sub.sync()  # batches 1..3 from the replay: ahead of the live stream
+        thread.join(timeout=TIMEOUT_MS / 1000)
+        received = sub.received
+        raw.send_multipart([b"kv-events", (3).to_bytes(8, "big"), payloads[3]])  # the live stream skipped 1, 2
+        for _ in range(100):
+            if sub.received > received:
+                break
+            sub.poll(0.05)
+        assert index.blocks(0) == {1, 2, 3, 4}
+        assert (sub.missed, sub.duplicates, sub.applied, sub.replayed, sub.malformed) == (2, 1, 4, 3, 1)
+    raw.close(linger=0)
+    router.close(linger=0)
+
+
+def test_a_live_batch_numbered_as_the_last_live_one_is_a_restarted_engines(ctx):
+    index = BlockIndex(1)
+    raw, sub = live_subscriber(ctx, index, replay_endpoint="tcp://127.0.0.1:9")
+    with sub:
+        received, restarts = sub.received, sub.restarts
+        for seq, block in ((1, 2), (1, 101)):  # the restarted engine's 0 was not seen here
+            raw.send_multipart([b"kv-events", seq.to_bytes(8, "big"), encode_batch(EventBatch(0.0, [stored(block)]))])
+        for _ in range(100):
+            if sub.received == received + 2:
+                break
+            sub.poll(0.05)
+        assert index.blocks(0) == {101} and sub.restarts == restarts + 1 and sub.next_seq == 2
+    raw.close(linger=0)
 
 
 def test_a_replay_that_never_answers_returns_false_within_its_timeout():

@@ -36,6 +36,11 @@ def test_events_default_to_the_gpu_medium_and_hold_tuples():
     assert STORED.block_hashes == (1, 2**64 - 1) and STORED.token_ids == (10, 11, 12, 13)
 
 
+def test_token_ids_span_int64_and_hashes_span_signed_through_unsigned_64_bits():
+    e = BlockStored([-(2**63), 2**64 - 1], 0, [-(2**63), 2**63 - 1], 1)
+    assert e.token_ids == (-(2**63), 2**63 - 1) and e.block_hashes == (-(2**63), 2**64 - 1)
+
+
 def test_numpy_hashes_and_tokens_become_python_ints():
     e = BlockStored(np.array([5, 6], dtype=np.uint64), np.uint64(4), np.arange(4), 2)
     assert e == BlockStored([5, 6], 4, [0, 1, 2, 3], 2)
@@ -45,7 +50,10 @@ def test_numpy_hashes_and_tokens_become_python_ints():
 @pytest.mark.parametrize("make, error, match", [
     (lambda: BlockStored([], None, [], 1), ValueError, "block_hashes is empty"),
     (lambda: BlockStored([1], None, [1, 2], 1), ValueError, "must be 1"),
-    (lambda: BlockStored([1], None, [1], 0), ValueError, "block_size"),
+    (lambda: BlockStored([1], None, [1], 0), ValueError, "block_size must be a positive int"),
+    (lambda: BlockStored([1], None, [], 0), ValueError, "block_size must be a positive int"),
+    (lambda: BlockStored([1], None, [2**63], 1), ValueError, "token_ids holds a token id outside int64"),
+    (lambda: EventBatch(float("nan"), []), ValueError, "ts must be a number"),
     (lambda: BlockStored([1.5], None, [1], 1), TypeError, "block_hashes"),
     (lambda: BlockStored([True], None, [1], 1), TypeError, "block_hashes"),
     (lambda: BlockStored([2**64], None, [1], 1), ValueError, "64-bit"),
@@ -54,6 +62,9 @@ def test_numpy_hashes_and_tokens_become_python_ints():
     (lambda: BlockStored([1], None, "a", 1), TypeError, "token_ids"),
     (lambda: BlockStored([1], None, [1], 1, medium=3), TypeError, "medium"),
     (lambda: BlockStored([1], None, [1], 1, lora_id="a"), TypeError, "lora_id"),
+    (lambda: BlockStored({1, 2}, None, [1, 2], 1), TypeError, "block_hashes must be a sequence.*got set"),
+    (lambda: BlockStored([1], None, {7: 0}, 1), TypeError, "token_ids must be a sequence.*got dict"),
+    (lambda: BlockRemoved({1: 0}), TypeError, "block_hashes"),
     (lambda: BlockRemoved(5), TypeError, "block_hashes"),
     (lambda: BlockRemoved([]), ValueError, "empty"),
     (lambda: EventBatch("now", []), ValueError, "ts"),
@@ -123,10 +134,16 @@ def test_decoding_accepts_older_layouts_bytes_hashes_and_unknown_fields():
     (msgpack.packb([1.0, [["Teleported", [1]]]]), "unknown type 'Teleported'"),
     (msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1]}]]), "lacks required"),
     (msgpack.packb([1.0, [["BlockStored", [1], None]]]), "lacks required"),
+    (msgpack.packb([1.0, [["BlockStored", [1], None, [1]]]]), "lacks required field\\(s\\) \\['block_size'\\]"),
     (msgpack.packb([1.0, [["BlockStored", [1], None, [1, 2], 1]]]), "event 0 \\(BlockStored\\).*must be 1"),
     (msgpack.packb([1.0, [["BlockRemoved", [1.5]]]]), "block_hashes"),
     (msgpack.packb([1.0, [["BlockRemoved", [1], 5]]]), "medium"),
     (msgpack.packb([1.0, [["BlockRemoved", [True]]]]), "block_hashes"),
+    # a map where an array belongs: its keys would have been read as the hashes or tokens
+    (msgpack.packb([1.0, [["BlockRemoved", {5: 1}]]]), "block_hashes must be a sequence.*got dict"),
+    (msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": {1: 0, 2: 0}, "parent_block_hash": None,
+                           "token_ids": [1, 2], "block_size": 1}]]), "block_hashes must be a sequence.*got dict"),
+    (msgpack.packb([1.0, [["BlockStored", [1, 2], None, {1: 1, 2: 2}, 1]]]), "token_ids must be a sequence.*dict"),
 ])
 def test_malformed_payloads_raise_event_decode_error_naming_the_problem(payload, match):
     with pytest.raises(EventDecodeError, match=match):
@@ -180,3 +197,23 @@ def test_collector_refuses_what_is_not_an_event():
         EventCollector(data_parallel_rank=-1)
     with pytest.raises(TypeError, match="clock"):
         EventCollector(clock=5)
+
+
+def test_a_clock_that_fails_loses_no_event_the_next_take_batch_sends_them():
+    ticks = iter([RuntimeError("clock down"), "not a time", 4.0])
+
+    def clock():
+        tick = next(ticks)
+        if isinstance(tick, Exception):
+            raise tick
+        return tick
+
+    sink = EventCollector(clock=clock)
+    sink(STORED)
+    with pytest.raises(RuntimeError, match="clock down"):
+        sink.take_batch()
+    sink(AllBlocksCleared())
+    with pytest.raises(ValueError, match="ts"):
+        sink.take_batch()
+    assert len(sink) == 2
+    assert sink.take_batch() == EventBatch(4.0, [STORED, AllBlocksCleared()]) and len(sink) == 0

@@ -9,6 +9,7 @@ import pytest
 from kvmem import HiRadixCache, PagedTokenAllocator, Req, ReqToTokenPool, Scheduler, SchedulerConfig, TokenAllocator
 from kvmem.eviction import ARC, EVICTION_POLICIES, GDSF, S3FIFO, KeyedPolicy, Lookahead, MultiTurn, TwoQ, make_policy
 from kvmem.eviction.base import lru
+from kvmem.eviction.queues import QueuedPolicy
 from kvmem.eviction.turns import TurnTable
 from kvmem.radix_cache import RadixCache
 from kvmem.tiers import HostSlotPool
@@ -56,6 +57,30 @@ def test_a_key_that_reads_the_node_size_stays_current_across_a_split():
     cache.check_invariants()
 
 
+@pytest.mark.parametrize("policy", ["lfu", "priority"])
+def test_lfu_and_priority_break_ties_by_recency(policy):
+    cache, _ = make_cache(policy=policy)
+    put(cache, seq(0))
+    put(cache, seq(10))
+    cache.match_prefix(seq(10))
+    cache.match_prefix(seq(0))  # the same hits and priority: the older use goes
+    cache.evict(1)
+    assert cached_sequences(cache) == {tuple(seq(0))}
+
+
+def test_a_key_functions_policy_is_named_after_the_function_or_its_class():
+    def newest_first(node):
+        return -node.last_access
+
+    class Deepest:
+        def __call__(self, node):
+            return -node.depth
+
+    assert [KeyedPolicy(key).name for key in (newest_first, Deepest())] == ["newest_first", "Deepest"]
+    assert make_cache(policy=newest_first)[0].eviction_policy == "newest_first"
+    assert KeyedPolicy(newest_first, "mine").name == "mine"
+
+
 # ---- S3-FIFO --------------------------------------------------------------------------------------------------
 def test_s3fifo_lets_a_one_hit_prefix_go_before_one_reused_while_on_probation():
     cache, _ = make_cache(policy="s3fifo")
@@ -74,6 +99,70 @@ def test_s3fifo_readmits_a_recently_evicted_prefix_to_the_main_queue():
     put(cache, seq(0))  # recomputed while remembered: main queue
     put(cache, seq(20))
     cache.evict(8)
+    assert cached_sequences(cache) == {tuple(seq(0))}
+
+
+@pytest.mark.parametrize("max_freq, kept", [(3, seq(0)), (2, seq(0)), (1, seq(10))])
+def test_s3fifo_gives_a_node_in_the_main_queue_one_more_round_per_hit_up_to_max_freq(max_freq, kept):
+    cache, _ = make_cache(policy=S3FIFO(max_freq=max_freq))
+    for start in (0, 10, 20):
+        put(cache, seq(start))
+    cache.match_prefix(seq(0))
+    cache.match_prefix(seq(10))
+    cache.evict(4)  # seq(0) and seq(10) were reused on probation: main queue; seq(20) goes
+    for _ in range(3):
+        cache.match_prefix(seq(0))
+    cache.match_prefix(seq(10))
+    # seq(0) (3 hits) gets min(3, max_freq) rounds, one fewer each time it reaches the head; seq(10) (1 hit) one.
+    cache.evict(4)
+    assert cached_sequences(cache) == {tuple(kept)}
+    cache.check_invariants()
+
+
+def test_s3fifo_counts_only_the_hits_since_a_node_reached_the_main_queue():
+    cache, _ = make_cache(policy="s3fifo")
+    for start in (0, 10, 20):
+        put(cache, seq(start))
+    for _ in range(3):
+        cache.match_prefix(seq(0))
+    cache.match_prefix(seq(10))
+    cache.evict(4)  # both reused on probation: main queue, their counts restarted; seq(20) goes
+    cache.match_prefix(seq(10))
+    cache.evict(4)  # seq(0)'s three hits were spent getting there: it goes, seq(10) gets its round
+    assert cached_sequences(cache) == {tuple(seq(10))}
+
+
+def test_s3fifo_remembers_only_what_left_the_small_queue_and_only_within_its_ghost_budget():
+    cache, _ = make_cache(policy="s3fifo")
+    put(cache, seq(0))
+    put(cache, seq(10))
+    cache.match_prefix(seq(0))
+    cache.evict(4)  # seq(0) to the main queue, seq(10) out of the small one
+    cache.evict(4)  # seq(0) out of the main queue: no ghost
+    put(cache, seq(0))
+    put(cache, seq(20))
+    cache.evict(4)  # seq(0) came back on probation, the oldest there
+    assert cached_sequences(cache) == {tuple(seq(20))}
+    # The ghost list holds (1 - small_ratio) of the most tokens held: 8 of 16 here, two 4-token prefixes.
+    cache, _ = make_cache(policy=S3FIFO(small_ratio=0.5))
+    for start in (0, 10, 20, 30):
+        put(cache, seq(start))
+    cache.evict(12)  # seq(0), seq(10), seq(20) leave the small queue; seq(0)'s name is trimmed
+    put(cache, seq(0))
+    put(cache, seq(40))
+    cache.evict(8)  # seq(30), then seq(0): back on probation, not remembered
+    assert cached_sequences(cache) == {tuple(seq(40))}
+
+
+def test_s3fifo_takes_from_the_small_queue_while_it_holds_at_least_its_share():
+    cache, _ = make_cache(policy=S3FIFO(small_ratio=0.5))
+    put(cache, seq(0))
+    cache.match_prefix(seq(0))
+    put(cache, seq(10))
+    cache.evict(4)  # seq(0) to the main queue; seq(10) is then exactly half of what is held: it goes
+    assert cached_sequences(cache) == {tuple(seq(0))}
+    put(cache, seq(20))
+    cache.evict(4)  # again exactly half
     assert cached_sequences(cache) == {tuple(seq(0))}
 
 
@@ -97,6 +186,37 @@ def test_arc_grows_its_recency_target_when_a_prefix_evicted_from_t1_comes_back()
     assert cache._policy.target >= 4
 
 
+def test_arc_puts_a_returning_ghost_in_t2_and_takes_t1_only_while_it_is_above_the_target():
+    cache, _ = make_cache(policy="arc")
+    put(cache, seq(0))
+    cache.evict(4)
+    put(cache, seq(0))  # back from B1: in T2, and the target is 4 tokens
+    assert cache._policy.target == 4
+    put(cache, seq(10))
+    put(cache, seq(20))
+    cache.evict(4)      # T1 holds 8 > 4: its least recently used
+    assert cached_sequences(cache) == {tuple(seq(0)), tuple(seq(20))}
+    cache.evict(4)      # T1 holds exactly the target now: T2's
+    assert cached_sequences(cache) == {tuple(seq(20))}
+    cache.reset()
+    assert cache._policy.target == 0
+
+
+def test_arcs_target_never_exceeds_the_most_tokens_held():
+    alloc = TokenAllocator(8192)
+    arc = ARC()
+    cache = RadixCache(ReqToTokenPool(2, 4096), alloc, eviction_policy=arc)
+    x, w, y = ([k] + list(range(10000 * k, 10000 * k + n - 1)) for k, n in ((1, 100), (2, 100), (3, 500)))
+    for key in (x, w, y):
+        cache.insert(key, alloc.alloc(len(key)))
+    cache.match_prefix(y)  # y in T2
+    cache.evict(700)       # x, w to B1; y to B2
+    cache.insert(x, alloc.alloc(len(x)))
+    assert arc.target == 250  # 500 / 200 x 100
+    cache.insert(w, alloc.alloc(len(w)))
+    assert arc.target == 700  # 250 + 500 / 100 x 100, capped at the 700 tokens held at most
+
+
 def test_arc_moves_its_target_by_the_ghost_lists_ratio_with_the_returning_prefix_counted():
     alloc = TokenAllocator(8192)
     arc = ARC()
@@ -111,6 +231,23 @@ def test_arc_moves_its_target_by_the_ghost_lists_ratio_with_the_returning_prefix
     cache.insert(x, alloc.alloc(len(x)))
     # FAST'03: p += max(|B2| / |B1|, 1) * |x| with x still in B1: 500 / 100 * 100. It was 2600, all the cache.
     assert arc.target == 500
+
+
+def test_arc_shrinks_its_target_by_the_ghost_lists_ratio_when_a_prefix_evicted_from_t2_comes_back():
+    alloc = TokenAllocator(8192)
+    arc = ARC()
+    cache = RadixCache(ReqToTokenPool(2, 4096), alloc, eviction_policy=arc)
+    a, w, y = ([k] + list(range(10000 * k, 10000 * k + n - 1)) for k, n in ((1, 2000), (2, 300), (3, 100)))
+    for key in (a, w, y):
+        cache.insert(key, alloc.alloc(len(key)))
+    cache.match_prefix(y)  # y in T2
+    cache.evict(2300)      # a, then w, to B1
+    cache.evict(100)       # y to B2
+    cache.insert(a, alloc.alloc(len(a)))
+    assert arc.target == 2000  # B1 hit: + max(|B2| / |B1|, 1) * |a| = 1 * 2000
+    cache.insert(y, alloc.alloc(len(y)))
+    assert arc.target == 1700  # B2 hit: - max(|B1| / |B2|, 1) * |y| = 300 / 100 * 100, y counted in B2
+    cache.check_invariants()
 
 
 @pytest.mark.parametrize("name", ["s3fifo", "arc", "2q", "lookahead+s3fifo"])
@@ -141,6 +278,60 @@ def test_2q_ignores_hits_on_probation_and_promotes_what_comes_back_from_the_ghos
     assert cached_sequences(cache) == {tuple(seq(0))}
 
 
+def test_2q_main_queue_is_lru_and_a1in_gives_way_only_above_its_share():
+    cache, _ = make_cache(policy=TwoQ(kin=0.5))
+    put(cache, seq(0))
+    put(cache, seq(10))
+    cache.evict(4)  # seq(0) leaves A1in: a ghost
+    put(cache, seq(0))  # back: Am
+    cache.evict(4)  # A1in holds exactly kin of the tokens, not more: Am's seq(0) goes
+    assert cached_sequences(cache) == {tuple(seq(10))}
+    cache, _ = make_cache(policy="2q")
+    put(cache, seq(0))
+    put(cache, seq(10))
+    cache.evict(4)
+    put(cache, seq(0))  # Am
+    cache.evict(4)      # A1in's seq(10) goes: a ghost
+    put(cache, seq(10))  # Am, after seq(0)
+    cache.match_prefix(seq(0))
+    cache.evict(4)      # A1in is empty: Am's least recently used
+    assert cached_sequences(cache) == {tuple(seq(0))}
+
+
+def test_2q_a1in_is_fifo_a_prefix_used_and_released_on_probation_keeps_its_place():
+    cache, _ = make_cache(policy="2q")
+    put(cache, seq(0))
+    put(cache, seq(10))
+    node = cache.match_prefix(seq(0)).last_node
+    cache.inc_lock_ref(node)  # a request uses it: it leaves the evictable set ...
+    cache.dec_lock_ref(node)  # ... and comes back, under its first place in A1in
+    cache.evict(4)
+    assert cached_sequences(cache) == {tuple(seq(10))}
+
+
+def test_2q_remembers_only_what_left_a1in_and_only_within_kout():
+    cache, _ = make_cache(policy="2q")
+    put(cache, seq(0))
+    put(cache, seq(10))
+    cache.evict(4)
+    put(cache, seq(0))  # Am
+    cache.evict(4)      # seq(10) from A1in
+    cache.evict(4)      # seq(0) from Am: no ghost
+    put(cache, seq(0))
+    put(cache, seq(20))
+    cache.evict(4)      # seq(0) came back to A1in, the oldest there
+    assert cached_sequences(cache) == {tuple(seq(20))}
+    # A1out holds kout (0.5) of the most tokens held: 8 of 16 here, two 4-token prefixes.
+    cache, _ = make_cache(policy="2q")
+    for start in (0, 10, 20, 30):
+        put(cache, seq(start))
+    cache.evict(12)  # seq(0), seq(10), seq(20) leave A1in; seq(0)'s name is trimmed
+    put(cache, seq(0))
+    put(cache, seq(40))
+    cache.evict(8)   # seq(30), then seq(0): back in A1in, not remembered
+    assert cached_sequences(cache) == {tuple(seq(40))}
+
+
 # ---- GDSF -----------------------------------------------------------------------------------------------------
 def test_gdsf_keeps_the_deeper_page_when_recency_and_frequency_are_equal():
     cache, _ = make_cache(size=64, policy=GDSF(attention_crossover=4))
@@ -148,6 +339,52 @@ def test_gdsf_keeps_the_deeper_page_when_recency_and_frequency_are_equal():
     put(cache, seq(10))               # the same size at depth 0, inserted later
     cache.evict(1)
     assert cached_sequences(cache) == {tuple(seq(100, 16) + seq(0))}
+
+
+def test_gdsf_prices_a_token_by_its_depth_plus_half_its_node():
+    # cost / size = 1 + (depth + n / 2) / crossover: a 4-token leaf at depth 16 is worth more than one at the root;
+    # an 8-token root leaf (1 + 4 / 4) less than a 1-token leaf at depth 6 (1 + 6.5 / 4).
+    cache, _ = make_cache(size=64, policy=GDSF(attention_crossover=4))
+    put(cache, seq(100, 16))
+    put(cache, seq(100, 16) + seq(0))
+    put(cache, seq(10))
+    cache.evict(1)
+    assert cached_sequences(cache) == {tuple(seq(100, 16) + seq(0))}
+    cache, _ = make_cache(size=64, policy=GDSF(attention_crossover=4))
+    put(cache, seq(0, 8))
+    put(cache, seq(200, 6))
+    put(cache, seq(200, 6) + [300])
+    cache.evict(1)
+    assert cached_sequences(cache) == {tuple(seq(200, 6) + [300])}
+
+
+def test_gdsf_ranks_a_leaf_by_the_inflation_of_its_last_access_and_never_lowers_the_inflation():
+    cache, _ = make_cache(size=64, policy=GDSF(attention_crossover=4))
+    put(cache, seq(0) + seq(10))
+    put(cache, seq(0) + seq(20))  # seq(0) is internal, last used now, at inflation 0
+    put(cache, seq(40))
+    cache.evict(4)                # seq(40): H = 1.5, the inflation rises to it
+    put(cache, seq(60))           # H = 1.5 + 1.5
+    cache.evict(8)                # the two branches (H = 1 + 6 / 4): the inflation is 2.5
+    assert cache._policy.inflation == 2.5
+    cache.evict(4)                # seq(0), a leaf now, at the inflation of its last use: 0 + 1.5 < 3
+    assert cached_sequences(cache) == {tuple(seq(60))} and cache._policy.inflation == 2.5
+    cache.check_invariants()
+
+
+def test_gdsf_evictions_after_an_access_in_the_same_clock_tick_do_not_inflate_it():
+    cache, _ = make_cache(size=64, policy=GDSF(attention_crossover=4))
+    put(cache, seq(40))
+    for _ in range(3):
+        cache.match_prefix(seq(40))  # H = 4 x 1.5
+    put(cache, seq(60, 8))           # H = 2, at this tick
+    (node,) = (n for n, path in tree_nodes(cache) if path == tuple(seq(60, 8)))
+    cache.inc_lock_ref(node)
+    cache.evict(4)                   # seq(40) goes in this same tick: the inflation is 6 from now on
+    cache.dec_lock_ref(node)         # seq(60, 8) is ranked again: its access came before that eviction
+    put(cache, seq(80))              # H = 6 + 1.5
+    cache.evict(8)
+    assert cached_sequences(cache) == {tuple(seq(80))}
 
 
 def test_gdsf_raises_its_inflation_to_each_victims_priority_so_old_frequency_ages_out():
@@ -186,6 +423,64 @@ def test_lookahead_follows_the_tree_as_it_grows_along_a_waiting_request():
     cache.check_invariants()
 
 
+@pytest.mark.parametrize("extra, followed", [(4, True), (3, False)])
+def test_lookahead_follows_a_key_that_goes_on_by_exactly_one_more_page_and_not_by_less(extra, followed):
+    cache, _ = make_cache(page_size=4, policy="lookahead")
+    put(cache, seq(0))
+    cache.request_waiting("r", seq(0) + seq(10, extra))  # the key ends at a page boundary, or a token short of it
+    put(cache, seq(0) + seq(10))  # the tree grows by that page: the mark moves down to it only if r will match it
+    put(cache, seq(50))
+    cache.evict(4)
+    # Not followed, the new page is nobody's: it goes, and the marked seq(0) is a leaf again.
+    assert cached_sequences(cache) == ({tuple(seq(0) + seq(10))} if followed else {tuple(seq(0)), tuple(seq(50))})
+    cache.check_invariants()
+
+
+def test_lookahead_keeps_a_prefix_until_the_last_request_waiting_for_it_is_admitted():
+    cache, _ = make_cache(policy="lookahead")
+    put(cache, seq(0))
+    put(cache, seq(10))
+    cache.request_waiting("r", seq(0) + [99])
+    cache.request_waiting("s", seq(0) + [98])
+    cache.request_admitted("r")
+    cache.evict(4)  # s still waits for seq(0)
+    assert cached_sequences(cache) == {tuple(seq(0))}
+
+
+def test_lookahead_a_request_queued_again_drops_its_old_mark():
+    cache, _ = make_cache(policy="lookahead")
+    put(cache, seq(10))
+    put(cache, seq(0))
+    cache.request_waiting("r", seq(0) + [99])
+    cache.request_waiting("r", seq(10) + [99])  # queued again, now for seq(10)
+    cache.evict(4)
+    assert cached_sequences(cache) == {tuple(seq(10))}
+
+
+def test_lookahead_does_not_follow_a_key_that_leaves_the_edge_it_ends_in():
+    cache, _ = make_cache(policy="lookahead")
+    put(cache, seq(0, 8))
+    cache.request_waiting("r", seq(0) + [77, 78, 79, 80] + seq(20))  # leaves seq(0, 8)'s edge after 4 tokens
+    put(cache, seq(0, 8) + seq(20))  # not what r will match, though it goes on with r's next tokens
+    put(cache, seq(50))
+    cache.evict(4)
+    assert cached_sequences(cache) == {tuple(seq(0, 8)), tuple(seq(50))}
+
+
+def test_lookahead_keeps_no_state_for_what_was_evicted_or_admitted():
+    cache, _ = make_cache(policy="lookahead")
+    put(cache, seq(0))
+    cache.request_waiting("r", seq(0) + seq(10) + seq(20) + [99])
+    put(cache, seq(0) + seq(10))  # r's mark moves down a node, and waits for the next one
+    cache.request_waiting("s", seq(30) + seq(40) + [99])  # nothing cached: waits at the root for seq(30)
+    policy = cache._policy
+    assert len(policy._follow) == 2 and all(policy._follow.values())  # where r and s wait, nothing else
+    cache.evict(1000)  # the marked node goes too, at last
+    cache.request_admitted("r")
+    cache.request_admitted("s")
+    assert (policy._follow, policy._follow_at, policy._expected, policy._target, policy._keys) == ({}, {}, {}, {}, {})
+
+
 def test_lookahead_keeps_a_prefix_a_waiting_request_matches_partway_and_only_in_its_namespace():
     cache, _ = make_cache(policy="lookahead")
     put(cache, seq(0, 8))
@@ -214,6 +509,20 @@ def test_a_split_head_keeps_its_place_in_a_queued_policy():
     cache.evict(4)                        # seq(50): the head is a leaf now, in its old place ...
     cache.evict(4)                        # ... before seq(20)
     assert cached_sequences(cache) == {tuple(seq(20))}
+    cache.check_invariants()
+
+
+def test_a_split_head_keeps_its_own_place_when_its_child_gets_a_second_chance():
+    cache, _ = make_cache(policy="s3fifo")
+    put(cache, seq(0, 8))
+    put(cache, seq(20))
+    put(cache, seq(0) + seq(50))  # splits seq(0, 8): the head seq(0) keeps the probation place it had
+    cache.match_prefix(seq(0, 8))  # both halves reused
+    cache.match_prefix(seq(20))
+    cache.evict(4)  # the back half, then seq(20), to the main queue; seq(50) goes. The head stays on probation,
+    cache.evict(4)  # where it lands when the back half goes.
+    cache.evict(4)  # So it gets its own second chance, and seq(20), not reused in the main queue, goes.
+    assert cached_sequences(cache) == {tuple(seq(0))}
     cache.check_invariants()
 
 
@@ -404,6 +713,40 @@ def test_lookahead_over_multiturn_infers_turns_through_its_base():
     cache.check_invariants()
 
 
+def test_multiturn_a_match_of_exactly_the_continuation_share_continues_the_conversation():
+    sched, _ = multiturn_scheduler(MultiTurn(continuation=0.5))
+    serve(sched, Req("a", seq(10, 8), max_new_tokens=1))
+    assert serve(sched, Req("b", seq(10, 8) + seq(30, 8), max_new_tokens=1)) == 1  # 8 of 16
+    assert serve(sched, Req("c", seq(10, 7) + seq(50, 9), max_new_tokens=1)) == 0  # 7 of 16
+
+
+def test_multiturn_at_continuation_zero_a_prompt_that_matches_nothing_is_still_a_first_prompt():
+    sched, _ = multiturn_scheduler(MultiTurn(continuation=0))
+    assert serve(sched, Req("a", seq(10, 8), max_new_tokens=1)) == 0
+    assert serve(sched, Req("b", seq(10, 2) + seq(30, 8), max_new_tokens=1)) == 1
+
+
+@pytest.mark.parametrize("ghosts, remembered", [(1, "c"), (2, "bc")])
+def test_multiturn_remembers_the_last_ghosts_evictions(ghosts, remembered):
+    sched, cache = multiturn_scheduler(MultiTurn(ghosts=ghosts), size=128)
+    prompts = {name: seq(100 * k, 24) for k, name in enumerate("abc", start=1)}
+    for name, prompt in prompts.items():
+        serve(sched, Req(name, prompt, max_new_tokens=1))
+    cache.evict(1000)  # a, b, c in that order
+    turns = {name: serve(sched, Req(name + "'", prompt + seq(900, 4), max_new_tokens=1))
+             for name, prompt in prompts.items()}
+    assert turns == {name: int(name in remembered) for name in "abc"}
+
+
+def test_multiturn_finds_a_ghost_by_its_whole_first_page_when_pages_are_longer_than_ghost_tokens():
+    pool, alloc = ReqToTokenPool(4, 128), PagedTokenAllocator(128, 8)
+    cache = RadixCache(pool, alloc, page_size=8, eviction_policy=MultiTurn(ghost_tokens=4))
+    sched = Scheduler(pool, alloc, cache)
+    serve(sched, Req("a", seq(10, 24), max_new_tokens=1))
+    cache.evict(1000)
+    assert serve(sched, Req("b", seq(10, 24) + seq(40, 8), max_new_tokens=1)) == 1
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"turn_bonus": -1}, "turn_bonus"), ({"max_turns": 1.5}, "max_turns"),
     ({"continuation": 1.5}, "continuation must lie in"), ({"continuation": -0.1}, "continuation"),
@@ -513,3 +856,53 @@ def test_gdsf_prunes_its_inflation_history_without_changing_any_leafs_priority()
         cache.evict(6)
         cache.check_invariants()  # every entry's priority recomputes to the same value
     assert policy._pruned and len(policy._ticks) < 100
+
+
+# ---- bad constructor arguments --------------------------------------------------------------------------------
+def queued_policy(**kwargs):
+    """The queue-based policies' common base, with its abstract parts stubbed: only its constructor runs."""
+    return type("Stub", (QueuedPolicy,), {"add": None, "pop": None, "is_current": None})(**kwargs)
+
+
+@pytest.mark.parametrize(("make", "error", "name"), [
+    (lambda: S3FIFO(max_freq="3"), TypeError, "max_freq"),
+    (lambda: S3FIFO(max_freq=None), TypeError, "max_freq"),
+    (lambda: S3FIFO(max_freq=2.0), TypeError, "max_freq"),
+    (lambda: S3FIFO(max_freq=-1), ValueError, "max_freq"),
+    (lambda: S3FIFO(max_freq=0), ValueError, "max_freq"),
+    (lambda: S3FIFO(small_ratio="0.1"), ValueError, "small_ratio"),
+    (lambda: S3FIFO(small_ratio=None), ValueError, "small_ratio"),
+    (lambda: S3FIFO(small_ratio=1.0), ValueError, "small_ratio"),
+    (lambda: S3FIFO(small_ratio=float("nan")), ValueError, "small_ratio"),
+    (lambda: TwoQ(kin="0.25"), ValueError, "kin"),
+    (lambda: TwoQ(kin=True), ValueError, "kin"),
+    (lambda: TwoQ(kin=0), ValueError, "kin"),
+    (lambda: TwoQ(kout=None), ValueError, "kout"),
+    (lambda: TwoQ(kout=0), ValueError, "kout"),
+    (lambda: TwoQ(kout=float("inf")), ValueError, "kout"),
+    (lambda: GDSF("32768"), ValueError, "attention_crossover"),
+    (lambda: GDSF(None), ValueError, "attention_crossover"),
+    (lambda: GDSF(True), ValueError, "attention_crossover"),
+    (lambda: GDSF(-1.0), ValueError, "attention_crossover"),
+    (lambda: KeyedPolicy(None), TypeError, "key"),
+    (lambda: KeyedPolicy("lru"), TypeError, "key"),
+    (lambda: KeyedPolicy(lru, 5), TypeError, "name"),
+    (lambda: Lookahead("lru"), TypeError, "base"),
+    (lambda: Lookahead(lru), TypeError, "base"),
+    (lambda: Lookahead(Lookahead()), ValueError, "base must not look ahead"),
+    (lambda: MultiTurn(turn_bonus="1500"), TypeError, "turn_bonus"),
+    (lambda: MultiTurn(ghost_tokens=None), TypeError, "ghost_tokens"),
+    (lambda: queued_policy(queues="2", ghosts=1), TypeError, "queues"),
+    (lambda: queued_policy(queues=0, ghosts=1), ValueError, "queues"),
+    (lambda: queued_policy(queues=2, ghosts=-1), ValueError, "ghosts"),
+])
+def test_policy_constructors_refuse_a_parameter_of_the_wrong_type_or_sign_by_name(make, error, name):
+    with pytest.raises(error, match=name):
+        make()
+
+
+def test_lookahead_refuses_a_base_that_already_serves_a_tier():
+    base = S3FIFO()
+    make_cache(policy=base)
+    with pytest.raises(ValueError, match="base: this 's3fifo' policy already orders"):
+        Lookahead(base)

@@ -1,7 +1,7 @@
 """The native replay engine against the Python reference: the same report, field for field (timings aside), on
 random small traces and on fixed configurations of real and synthetic traces.
 
-The reference is kvmem.replay.simulator.replay, whose decode runs (Scheduler.run_decode) stand for decode steps
+The reference is kvmem.replay.simulator.replay, whose decode runs (ReplayScheduler.run_decode) stand for decode steps
 taken one by one; the random traces also replay with the runs turned off, so that all three agree. They are
 small on purpose: capacities of a few pages force evictions, retractions and rejections, a few tokens' alphabet
 makes different pages share first tokens, and follow-up prompts that quote a request's output hit its decode
@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from kvmem.replay import native_replay
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.cost import StepCost
+from kvmem.replay.decode_runs import ReplayScheduler
 from kvmem.replay.simulator import replay as python_replay
 from kvmem.replay.synthetic import GENERATORS
 from kvmem.replay.traces import (
@@ -34,7 +35,7 @@ from kvmem.replay.traces import (
     read_trace,
     write_jsonl,
 )
-from kvmem.scheduler import Scheduler, SchedulerConfig
+from kvmem.scheduler import SchedulerConfig
 
 NATIVE = native_replay.load_native()
 pytestmark = pytest.mark.skipif(isinstance(NATIVE, ImportError),
@@ -56,7 +57,7 @@ def assert_same_report(requests, config: ReplayConfig, *, one_by_one: bool = Fal
     native = fields(native_replay.replay(requests, config))
     assert native == fields(python_replay(requests, config))
     if one_by_one:  # the reference without its decode runs: every step through Scheduler.step
-        with mock.patch.object(Scheduler, "pure_decode_steps", lambda self: 0):
+        with mock.patch.object(ReplayScheduler, "pure_decode_steps", lambda self: 0):
             assert native == fields(python_replay(requests, config))
     return native
 

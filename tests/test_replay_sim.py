@@ -153,6 +153,39 @@ def test_loads_from_the_host_overlap_the_prefill_they_feed():
     assert loaded == pytest.approx(max(compute, 20000 * 131072 / 50e9)) and loaded > compute
 
 
+def test_a_prefill_after_a_cached_prefix_and_a_huge_decode_batch_are_priced_by_the_roofline():
+    cost = RooflineCost("H100", "llama-3-8b", mfu=0.5, mbu=0.8)
+    flops_per_s, bytes_per_s = 0.5 * 989.5e12, 0.8 * 3.35e12
+    # Queries 1000..5095 attend to keys 1..1001 .. 1..5096: (5096 x 5097 - 1000 x 1001) / 2 pairs.
+    flops = 2 * 8.03e9 * 4096 + (5096 * 5097 - 1000 * 1001) / 2 * 2 * 256 * 32 * 32
+    assert cost.extend_seconds(np.array([1000]), np.array([5096])) == pytest.approx(flops / flops_per_s)
+    # One new token after 10**6 cached ones: bandwidth-bound, it reads the weights and every token's KV once.
+    moved = 8.03e9 * 2 + (10**6 + 1) * 131072
+    assert cost.extend_seconds(np.array([10**6]), np.array([10**6 + 1])) == pytest.approx(moved / bytes_per_s)
+    # 10**5 requests decoding with no KV: compute-bound, every one through the weights.
+    assert cost.decode_seconds(10**5, 0) == pytest.approx(2 * 8.03e9 * 10**5 / flops_per_s)
+
+
+def test_cost_models_take_the_edges_of_their_ranges_and_each_gpus_own_host_link():
+    assert StepCost(decode_step_s=0).extend_seconds(np.array([0]), np.array([500])) == 0.01
+    full = RooflineCost("H100", "llama-3-8b", mfu=1.0, mbu=1.0)
+    assert full.decode_seconds(1, 0) == pytest.approx(8.03e9 * 2 / 3.35e12)
+    assert [RooflineCost(gpu, "llama-3-8b").h2d_gbps for gpu in ("H100", "A100", "L40S")] == [50.0, 25.0, 25.0]
+
+
+@pytest.mark.parametrize("model, tp, copies", [("llama-3-8b", 2, 1), ("llama-3-8b", 16, 2), ("deepseek-v3", 8, 8)])
+def test_under_tensor_parallelism_each_gpu_loads_its_share_of_the_kv_over_its_own_host_link(model, tp, copies):
+    # llama-3-8b's 8 KV heads split over 2 GPUs, or each kept twice over 16; deepseek-v3's latent whole on all 8.
+    cost = RooflineCost("H100", model, tp=tp, h2d_gbps=50.0, storage_gbps=10.0)
+    n, kv = 10**6, cost.kv_bytes_per_token * copies  # tokens loaded; a token's KV on all the GPUs together
+    prefix, seq = np.array([n]), np.array([n + 1])   # one new token: the load is the step
+    assert cost.extend_seconds(prefix, seq, loaded_tokens=n) == pytest.approx(kv * n / (tp * 50e9))
+    # Read from the storage tier first (a round trip, then the bytes), then over the host links: one store,
+    # shared by every GPU.
+    assert cost.extend_seconds(prefix, seq, loaded_tokens=n, storage_tokens=n) == \
+        pytest.approx(kv * n / (tp * 50e9) + cost.storage_latency_us * 1e-6 + kv * n / 10e9)
+
+
 def test_a_prefill_that_reads_from_storage_waits_one_round_trip_then_the_bytes_at_its_bandwidth():
     cost = RooflineCost("H100", "llama-3-8b", storage_gbps=10.0, storage_latency_us=250.0)
     compute = cost.extend_seconds(np.array([20000]), np.array([20100]))

@@ -51,6 +51,14 @@ def test_prefix_overlap_stops_at_the_first_missing_block():
     assert index.prefix_overlaps([1, 2, 3], medium=MEDIUM_CPU_PINNED) == [0, 0, 0, 0]
 
 
+def test_a_block_no_replica_holds_ends_every_replicas_prefix_even_where_later_blocks_are_held():
+    index = index_with([1, 2, 3, 4], [1, 3, 4])
+    assert index.prefix_overlaps([1, 9, 2, 3, 4]) == [1, 1]  # 9 is nobody's: what follows it is no prefix
+    assert index.prefix_overlaps([9, 1, 2]) == [0, 0]
+    router = Router("cache-aware", 2, index=index_with([1, 2, 3, 4, 7, 8], [5, 6]))
+    assert router.route([1, 9, 2, 3, 4], [IDLE, IDLE]) == 1  # 1 block of 5 <= 0.3: the smaller tree, not "4 of 5"
+
+
 replica_events = st.lists(st.tuples(st.integers(0, 2), st.one_of(
     st.builds(stored, st.lists(st.integers(0, 9), min_size=1, max_size=4),
               st.sampled_from(["GPU", MEDIUM_CPU_PINNED])),
@@ -138,6 +146,23 @@ def test_cache_aware_equal_matches_go_to_the_less_loaded_replica():
 def test_cache_aware_switches_to_least_load_only_when_both_thresholds_are_passed(loads, expected):
     router = Router("cache-aware", 2, index=index_with([1, 2, 3], []))
     assert router.route([1, 2, 3], [ReplicaLoad(n) for n in loads]) == expected
+
+
+@pytest.mark.parametrize("loads, expected", [
+    ((74, 10), 0),     # 64 apart: not more than balance_abs_threshold, so balanced
+    ((75, 10), 1),
+    ((300, 200), 0),   # 300 is exactly 1.5 x 200: not more, so balanced
+    ((301, 200), 1),
+])
+def test_cache_aware_thresholds_are_strict_at_their_boundaries(loads, expected):
+    router = Router("cache-aware", 2, index=index_with([1, 2, 3], []))
+    assert router.route([1, 2, 3], [ReplicaLoad(n) for n in loads]) == expected
+
+
+def test_a_match_of_exactly_the_cache_threshold_is_not_enough():
+    router = Router("cache-aware", 2, index=index_with([1, 2, 7, 8], [9]), cache_threshold=0.5)
+    assert router.route([1, 2, 3, 4], [IDLE, IDLE]) == 1     # 2/4 is not above 0.5: the smaller tree
+    assert router.route([1, 2, 3], [IDLE, IDLE], 3) == 0      # 2/3 is
 
 
 def test_cache_aware_thresholds_are_sglangs_by_default_and_settable():

@@ -45,11 +45,12 @@ import torch
 
 from kvmem._checks import check_int
 from kvmem.attention.metadata import PagedKVMetadata
+from kvmem.batch import ScheduleBatch
 from kvmem.kernels.kv_indices import _create_kv_indices, _create_kv_indptr, _kv_last_page_len
+from kvmem.radix_tree import RadixTree
 
 if TYPE_CHECKING:
-    from kvmem.batch import ScheduleBatch
-    from kvmem.radix_tree import RadixTree, TreeNode
+    from kvmem.radix_tree import TreeNode
 
 DEFAULT_MAX_LEVELS = 3
 
@@ -100,9 +101,14 @@ def build_cascade_metadata(batch: ScheduleBatch, tree: RadixTree, *, min_shared_
         max_levels: at most this many levels (>= 1), the own-suffix level included; 1 gives flat attention.
 
     Raises ValueError (changing nothing) for an empty batch, a page size other than the tree's, or a
-    request whose last_node is not in `tree` or does not cover its cache_protected_len tokens, and
-    RuntimeError before the batch is prepared.
+    request whose last_node is not in `tree` or does not cover its cache_protected_len tokens, TypeError
+    naming `batch` or `tree` when it is not a ScheduleBatch or a radix tree, and RuntimeError before the batch
+    is prepared.
     """
+    if not isinstance(batch, ScheduleBatch):
+        raise TypeError(f"batch must be a ScheduleBatch, got {type(batch).__name__}")
+    if not isinstance(tree, RadixTree):
+        raise TypeError(f"tree must be the batch's radix cache (a RadixTree), got {type(tree).__name__}")
     min_shared_tokens = check_int("min_shared_tokens", min_shared_tokens, minimum=0)
     max_levels = check_int("max_levels", max_levels, minimum=1)
     if batch.forward_mode is None:

@@ -15,7 +15,9 @@ that base, so states from FlashInfer and from kvmem's reference mix freely. A na
 `torch.logsumexp`) converts as `s_base2 = s_natural * math.log2(math.e)`.
 
 An empty index set has the state (0, -inf): merging it changes nothing, and merging two empty states gives
-(0, -inf) here, where FlashInfer's two-state kernel would divide 0 by 0.
+(0, -inf) here, where FlashInfer's two-state kernel would divide 0 by 0. An lse of NaN or +inf is no state
+(finite scores never give either: an overflow or a broken kernel upstream); both functions raise ValueError on
+one rather than return a plausible zero output.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
     Returns:
         (v, s): v [seq_len, num_heads, head_dim] in v_a's dtype, the attention output over A and B together;
         s [seq_len, num_heads] float32, its base-2 log-sum-exp.
+
+    Raises TypeError / ValueError naming the argument for a non-float tensor, mismatched shapes, or an lse that
+    holds NaN or +inf (-inf is an empty segment and merges as one).
     """
     _check_state("v_a", v_a, "s_a", s_a, 3)
     _check_state("v_b", v_b, "s_b", s_b, 3)
@@ -53,6 +58,8 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     Returns:
         (v, s): [seq_len, num_heads, head_dim] in v's dtype and [seq_len, num_heads] float32. With no states
         (num_states 0) the output is zeros and the lse -inf, as for an empty KV set.
+
+    Raises as merge_state does (an lse holding NaN or +inf: ValueError naming s).
     """
     _check_state("v", v, "s", s, 4)
     out, lse = _merge(v, s)
@@ -83,3 +90,6 @@ def _check_state(v_name: str, v: torch.Tensor, s_name: str, s: torch.Tensor, dim
     if v.dim() != dim or s.shape != v.shape[:-1]:
         raise ValueError(f"{v_name} must be {dim}-D and {s_name} its shape without the last dim, got "
                          f"{tuple(v.shape)} and {tuple(s.shape)}")
+    # The merge would weigh such a state 0 (or every state NaN) and return zeros: a wrong answer, not a NaN.
+    if (torch.isnan(s) | torch.isposinf(s)).any():
+        raise ValueError(f"{s_name} holds NaN or +inf: not the log-sum-exp of finite scores")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -22,6 +22,7 @@ from kvmem.req_to_token import ReqToTokenPool
 from kvmem.scheduler import Scheduler, SchedulerConfig
 
 DEFAULT_MAX_RUNNING_REQUESTS = 256
+_UNORDERED = (Mapping, Set)  # iterable, but not in an order a caller chose
 
 
 class RequestOutput(NamedTuple):
@@ -155,6 +156,9 @@ class Engine:
     def _new_req(self, rid, input_ids, max_new_tokens) -> Req:
         """The Req for a prompt, or raises naming `rid`; checks everything Scheduler.add_request would reject,
         in the words of the model and the pool."""
+        if isinstance(input_ids, _UNORDERED):  # Req would take its keys, in no particular order
+            raise TypeError(f"request {rid!r}: input_ids must be a sequence of token ids, got "
+                            f"{type(input_ids).__name__}")
         req = Req(rid, input_ids, max_new_tokens)
         ids = np.frombuffer(req.input_ids, dtype=np.int64)
         bad = np.flatnonzero((ids < 0) | (ids >= self.adapter.vocab_size))
@@ -227,15 +231,20 @@ class Engine:
                  stop_token_ids: Sequence[int] | None = None) -> list[list[int]]:
         """Greedy outputs of `prompts`, in order, batched and scheduled by kvmem (see add_request).
 
-        max_new_tokens: one count for all, or one per prompt. Every prompt is checked before any runs: a bad
-        one raises ValueError naming its index (`prompts[i]`) and the engine is left as it was. Needs an idle
-        engine (RuntimeError otherwise), since it runs until every request it added has finished.
+        prompts: a sequence (or iterable) of prompts, each a sequence of token ids. max_new_tokens: one count for
+        all, or one per prompt. Every prompt is checked before any runs: a bad one raises ValueError naming its
+        index (`prompts[i]`) and the engine is left as it was; `prompts` or `max_new_tokens` of the wrong kind
+        raise TypeError naming it. Needs an idle engine (RuntimeError otherwise), since it runs until every
+        request it added has finished.
         """
         if not self.is_idle():
             raise RuntimeError("generate() needs an idle engine; finish the requests added with add_request first")
+        if not isinstance(prompts, Iterable) or isinstance(prompts, (str, bytes) + _UNORDERED):
+            raise TypeError(f"prompts must be a sequence of prompts (token id sequences), got {type(prompts).__name__}")
+        prompts = list(prompts)
         if isinstance(max_new_tokens, (int, np.integer)):
             counts = [max_new_tokens] * len(prompts)
-        elif isinstance(max_new_tokens, Iterable):
+        elif isinstance(max_new_tokens, Iterable) and not isinstance(max_new_tokens, (str, bytes) + _UNORDERED):
             counts = list(max_new_tokens)
         else:
             raise TypeError(f"max_new_tokens must be an int or one per prompt, got {type(max_new_tokens).__name__}")

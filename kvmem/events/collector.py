@@ -47,8 +47,10 @@ class EventCollector:
 
     def take_batch(self) -> EventBatch | None:
         """The events recorded since the last call, as one batch stamped now; None if there were none
-        (a step that changed no cache sends nothing)."""
+        (a step that changed no cache sends nothing). If the clock raises (or gives no number), so does this,
+        and the events stay for the next call."""
         if not self._events:
             return None
-        events, self._events = self._events, []
-        return EventBatch(self.clock(), events, self.data_parallel_rank)
+        batch = EventBatch(self.clock(), self._events, self.data_parallel_rank)
+        self._events = []
+        return batch

@@ -20,6 +20,9 @@ cache as of some step, or a subset of it (never a block the replica does not hol
 Replays are read in both forms engines send: (b"", topic, seq, payload), as vLLM and SGLang now do, and
 the older (b"", seq, payload).
 
+Sequence numbers are 8 bytes unsigned; the top one, 2**64-1, is the replay's end marker (-1 signed), so no
+batch can carry it: a live frame numbered so counts as malformed and changes nothing.
+
 Every wait is bounded by a timeout; nothing blocks forever.
 """
 
@@ -36,6 +39,9 @@ try:
     import zmq
 except ImportError:  # pragma: no cover - exercised only without the extra
     raise ImportError("kvmem's event subscriber needs pyzmq: pip install 'kvmem[events]'") from None
+
+
+LAST_SEQ = 2**64 - 2  # the last sequence number a batch can carry: the one above is the replay's end marker
 
 
 class EventIndex(Protocol):
@@ -136,10 +142,11 @@ class KVEventSubscriber:
             dealer.close(linger=0)
 
     def catch_up(self, seq: int, timeout: float = 5.0) -> bool:
-        """Applies batches until batch `seq` is applied (or lost and resynchronised past); True then, False
-        if `timeout` seconds pass first. When the live stream goes quiet before that (its last batches
-        dropped, or published before this subscription took effect) it asks for a replay."""
-        seq = check_int("seq", seq, minimum=0)
+        """Applies batches until batch `seq` (at most 2**64-2, the last a batch can carry) is applied (or lost
+        and resynchronised past); True then, False if `timeout` seconds pass first. When the live stream goes
+        quiet before that (its last batches dropped, or published before this subscription took effect) it asks
+        for a replay."""
+        seq = check_int("seq", seq, minimum=0, maximum=LAST_SEQ)
         deadline = time.monotonic() + check_number("timeout", timeout, 0)
         self.poll()  # what has arrived first: it may be a restarted engine's stream, numbered from 0 again
         while self.next_seq <= seq:
@@ -180,6 +187,9 @@ class KVEventSubscriber:
             return
         if frames[0] != self._topic:
             return  # another topic that shares this one's prefix
+        if frames[1] == END_SEQ:  # no batch is numbered so (the module docstring); next_seq stays in range
+            self.malformed += 1
+            return
         seq = int.from_bytes(frames[1], "big")
         self.received += 1
         if self._last_live is not None and seq <= self._last_live:  # the engine restarted: a new stream

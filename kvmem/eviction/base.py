@@ -139,6 +139,10 @@ class KeyedPolicy(EvictionPolicy):
     node becomes an evictable leaf and whenever the tree changes a field it may read."""
 
     def __init__(self, key: EvictionKey, name: str | None = None) -> None:
+        if not callable(key):
+            raise TypeError(f"key must be a function of a TreeNode, got {type(key).__name__}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str or None, got {type(name).__name__}")
         super().__init__()
         self.key = key
         self.name = name or getattr(key, "__name__", type(key).__name__)

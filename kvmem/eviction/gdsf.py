@@ -24,6 +24,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import TYPE_CHECKING
 
+from kvmem._checks import check_number
 from kvmem.eviction.base import KeyedPolicy
 
 if TYPE_CHECKING:
@@ -37,10 +38,9 @@ class GDSF(KeyedPolicy):
     attention costs as much as its linear layers (see the module docstring)."""
 
     def __init__(self, attention_crossover: float = ATTENTION_CROSSOVER) -> None:
-        if not attention_crossover > 0:
-            raise ValueError(f"attention_crossover must be > 0, got {attention_crossover!r}")
+        attention_crossover = check_number("attention_crossover", attention_crossover, 0, allow_minimum=False)
         super().__init__(self._priority, "gdsf")
-        self.attention_crossover = float(attention_crossover)
+        self.attention_crossover = attention_crossover
         self.inflation = 0.0  # L, now
         self._ticks: list[int] = []     # clock ticks at which evictions raised L ...
         self._levels: list[float] = []  # ... and L after them

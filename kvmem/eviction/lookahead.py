@@ -33,12 +33,20 @@ if TYPE_CHECKING:
 
 class Lookahead(EvictionPolicy):
     """Marked leaves (a waiting request will match down to them) last, least recently used first among them;
-    the rest in `base`'s order. An entry is `[marked, base entry or marked-set record]`, a list that keeps its
-    identity while the node moves between the two."""
+    the rest in `base`'s order (an EvictionPolicy that does not look ahead itself and serves no tier yet;
+    None: LRU). An entry is `[marked, base entry or marked-set record]`, a list that keeps its identity while the
+    node moves between the two."""
 
     looks_ahead = True
 
     def __init__(self, base: EvictionPolicy | None = None) -> None:
+        if base is not None:
+            if not isinstance(base, EvictionPolicy):
+                raise TypeError(f"base must be an EvictionPolicy or None, got {type(base).__name__}")
+            if base.looks_ahead:  # only this policy hears of waiting requests: a base's own marks would go stale
+                raise ValueError(f"base must not look ahead itself, got {base.name!r}")
+            if base._tree is not None:
+                raise ValueError(f"base: this {base.name!r} policy already orders another tier's leaves")
         super().__init__()
         self.base = KeyedPolicy(lru, "lru") if base is None else base
         self.name = "lookahead" if base is None else f"lookahead+{self.base.name}"

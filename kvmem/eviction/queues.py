@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from sortedcontainers import SortedList
 
+from kvmem._checks import check_int
 from kvmem.eviction.base import EvictionPolicy
 
 if TYPE_CHECKING:
@@ -98,8 +99,8 @@ class QueuedPolicy(EvictionPolicy):
 
     def __init__(self, queues: int, ghosts: int) -> None:
         super().__init__()
-        self._queues = Queues(queues)
-        self._ghosts = [Ghosts() for _ in range(ghosts)]
+        self._queues = Queues(check_int("queues", queues, minimum=1))
+        self._ghosts = [Ghosts() for _ in range(check_int("ghosts", ghosts, minimum=0))]
         self._state: dict[TreeNode, list] = {}
 
     def remove(self, node: TreeNode, entry: list) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvmem._checks import check_int, check_number
 from kvmem.eviction.queues import QueuedPolicy
 
 if TYPE_CHECKING:
@@ -26,17 +27,18 @@ SMALL, MAIN = 0, 1
 
 
 class S3FIFO(QueuedPolicy):
-    """S3-FIFO over a tier's evictable leaves. `small_ratio`: S's target share of the evictable tokens (the
-    paper's 10%); `max_freq`: the cap on a node's access count (3)."""
+    """S3-FIFO over a tier's evictable leaves. `small_ratio`: S's target share of the evictable tokens, in (0, 1)
+    (the paper's 10%); `max_freq`: the cap on a node's access count, >= 1 (the paper's 3)."""
 
     name = "s3fifo"
 
     def __init__(self, small_ratio: float = 0.1, max_freq: int = 3) -> None:
-        if not 0 < small_ratio < 1:
+        if not 0 < check_number("small_ratio", small_ratio) < 1:
             raise ValueError(f"small_ratio must lie in (0, 1), got {small_ratio!r}")
+        # Checked here: pop() reads max_freq after taking a victim out of its queue, too late to fail cleanly.
+        self.max_freq = check_int("max_freq", max_freq, minimum=1)
         super().__init__(queues=2, ghosts=1)  # state: node -> [queue, hit_count when its count restarted, order]
-        self.small_ratio = small_ratio
-        self.max_freq = max_freq
+        self.small_ratio = float(small_ratio)
         self._seq = 0
 
     def _state_of(self, node: TreeNode) -> list:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvmem._checks import check_number
 from kvmem.eviction.queues import QueuedPolicy
 
 if TYPE_CHECKING:
@@ -24,16 +25,17 @@ A1IN, AM = 0, 1
 
 
 class TwoQ(QueuedPolicy):
-    """Full 2Q over a tier's evictable leaves. `kin`: A1in's share of the evictable tokens; `kout`: A1out's
-    (ghost) budget as a share of them."""
+    """Full 2Q over a tier's evictable leaves. `kin`: A1in's share of the evictable tokens, in (0, 1); `kout`:
+    A1out's (ghost) budget as a share of them, > 0."""
 
     name = "2q"
 
     def __init__(self, kin: float = 0.25, kout: float = 0.5) -> None:
-        if not 0 < kin < 1 or not kout > 0:
-            raise ValueError(f"need 0 < kin < 1 and kout > 0, got kin={kin!r}, kout={kout!r}")
+        if not 0 < check_number("kin", kin) < 1:
+            raise ValueError(f"kin must lie in (0, 1), got {kin!r}")
+        kout = check_number("kout", kout, 0, allow_minimum=False)
         super().__init__(queues=2, ghosts=1)  # state: node -> [queue, FIFO order]
-        self.kin, self.kout = kin, kout
+        self.kin, self.kout = float(kin), kout
         self._seq = 0
 
     def _state_of(self, node: TreeNode) -> list:

@@ -59,13 +59,13 @@ class FutureIndex:
     """Which requests of a trace will match which prefixes, and which of them are still to come.
 
     `requests[i].input_ids` are request i's prompt tokens; `order` lists the request indices in arrival order
-    (the replay's). A request is future use until `admit(i)`.
+    (the replay's): a permutation of range(len(requests)), else ValueError. A request is future use until
+    `admit(i)`.
     """
 
     def __init__(self, requests: Sequence, order: Sequence[int]) -> None:
         self._requests = requests
-        self.rank = np.empty(len(requests), dtype=np.int64)
-        self.rank[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
+        self.rank = _ranks("order", order, len(requests))
         self._key = lru_cache(maxsize=256)(self._load_key)
         self.root = _TrieNode(-1, 0, 0)
         for i in range(len(requests)):
@@ -118,17 +118,27 @@ class FutureIndex:
             stack.extend((child, False) for child in node.children.values())
 
     def admit(self, i: int) -> int:
-        """Request i is no longer future use; returns its arrival rank."""
+        """Request i is no longer future use; returns its arrival rank. IndexError for an i not in the trace."""
+        i = self._check_request(i)
         self._next[self._slot[i]] = NEVER
         return int(self.rank[i])
 
     def readmit(self, i: int) -> bool:
-        """Request i is future use again (retracted, queued again); False if it already was."""
-        slot = self._slot[i]
+        """Request i is future use again (retracted, queued again); False if it already was. IndexError for an
+        i not in the trace."""
+        slot = self._slot[self._check_request(i)]
         if self._next[slot] != NEVER:
             return False
         self._next[slot] = self.rank[i]
         return True
+
+    def _check_request(self, i) -> int:
+        # numpy would read request -1 as the trace's last one
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"request id must be a trace index (an int), got {type(i).__name__} {i!r}")
+        if not 0 <= i < len(self.rank):
+            raise IndexError(f"request id {i} is not a trace index (the trace has {len(self.rank)} requests)")
+        return int(i)
 
     def advance(self, pos: Position | None, tokens: np.ndarray) -> Position | None:
         """The place `tokens` further down from `pos` (None: no request's key goes there)."""
@@ -166,6 +176,8 @@ class BeladyPolicy(EvictionPolicy):
     looks_ahead = True  # to hear of a retracted request queued again, and of the node its prefix ends at
 
     def __init__(self, index: FutureIndex) -> None:
+        if not isinstance(index, FutureIndex):
+            raise TypeError(f"index must be the trace's FutureIndex, got {type(index).__name__}")
         super().__init__()
         self._index = index
         self._leaves = SortedList()  # entries [-next use, last_access, id, node]: lists, re-ranked in place
@@ -248,6 +260,23 @@ class BeladyPolicy(EvictionPolicy):
     def is_current(self, node: TreeNode, entry: list) -> bool:
         return (self._entries.get(node) is entry and entry[:2] == [-self._next_use(node), node.last_access]
                 and entry in self._leaves)
+
+
+def _ranks(name: str, order: Sequence[int], n: int) -> np.ndarray:
+    """[n] int64: each request's position in `order`, which must list 0..n-1 once each."""
+    try:
+        order = np.asarray(order)
+    except (TypeError, ValueError):
+        order = None
+    if order is None or order.ndim != 1 or (order.size and order.dtype.kind not in "iu"):
+        raise TypeError(f"{name} must be a sequence of request indices (ints)")
+    order = order.astype(np.int64, copy=False)
+    if len(order) != n or not np.array_equal(np.sort(order), np.arange(n)):
+        raise ValueError(f"{name} must list each of the {n} requests' indices 0..{n - 1} once (a permutation), got "
+                         f"{len(order)} indices")
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n)
+    return rank
 
 
 def oracle_policies(requests: Sequence, order: Sequence[int], config: ReplayConfig) -> dict:
