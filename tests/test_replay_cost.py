@@ -197,3 +197,44 @@ def test_a_replay_config_naming_a_gpu_prices_with_every_cost_field_it_gives():
     # Without a model, a GPU prices the default model (DEFAULT_KV_BYTES_PER_TOKEN's).
     assert cost_model(ReplayConfig(capacity_tokens=4096, max_context_len=512, gpu="L40S")) == \
         RooflineCost("L40S", "llama-3-8b")
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"kv_bytes_per_token": 0}, ValueError, "^kv_bytes_per_token must be a positive int, got 0$"),
+    ({"kv_bytes_per_token": 2.0}, TypeError, "^kv_bytes_per_token must be"),
+    ({"h2d_gbps": 0}, ValueError, r"^h2d_gbps must be a finite number > 0, got 0$"),
+    ({"h2d_gbps": -1.0}, ValueError, "^h2d_gbps must be"), ({"h2d_gbps": "8"}, ValueError, "^h2d_gbps must be"),
+    ({"storage_gbps": 0.0}, ValueError, r"^storage_gbps must be a finite number > 0, got 0.0$"),
+    ({"storage_gbps": -1.0}, ValueError, "^storage_gbps must be"),
+    ({"storage_gbps": None}, ValueError, "^storage_gbps must be"),
+    ({"storage_latency_us": -1e-9}, ValueError, r"^storage_latency_us must be a finite number >= 0, got -1e-09$"),
+    ({"storage_latency_us": float("inf")}, ValueError, "^storage_latency_us must be")])
+def test_a_roofline_names_the_bad_kv_size_link_or_latency_it_refuses(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        RooflineCost(**{"gpu": "H100", "model": "llama-3-8b", **kwargs})
+
+
+def test_a_roofline_takes_the_least_kv_size_and_latency_and_the_slowest_links():
+    cost = RooflineCost("H100", "llama-3-8b", kv_bytes_per_token=1, h2d_gbps=1e-12, storage_gbps=1e-12,
+                        storage_latency_us=0)
+    assert cost.kv_bytes_per_token == 1 and cost.storage_latency_us == 0.0
+    assert cost.h2d_gbps == 1e-12 and cost.storage_gbps == 1e-12
+
+
+def test_weights_that_leave_no_room_are_named_in_decimal_gigabytes():
+    # llama-3-70b's 141 GB of bf16 weights on one L40S (0.9 x 48 GB).
+    with pytest.raises(ValueError, match=r"^llama-3-70b's weights \(141 GB\) leave no room .* \(43 GB\): raise --tp"):
+        RooflineCost("L40S", "llama-3-70b").kv_capacity_tokens()
+
+
+@pytest.mark.parametrize("kwargs, match", [({"decode_step_s": -1e-9}, "decode_step_s"),
+                                           ({"prefill_tokens_per_s": 0.0}, "prefill_tokens_per_s"),
+                                           ({"prefill_tokens_per_s": float("nan")}, "prefill_tokens_per_s")])
+def test_a_fixed_step_cost_refuses_either_bad_field_alone_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=f"^need decode_step_s >= 0 and prefill_tokens_per_s > 0, got .*{match}"):
+        StepCost(**kwargs)
+
+
+def test_a_fixed_step_cost_takes_a_free_decode_step_and_under_one_prefill_token_a_second():
+    cost = StepCost(decode_step_s=0.0, prefill_tokens_per_s=0.5)
+    assert cost.extend_seconds(np.array([0]), np.array([1])) == 2.0 and cost.decode_seconds(1, 1) == 0.0
