@@ -32,8 +32,8 @@ prints a mutant's diff.
 `--sample N` generates all the module's mutants but tests only N of them, drawn at random with `--seed` (default
 0; the draw is over the sorted mutant names, so one seed draws the same mutants from the same code); the run's
 names are kept in WORKDIR/sample.json and `--rescore` and `--retest-survivors` score only them. A sample's score
-comes with `interval_95`, the Wilson 95% interval of the score of all the module's mutants that it estimates
-(binomial: it leaves out the finite-population correction, so it is a little wide).
+comes with `interval_95` (None for a full run), the Wilson 95% interval of the score of all the module's mutants
+that it estimates (binomial: it leaves out the finite-population correction, so it is a little wide).
 
 `--retest-survivors` takes the finished run in the work directory, tests its survivors again on today's code
 and tests (a fresh copy in WORKDIR-retest), and scores the run with their new results: a mutant whose mutated
@@ -233,7 +233,7 @@ def score(found: dict, listed: list[dict]) -> dict:
             "needs_cuda": len(left_out["needs CUDA"]), "not_killed": len(alive),
             "score": round(killed / counted, 4) if counted else None,
             "score_of_all_mutants": round(killed / total, 4) if total else None,
-            "interval_95": wilson_interval(killed, counted), "stale_equivalent": stale, "survivors": alive}
+            "stale_equivalent": stale, "survivors": alive}
 
 
 def check_workdir(workdir: Path, module: dict, args: argparse.Namespace) -> str | None:
@@ -313,9 +313,13 @@ def main(argv: list[str] | None = None) -> int:
                "retested": None if codes is None else len(codes),
                "sample": None if (sample := read_sample(workdir)) is None else
                {"seed": sample["seed"], "tested": len(sample["names"]), "of": sample["of"]},
+               "interval_95": None,
                "seconds": seconds, "max_children": args.max_children,
                "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)], "workdir": str(workdir)}
     summary["statuses"] = found["counts"]
+    if sample is not None:  # a full run's score is the module's own, not an estimate
+        counted = summary["mutants"] - summary["equivalent"] - summary["needs_cuda"]
+        summary["interval_95"] = wilson_interval(summary["killed"], counted)
     text = json.dumps(summary, indent=1, ensure_ascii=False)
     if out:
         out.write_text(text + "\n")
