@@ -125,6 +125,16 @@ def test_an_lse_of_nan_or_plus_infinity_is_refused_not_merged_into_zeros(bad):
         merge_states(torch.stack((v, v), dim=1), torch.stack((s, broken), dim=1))
 
 
+@pytest.mark.parametrize("v, s, error, message", [
+    ("v", torch.zeros(2, 2, HQ), TypeError, "^v must be a floating-point torch.Tensor, got str$"),
+    (torch.zeros(2, 2, HQ, D), torch.zeros(2, 2, HQ, dtype=torch.int32), TypeError,
+     "^s must be a floating-point torch.Tensor, got torch.int32$"),
+    (torch.zeros(2, 2, HQ, D), torch.zeros(2, 3, HQ), ValueError, r"^v must be 4-D and s its shape without the last")])
+def test_merge_states_names_the_bad_state(v, s, error, message):
+    with pytest.raises(error, match=message):
+        merge_states(v, s)
+
+
 # ---- cascade levels from the tree ----------------------------------------------------------------------
 class Server:
     """A scheduler, its tree and random paged K/V for every slot of the pool."""
