@@ -9,6 +9,7 @@ import torch
 from kvmem.storage import FileStore
 from kvmem.storage.file_store import RECORD_BYTES
 from kvmem.storage.page_format import CHECKSUM_BYTES, HEADER_BYTES
+from kvmem.tiers import HostSlotPool
 from tests.test_storage import PROMPT, PS, forget_open_stores, keys_of, kv_world
 
 
@@ -59,3 +60,31 @@ def test_a_store_reopened_with_a_smaller_cap_copies_the_pages_in_use_out_of_the_
     dst = host.allocator.alloc(4 * PS)
     assert again.batch_get(hot, host, dst) == 4 and same_kv(host, slots[:4 * PS], dst) and again.stats.corrupt == 0
     assert [again.batch_exists(filler(c)) for c in range(4)] == [0] * 4
+
+
+def test_a_segment_takes_records_until_exactly_full_then_the_next_write_starts_another(tmp_path):
+    pool = HostSlotPool(64, PS)
+    slots = pool.allocator.alloc(PS)
+    record = RECORD_BYTES + HEADER_BYTES + CHECKSUM_BYTES  # a page of a slot-only pool: header and checksum
+    store = FileStore(tmp_path, segment_bytes=2 * record)
+    sizes = []
+    for chain in range(3):
+        assert store.batch_set(keys_of(list(range(100 * chain, 100 * chain + PS))), pool, slots) == 1
+        sizes.append(sorted(p.stat().st_size for p in tmp_path.iterdir()))
+    assert sizes == [[record], [2 * record], [record, 2 * record]]
+
+
+def test_a_store_that_finds_its_own_segment_deleted_on_a_lookup_writes_the_next_pages_to_a_new_one(tmp_path):
+    pool = HostSlotPool(64, PS)
+    slots = pool.allocator.alloc(2 * PS)
+    first, later = keys_of(list(range(2 * PS))), keys_of(list(range(500, 500 + 2 * PS)))
+    store = FileStore(tmp_path)
+    assert store.batch_set(first, pool, slots) == 2
+    for segment in tmp_path.iterdir():
+        segment.unlink()
+    # A miss makes the store look at the folder: it forgets the segment gone, the one it was writing.
+    assert store.batch_exists(later) == 0 and store.batch_exists(first) == 0
+    assert store.batch_set(later, pool, slots) == 2 and store.batch_exists(later) == 2
+    del store
+    forget_open_stores()
+    assert FileStore(tmp_path).batch_exists(later) == 2
