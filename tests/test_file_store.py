@@ -2,8 +2,10 @@
 running store, and the records a walk must stop at. (The store's main behaviours are in test_storage.py.)"""
 
 import functools
+import os
 import threading
 
+import pytest
 import torch
 
 from kvmem.storage import FileStore
@@ -88,3 +90,18 @@ def test_a_store_that_finds_its_own_segment_deleted_on_a_lookup_writes_the_next_
     del store
     forget_open_stores()
     assert FileStore(tmp_path).batch_exists(later) == 2
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts this process's open files in /proc")
+def test_a_store_closes_the_files_of_segments_gone_from_its_folder(tmp_path):
+    pool = HostSlotPool(64, PS)
+    slots = pool.allocator.alloc(2 * PS)
+    first, later = keys_of(list(range(2 * PS))), keys_of(list(range(500, 500 + 2 * PS)))
+    before = len(os.listdir("/proc/self/fd"))
+    store = FileStore(tmp_path)
+    assert store.batch_set(first, pool, slots) == 2 and store.batch_get(first, pool, slots) == 2
+    assert len(os.listdir("/proc/self/fd")) > before  # the segment, open to write and to read
+    for segment in tmp_path.iterdir():
+        segment.unlink()
+    assert store.batch_exists(later) == 0
+    assert len(os.listdir("/proc/self/fd")) == before

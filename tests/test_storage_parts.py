@@ -1,11 +1,14 @@
 """The storage tier's small parts at their edges: a page value with an empty payload, the LRU's count of what it
-holds as pages leave, and the simulated store a spec names with its capacity."""
+holds as pages leave, the simulated store a spec names with its capacity, page keys, hit counts and the largest
+segment."""
 
 import pytest
 
-from kvmem.storage import SimStore, open_store, parse_store_spec
+from kvmem.page_hash import page_digests, storage_key
+from kvmem.storage import FileStore, SimStore, open_store, parse_store_spec
 from kvmem.storage.lru import PageLRU
 from kvmem.storage.page_format import CHECKSUM_BYTES, HEADER_BYTES, encode_page, fingerprint, is_intact
+from kvmem.tiers import HostSlotPool
 
 
 def test_a_value_with_an_empty_payload_is_a_whole_page_and_a_byte_less_is_not():
@@ -29,3 +32,28 @@ def test_a_sim_spec_opens_a_simulated_store_of_the_capacity_it_names(spec, capac
     store = open_store(spec)
     assert isinstance(store, SimStore) and store.capacity_tokens == capacity
     assert parse_store_spec(spec) == ("sim", spec[4:])
+
+
+@pytest.mark.parametrize("key", ["AB" * 32, "ab" * 31 + " a", "0x" + "ab" * 31])
+def test_a_page_key_is_64_lowercase_hex_digits_and_nothing_bytes_fromhex_would_also_take(key, tmp_path):
+    store = FileStore(tmp_path)
+    with pytest.raises(ValueError, match="^keys must hold page keys"):
+        store.batch_exists([key])
+    with pytest.raises(ValueError, match="^keys must hold page keys"):
+        store.batch_exists(["ab" * 32, key])
+
+
+def test_a_stores_hits_add_up_over_its_reads(tmp_path):
+    pool = HostSlotPool(64, 4)
+    slots = pool.allocator.alloc(8)
+    keys = [storage_key(d) for d in page_digests(list(range(8)), 4)]
+    store = FileStore(tmp_path)
+    assert store.batch_set(keys, pool, slots) == 2
+    assert store.batch_get(keys, pool, slots) == 2 and store.batch_get(keys[:1], pool, slots[:4]) == 1
+    assert store.stats.hits == 3
+
+
+def test_a_segment_may_be_as_large_as_a_location_can_address_and_no_larger(tmp_path):
+    assert FileStore(tmp_path, segment_bytes=1 << 39).segment_bytes == 1 << 39
+    with pytest.raises(ValueError, match="^segment_bytes must be"):
+        FileStore(tmp_path, segment_bytes=(1 << 39) + 1)
