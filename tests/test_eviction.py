@@ -877,6 +877,7 @@ def queued_policy(**kwargs):
     (lambda: TwoQ(kin="0.25"), ValueError, "kin"),
     (lambda: TwoQ(kin=True), ValueError, "kin"),
     (lambda: TwoQ(kin=0), ValueError, "kin"),
+    (lambda: TwoQ(kin=1), ValueError, "kin"),
     (lambda: TwoQ(kout=None), ValueError, "kout"),
     (lambda: TwoQ(kout=0), ValueError, "kout"),
     (lambda: TwoQ(kout=float("inf")), ValueError, "kout"),
@@ -906,3 +907,18 @@ def test_lookahead_refuses_a_base_that_already_serves_a_tier():
     make_cache(policy=base)
     with pytest.raises(ValueError, match="base: this 's3fifo' policy already orders"):
         Lookahead(base)
+
+
+def test_policy_defaults_are_the_papers():
+    s3, two_q = S3FIFO(), TwoQ()
+    assert (s3.small_ratio, s3.max_freq) == (0.1, 3) and (two_q.kin, two_q.kout) == (0.25, 0.5)
+
+
+def test_a_turn_table_forgets_a_request_it_never_saw_or_already_forgot():
+    table, req = TurnTable(), object()
+    table.forget_request(req)
+    table.set_request(req, 2)
+    assert table.request(req) == 2
+    table.forget_request(req)
+    table.forget_request(req)
+    assert table.request(req) is None
