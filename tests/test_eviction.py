@@ -284,8 +284,10 @@ def test_2q_main_queue_is_lru_and_a1in_gives_way_only_above_its_share():
     put(cache, seq(10))
     cache.evict(4)  # seq(0) leaves A1in: a ghost
     put(cache, seq(0))  # back: Am
+    cache.check_invariants()  # each leaf's entry is current: its queue, order and tokens
     cache.evict(4)  # A1in holds exactly kin of the tokens, not more: Am's seq(0) goes
     assert cached_sequences(cache) == {tuple(seq(10))}
+    cache.check_invariants()
     cache, _ = make_cache(policy="2q")
     put(cache, seq(0))
     put(cache, seq(10))
@@ -922,3 +924,16 @@ def test_a_turn_table_forgets_a_request_it_never_saw_or_already_forgot():
     table.forget_request(req)
     table.forget_request(req)
     assert table.request(req) is None
+
+
+@pytest.mark.parametrize("make", [S3FIFO, TwoQ])
+def test_an_entry_the_policy_has_moved_on_from_is_not_current_though_still_queued(make):
+    # What check_invariants relies on to find a stale entry: the queue and order the policy now gives the node.
+    policy = make()
+    cache, _ = make_cache(policy=policy)
+    put(cache, seq(0))
+    node = next(n for n, _ in tree_nodes(cache) if n.entry is not None)
+    assert policy.is_current(node, node.entry)
+    state = policy._state[node]
+    state[0] = 1 - state[0]  # the policy has moved it to the other queue; its entry has not followed
+    assert not policy.is_current(node, node.entry)
