@@ -1,8 +1,10 @@
 """The link between a tiered cache and its store, at what happens rarely: reads that end after admission took their
 prefetch, one after another, and stores that fail without keeping any statistics."""
 
+import pytest
+
 from kvmem.storage import FileStore, StorageStats
-from tests.test_storage import PROMPT, ChunkGatedStore, cache_over, store_prompt
+from tests.test_storage import PROMPT, PS, ChunkGatedStore, cache_over, put, store_prompt
 
 
 def test_every_read_that_ends_after_admission_adds_its_pages_to_the_dropped_count(tmp_path):
@@ -54,3 +56,46 @@ def test_a_failing_store_is_a_miss_each_time_counted_where_it_keeps_stats(tmp_pa
             assert store.stats.failed_ops == 2
         cache.check_invariants()
         cache.close()
+
+
+class OverReportingStore:
+    """A file store that reports one page more than it read when asked for fewer than three."""
+
+    def __init__(self, inner):
+        self.inner, self.stats = inner, inner.stats
+
+    def batch_exists(self, keys):
+        return self.inner.batch_exists(keys)
+
+    def batch_get(self, keys, host_pool, host_slots):
+        got = self.inner.batch_get(keys, host_pool, host_slots)
+        return got + 1 if len(keys) < 3 else got
+
+    def batch_set(self, keys, host_pool, host_slots):
+        return self.inner.batch_set(keys, host_pool, host_slots)
+
+
+def test_a_store_that_over_reports_its_last_short_chunk_fails_that_chunk_alone(tmp_path):
+    store_prompt(tmp_path)
+    store = OverReportingStore(FileStore(tmp_path))
+    cache, _, _ = cache_over(store)
+    cache.storage_link.read_chunk_pages = 3  # PROMPT's 8 pages: chunks of 3, 3 and 2
+    prefetch = cache.prefetch(PROMPT + [1])
+    assert cache.finish_prefetch(prefetch) == 6 * PS and store.stats.failed_ops == 1
+    cache.check_invariants()
+    cache.close()
+
+
+def test_the_link_counts_the_tokens_of_every_write(tmp_path):
+    cache, device, alloc = cache_over(FileStore(tmp_path))
+    put(cache, device, alloc, PROMPT)
+    put(cache, device, alloc, list(range(500, 500 + 4 * PS)))
+    cache.storage_link.drain_writes()
+    assert cache.storage_link.stats.stored_tokens == len(PROMPT) + 4 * PS
+    cache.close()
+
+
+def test_a_cache_names_the_kind_of_a_store_that_is_not_one():
+    with pytest.raises(TypeError, match="^storage must implement batch_exists, batch_get and batch_set "
+                                        r"\(kvmem.storage\), got object$"):
+        cache_over(object())
