@@ -3,7 +3,9 @@ prefetch, one after another, and stores that fail without keeping any statistics
 
 import pytest
 
-from kvmem.storage import FileStore, StorageStats
+from kvmem import HiRadixCache, ReqToTokenPool, TokenAllocator
+from kvmem.storage import FileStore, SimStore, StorageStats
+from kvmem.tiers import HostSlotPool
 from tests.test_storage import PROMPT, PS, ChunkGatedStore, cache_over, put, store_prompt
 
 
@@ -99,3 +101,17 @@ def test_a_cache_names_the_kind_of_a_store_that_is_not_one():
     with pytest.raises(TypeError, match="^storage must implement batch_exists, batch_get and batch_set "
                                         r"\(kvmem.storage\), got object$"):
         cache_over(object())
+
+
+def test_a_link_keeps_writing_after_a_thousand_writes_and_counts_them_all():
+    # Past 1,024 writes the link forgets the finished ones; every later write is still queued and counted.
+    alloc = TokenAllocator(4096)
+    cache = HiRadixCache(ReqToTokenPool(2, 64), alloc, HostSlotPool(8192), storage=SimStore())
+    for i in range(1100):
+        cache.insert([i, 100_000 + i], alloc.alloc(2))
+        cache.writing_check()
+        cache.evict(4)
+    cache.storage_link.drain_writes()
+    assert cache.storage_link.stats.stored_tokens == 2200
+    cache.check_invariants()
+    cache.close()
