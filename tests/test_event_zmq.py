@@ -462,3 +462,5 @@ def test_a_subscriber_refuses_a_negative_poll_timeout_and_an_index_without_apply
             sub.poll(timeout=-0.001)
     with pytest.raises(TypeError, match=r"^index must have apply\(replica, batch\) and clear\(replica\), got dict$"):
         KVEventSubscriber("tcp://127.0.0.1:9", {}, 0)
+    with pytest.raises(TypeError, match="^topic must be a str, got bytes$"):
+        KVEventSubscriber("tcp://127.0.0.1:9", BlockIndex(1), 0, topic=b"kv")

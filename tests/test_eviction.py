@@ -937,3 +937,19 @@ def test_an_entry_the_policy_has_moved_on_from_is_not_current_though_still_queue
     state = policy._state[node]
     state[0] = 1 - state[0]  # the policy has moved it to the other queue; its entry has not followed
     assert not policy.is_current(node, node.entry)
+
+
+def test_gdsf_ranks_a_leaf_used_before_its_pruned_history_at_the_oldest_level_it_kept():
+    policy = GDSF(attention_crossover=4)
+    policy._min_history = 1  # prune from the second level on (the default waits for 1,024)
+    cache, _ = make_cache(size=64, policy=policy)
+    put(cache, seq(500))
+    (held,) = (n for n, path in tree_nodes(cache) if path == tuple(seq(500)))
+    cache.inc_lock_ref(held)         # used at the start, then held while the inflation rises
+    for k in range(1, 13):
+        put(cache, seq(100 * k))
+        cache.evict(4)
+    assert policy._pruned and policy._ticks[0] > held.last_access and policy._levels[0] < policy._levels[-1]
+    cache.dec_lock_ref(held)         # ranked again: its access is older than every level kept
+    assert policy._priority(held) == policy._levels[0] + 1.5
+    cache.check_invariants()
