@@ -189,6 +189,17 @@ def test_a_match_splits_between_the_device_part_and_the_host_part():
     assert m.last_node.token_ids() == tokens((1, 8)) and m.last_host_node.token_ids() == tokens((50, 8))
 
 
+def test_a_match_that_ends_one_host_only_token_past_the_device_part_reports_that_token():
+    w = World(device=32, host=128)
+    w.put(tokens((1, 8)))
+    w.put(tokens((1, 8), (50, 1)))
+    assert w.cache.evict(1) == 1  # the one-token leaf [50] goes to the host only
+    m = w.cache.match_prefix(tokens((1, 8), (50, 1), (90, 3)))
+    assert (m.indices.numel(), m.host_hit_length) == (8, 1)
+    assert m.last_node.token_ids() == tokens((1, 8)) and m.last_host_node.token_ids() == [50]
+    w.cache.check_invariants()
+
+
 def test_write_back_backs_up_only_what_eviction_takes():
     w = World(device=16, host=64, write_policy="write_back")
     w.put(tokens((1, 10)))
