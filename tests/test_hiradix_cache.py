@@ -16,12 +16,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule, run_state_machine_as_test
 
-from kvmem import HiRadixCache, PagedTokenAllocator, RadixCache, ReqToTokenPool, TokenAllocator
+from kvmem import HiRadixCache, HostKVPool, MHAKVPool, PagedTokenAllocator, RadixCache, ReqToTokenPool, TokenAllocator
 from kvmem.eviction import ONLINE_POLICIES
 from kvmem.replay.belady import BeladyPolicy
 from kvmem.storage import FileStore
 from kvmem.tiers import Transfer
 from kvmem.tiers.backups import all_reduce_min
+from tests.test_radix_cache import tree_nodes
 from tests.test_radix_cache_model import future_index
 
 
@@ -198,6 +199,33 @@ def test_a_match_that_ends_one_host_only_token_past_the_device_part_reports_that
     assert (m.indices.numel(), m.host_hit_length) == (8, 1)
     assert m.last_node.token_ids() == tokens((1, 8)) and m.last_host_node.token_ids() == [50]
     w.cache.check_invariants()
+
+
+def test_check_invariants_names_a_host_slot_held_twice_and_a_host_only_leaf_missing_from_its_set():
+    w = World(device=32, host=128)
+    w.put(tokens((1, 4)))
+    w.put(tokens((50, 4)))
+    a, b = (n for n, path in tree_nodes(w.cache) if len(path) == 4)
+    kept = b.host_value
+    b.host_value = a.host_value.copy()
+    with pytest.raises(AssertionError, match="^RadixCache invariant broken: the tree holds a host slot more than "
+                                             "once$"):
+        w.cache.check_invariants()
+    b.host_value = kept
+    assert w.cache.evict(4) == 4  # one leaf leaves the device: host only, in the host-evictable set
+    (leaf,) = (n for n, _ in tree_nodes(w.cache) if n.host_entry is not None)
+    entry, leaf.host_entry = leaf.host_entry, None
+    with pytest.raises(AssertionError, match=rf"^RadixCache invariant broken: node {leaf.id} is not in the "
+                                             "host-evictable set$"):
+        w.cache.check_invariants()
+    leaf.host_entry = entry
+    w.cache.check_invariants()
+
+
+def test_a_host_pool_for_another_device_pool_size_is_refused_naming_both():
+    device = MHAKVPool(64, 1, torch.float32, 1, 1, 1)
+    with pytest.raises(ValueError, match="^host_pool backs a device pool of 64 tokens, but token_allocator has 32$"):
+        HiRadixCache(ReqToTokenPool(2, 64), TokenAllocator(32), HostKVPool(device))
 
 
 def test_write_back_backs_up_only_what_eviction_takes():
