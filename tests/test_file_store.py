@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvmem.storage import FileStore
-from kvmem.storage.file_store import RECORD_BYTES
+from kvmem.storage.file_store import RECORD_BYTES, _unpack
 from kvmem.storage.page_format import CHECKSUM_BYTES, HEADER_BYTES
 from kvmem.tiers import HostSlotPool
 from tests.test_storage import PROMPT, PS, forget_open_stores, keys_of, kv_world
@@ -22,6 +22,16 @@ def filler(chain):
 def same_kv(host, a, b):
     return all(torch.equal(p.view(torch.uint8), q.view(torch.uint8))
                for layer in range(host.layer_num) for p, q in zip(host.host_rows(a, layer), host.host_rows(b, layer)))
+
+
+def live_bytes_add_up(store):
+    """Each segment counts as live exactly the bytes of the index's pages in it (what a rewrite chooses by)."""
+    folder = store._folder
+    held = {number: 0 for number in folder.segments}
+    for loc in folder.pages.entries.values():
+        number, _, length = _unpack(loc)
+        held[number] += length
+    return held == {number: segment.live for number, segment in folder.segments.items()}
 
 
 def in_time(call, timeout=30):
@@ -54,6 +64,7 @@ def test_a_store_reopened_with_a_smaller_cap_copies_the_pages_in_use_out_of_the_
     dst = host.allocator.alloc(4 * PS)
     assert small.batch_get(hot, host, dst) == 4 and same_kv(host, slots[:4 * PS], dst)
     assert in_time(functools.partial(small.batch_set, hot, host, slots[:4 * PS])) == 4
+    assert live_bytes_add_up(small)
     assert not home.exists() and small.locate(hot[0])[0] != home
     assert sum(p.stat().st_size for p in tmp_path.iterdir()) <= 2 * small.capacity_bytes + small.segment_bytes
     del small
