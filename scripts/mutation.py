@@ -2,15 +2,18 @@
 """Mutation testing of one core module at a time, with only that module's tests (mutmut 3).
 
     python scripts/mutation.py MODULE [--max-children 1] [--workdir DIR] [--out FILE]
+    python scripts/mutation.py MODULE --sample N [--seed S]    (a seeded random sample of N of its mutants)
     python scripts/mutation.py MODULE --rescore [--workdir DIR]    (the last run, against today's list)
     python scripts/mutation.py MODULE --retest-survivors [--max-children N]   (its survivors, on today's tests)
     python scripts/mutation.py --list
 
 MODULE is a table of `[tool.kvmem.mutation]` in pyproject.toml: the files mutmut mutates (paths inside the
-installed package, so kernels/ is kvmem/kernels/), the tests that must kill the mutants and, optionally, `env`
-(variables the tests run with); `[tool.mutmut]` holds
-what every run shares. scripts/mutation_equivalents.toml lists, per module, the survivors judged equivalent (the
-mutant, the line mutmut wrote, and why no test can tell it from the original).
+installed package, so kernels/ is kvmem/kernels/), the tests that must kill the mutants and, optionally, `marks`
+(a pytest -m expression that selects among those tests: "not mooncake" leaves out the tests that start a Mooncake
+master), `deselect` (test ids left out: variants of a slow test that exercise another module's code more than this
+one's) and `env` (variables the tests run with); `[tool.mutmut]` holds what every run shares.
+scripts/mutation_equivalents.toml lists, per module, the survivors judged equivalent (the mutant, the line mutmut
+wrote, and why no test can tell it from the original).
 
 Each run builds a fresh copy of the package laid out as it installs (kvmem/ with kernels/ inside it), the
 tests and scripts, with a pyproject.toml whose `[tool.mutmut]` names the module's files and tests, in
@@ -26,6 +29,12 @@ number (mutmut renumbers a function's mutants whenever it changes); an entry tha
 reported as `stale_equivalent`. mutmut keeps its results in the work directory: `cd WORKDIR && mutmut show NAME`
 prints a mutant's diff.
 
+`--sample N` generates all the module's mutants but tests only N of them, drawn at random with `--seed` (default
+0; the draw is over the sorted mutant names, so one seed draws the same mutants from the same code); the run's
+names are kept in WORKDIR/sample.json and `--rescore` and `--retest-survivors` score only them. A sample's score
+comes with `interval_95` (None for a full run), the Wilson 95% interval of the score of all the module's mutants
+that it estimates (binomial: it leaves out the finite-population correction, so it is a little wide).
+
 `--retest-survivors` takes the finished run in the work directory, tests its survivors again on today's code
 and tests (a fresh copy in WORKDIR-retest), and scores the run with their new results: a mutant whose mutated
 line differs today (its function changed) keeps its old result. The tests written after a long run count
@@ -37,7 +46,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -78,10 +89,12 @@ def build_workdir(workdir: Path, module: dict, shared: dict) -> None:
     shutil.copytree(ROOT / "kernels", workdir / "kvmem" / "kernels", ignore=skip)
     shutil.copytree(ROOT / "tests", workdir / "tests", ignore=skip)
     shutil.copytree(ROOT / "scripts", workdir / "scripts", ignore=skip)
-    for path in module["mutate"] + module["tests"]:
+    for path in module["mutate"] + module["tests"] + module.get("deselect", []):
         if not (workdir / path.split("::")[0]).exists():
             raise SystemExit(f"mutation.py: {path} (named in pyproject.toml) does not exist")
-    settings = {**shared, "only_mutate": module["mutate"], "pytest_add_cli_args_test_selection": module["tests"]}
+    selection = module["tests"] + (["-m", module["marks"]] if "marks" in module else [])
+    selection += [arg for test in module.get("deselect", []) for arg in ("--deselect", test)]
+    settings = {**shared, "only_mutate": module["mutate"], "pytest_add_cli_args_test_selection": selection}
     pytest_ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     lines = ["[tool.pytest.ini_options]", f"markers = {json.dumps(pytest_ini['markers'])}", "", "[tool.mutmut]"]
     lines += [f"{key} = {json.dumps(value)}" for key, value in settings.items()]
@@ -103,12 +116,50 @@ def run_mutmut(workdir: Path, env: dict, max_children: int, names: Sequence[str]
         raise SystemExit(f"mutation.py: mutmut failed (exit {proc.returncode}); log in {log}")
 
 
+def generate_mutants(workdir: Path, env: dict) -> None:
+    """mutmut's mutant generation alone (no test runs) in `workdir`: each file's mutants then stand in
+    mutants/PATH.meta, untested; a later `mutmut run` there keeps them (their files are newer than the sources)."""
+    code = ("import os, mutmut.__main__ as m; m.set_mutant_under_test('mutant_generation'); "
+            "os.makedirs('mutants', exist_ok=True); m.copy_src_dir(); m.copy_also_copy_files(); "
+            "m.setup_source_paths(); m.store_lines_covered_by_tests(); m.create_mutants(1)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=workdir, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-2000:] + proc.stderr[-2000:], file=sys.stderr)
+        raise SystemExit(f"mutation.py: mutmut could not generate the mutants (exit {proc.returncode})")
+
+
+def draw_sample(names: Sequence[str], size: int, seed: int) -> list[str]:
+    """`size` of the mutants `names` (all of them if fewer), drawn at random with `seed` from the names sorted, so
+    that the draw depends only on the seed and the set of names."""
+    return sorted(random.Random(seed).sample(sorted(names), min(size, len(names))))
+
+
+def read_sample(workdir: Path) -> dict | None:
+    """The sample a run in `workdir` tested ({"seed", "of", "names"}), None for a run of every mutant."""
+    path = workdir / "sample.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.96) -> list[float] | None:
+    """The Wilson score interval of a proportion (95% at z = 1.96); None without trials."""
+    if trials <= 0:
+        return None
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return [round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4)]
+
+
 def exit_codes(workdir: Path, module: dict) -> dict[str, tuple[str, int | None]]:
-    """Each mutant of a run: (the file it mutates, mutmut's exit code; None: not tested)."""
+    """Each mutant of a run (of its sample, for a sampled run): (the file it mutates, mutmut's exit code; None: not
+    tested)."""
     codes = {}
     for path in module["mutate"]:
         meta = json.loads((workdir / "mutants" / (path + ".meta")).read_text())
         codes.update((name, (path, code)) for name, code in meta["exit_code_by_key"].items())
+    sample = read_sample(workdir)
+    if sample is not None:
+        codes = {name: codes[name] for name in sample["names"] if name in codes}
     return codes
 
 
@@ -144,6 +195,8 @@ def retest_survivors(finished: Path, workdir: Path, module: dict, max_children: 
     in `finished`; returns the exit codes that replace the finished run's: those of the mutants that are still
     the same mutation (same name and mutated line: mutmut renumbers a function's mutants when it changes)."""
     alive = {name: path for name, (path, code) in exit_codes(finished, module).items() if code not in KILLED}
+    if not alive:
+        return {}
     run_mutmut(workdir, env, max_children, sorted(alive))
     new = exit_codes(workdir, module)
     return {name: new[name][1] for name, path in alive.items()
@@ -212,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, help="where the copy and mutmut's results go "
                     "(default /tmp/kvmem-mutation/MODULE; replaced)")
     ap.add_argument("--out", type=output_file_arg, help="also write the JSON summary here")
+    ap.add_argument("--sample", type=positive_int_arg, metavar="N",
+                    help="test only N of the module's mutants, drawn at random (the score is then an estimate)")
+    ap.add_argument("--seed", type=int, default=0, help="the sample's random seed (default 0)")
     again = ap.add_mutually_exclusive_group()
     again.add_argument("--rescore", action="store_true",
                        help="score the finished run in the work directory again against the current list of "
@@ -220,9 +276,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="test the finished run's survivors again on today's code and tests (in WORKDIR-retest) "
                             "and score the run with their new results")
     args = ap.parse_args(argv)
+    if args.sample is not None and (args.rescore or args.retest_survivors):
+        ap.error("argument --sample: not allowed with --rescore or --retest-survivors (they score the run's sample)")
     if args.list or args.module is None:
-        print(json.dumps({name: {"mutate": m["mutate"], "tests": m["tests"]} for name, m in modules.items()},
-                         indent=1))
+        print(json.dumps({name: {key: m[key] for key in ("mutate", "tests", "marks", "deselect") if key in m}
+                          for name, m in modules.items()}, indent=1))
         return 0
     module = modules[args.module]
     workdir = (args.workdir or Path("/tmp/kvmem-mutation") / args.module).resolve()
@@ -241,14 +299,27 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.rescore:
         build_workdir(workdir, module, shared)
         t0 = time.perf_counter()
-        run_mutmut(workdir, env, args.max_children)
+        names: list[str] = []
+        if args.sample is not None:
+            generate_mutants(workdir, env)
+            every = exit_codes(workdir, module)
+            names = draw_sample(every, args.sample, args.seed)
+            (workdir / "sample.json").write_text(json.dumps({"seed": args.seed, "of": len(every), "names": names}))
+        run_mutmut(workdir, env, args.max_children, names)
         seconds = round(time.perf_counter() - t0)
     summary = {"module": args.module, "mutate": module["mutate"], "tests": module["tests"],
+               "marks": module.get("marks"), "deselected": len(module.get("deselect", [])),
                "statuses": None, **score(found := results(workdir, module, codes), equivalents(args.module)),
                "retested": None if codes is None else len(codes),
+               "sample": None if (sample := read_sample(workdir)) is None else
+               {"seed": sample["seed"], "tested": len(sample["names"]), "of": sample["of"]},
+               "interval_95": None,
                "seconds": seconds, "max_children": args.max_children,
                "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)], "workdir": str(workdir)}
     summary["statuses"] = found["counts"]
+    if sample is not None:  # a full run's score is the module's own, not an estimate
+        counted = summary["mutants"] - summary["equivalent"] - summary["needs_cuda"]
+        summary["interval_95"] = wilson_interval(summary["killed"], counted)
     text = json.dumps(summary, indent=1, ensure_ascii=False)
     if out:
         out.write_text(text + "\n")

@@ -175,3 +175,9 @@ def test_a_request_id_outside_the_trace_is_refused_not_wrapped_to_another_reques
     cache.evict(1)  # request 1's prefix is still needed: the one nobody needs goes
     assert cached_sequences(cache) == {(10, 11, 12, 13), (20, 21, 22, 23)}
     cache.check_invariants()
+
+
+def test_no_request_of_an_empty_trace_is_future_use_from_the_root():
+    index = FutureIndex([], [])
+    assert index.next_use((index.root, 0)) == NEVER
+    assert index.next_use(index.advance((index.root, 0), np.array([], dtype=np.int64))) == NEVER

@@ -4,6 +4,7 @@ flat paged attention over the same batches (decode and extend, page sizes 1 and 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,25 @@ def test_an_lse_of_nan_or_plus_infinity_is_refused_not_merged_into_zeros(bad):
         merge_state(v, s, v, broken)
     with pytest.raises(ValueError, match="s holds NaN or \\+inf"):
         merge_states(torch.stack((v, v), dim=1), torch.stack((s, broken), dim=1))
+
+
+def test_positions_where_every_state_is_empty_merge_to_zeros_whatever_the_empty_states_outputs_hold():
+    # An empty KV segment's output is undefined (a kernel may leave NaN or inf there): its weight is 0, and where
+    # every weight is 0 the merge writes zeros instead of 0 x NaN.
+    v = torch.full((2, 3, HQ, D), float("nan"))
+    v[:, 1] = float("inf")
+    out, lse = merge_states(v, torch.full((2, 3, HQ), float("-inf")))
+    assert torch.equal(out, torch.zeros(2, HQ, D)) and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("v, s, error, message", [
+    ("v", torch.zeros(2, 2, HQ), TypeError, "^v must be a floating-point torch.Tensor, got str$"),
+    (torch.zeros(2, 2, HQ, D), torch.zeros(2, 2, HQ, dtype=torch.int32), TypeError,
+     "^s must be a floating-point torch.Tensor, got torch.int32$"),
+    (torch.zeros(2, 2, HQ, D), torch.zeros(2, 3, HQ), ValueError, r"^v must be 4-D and s its shape without the last")])
+def test_merge_states_names_the_bad_state(v, s, error, message):
+    with pytest.raises(error, match=message):
+        merge_states(v, s)
 
 
 # ---- cascade levels from the tree ----------------------------------------------------------------------
@@ -404,8 +424,12 @@ def test_cascade_metadata_rejects_another_tree():
 def test_cascade_metadata_rejects_a_request_whose_path_disagrees_with_its_row():
     server, batch = system_prompt_batch()
     batch.reqs[0].cache_protected_len -= 1
-    with pytest.raises(ValueError, match="request 0: its cached path holds"):
+    with pytest.raises(ValueError, match="request 0: its cached path holds") as refused:
         build_cascade_metadata(batch, server.tree)
+    held, protected, before = map(int, re.fullmatch(
+        r"request 0: its cached path holds (\d+) tokens; need exactly cache_protected_len \((\d+)\) and at most "
+        r"the (\d+) tokens before its queries", str(refused.value)).groups())
+    assert held == protected + 1 <= before
 
 
 def test_cascade_benchmark_reports_kv_read_and_build_times():

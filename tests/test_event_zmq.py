@@ -423,3 +423,44 @@ def test_a_closed_subscriber_refuses_to_poll_or_sync():
         sub.poll()
     with pytest.raises(RuntimeError, match="closed"):
         sub.sync()
+
+
+def test_each_malformed_replay_reply_is_counted_and_the_replay_still_ends_at_its_marker(ctx):
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def serve():  # two replies of the wrong shape, then the end marker
+        if router.poll(30_000):
+            peer = router.recv_multipart()[0]
+            for frames in ([b"", b"bad"], [b"", b"\x00" * 3, b"x"], [b"", END_SEQ, b""]):
+                router.send_multipart([peer, *frames])
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        with KVEventSubscriber("tcp://127.0.0.1:9", BlockIndex(1), 0, replay_endpoint=f"tcp://127.0.0.1:{port}",
+                               replay_timeout=30) as sub:
+            assert sub.sync() is True
+            assert (sub.malformed, sub.applied, sub.next_seq) == (2, 0, 0)
+    finally:
+        server.join(timeout=60)
+        router.close(linger=0)
+
+
+def test_a_publisher_closes_the_context_it_made_and_leaves_a_given_one_open(ctx):
+    with publisher() as own:
+        made = own._ctx
+    assert made.closed
+    with publisher(context=ctx) as pub:
+        assert pub._ctx is ctx
+    assert not ctx.closed
+
+
+def test_a_subscriber_refuses_a_negative_poll_timeout_and_an_index_without_apply_by_name():
+    with KVEventSubscriber("tcp://127.0.0.1:9", BlockIndex(1), 0) as sub:
+        with pytest.raises(ValueError, match="^timeout must be a finite number >= 0, got -0.001$"):
+            sub.poll(timeout=-0.001)
+    with pytest.raises(TypeError, match=r"^index must have apply\(replica, batch\) and clear\(replica\), got dict$"):
+        KVEventSubscriber("tcp://127.0.0.1:9", {}, 0)
+    with pytest.raises(TypeError, match="^topic must be a str, got bytes$"):
+        KVEventSubscriber("tcp://127.0.0.1:9", BlockIndex(1), 0, topic=b"kv")

@@ -151,8 +151,13 @@ def test_malformed_payloads_raise_event_decode_error_naming_the_problem(payload,
 
 
 def test_decode_refuses_what_is_not_bytes():
-    with pytest.raises(TypeError, match="payload"):
+    with pytest.raises(TypeError, match="^payload must be bytes, got str$"):
         decode_batch("text")
+
+
+def test_a_collector_names_the_kind_of_what_is_not_an_event():
+    with pytest.raises(TypeError, match="^event must be BlockStored, BlockRemoved or AllBlocksCleared, got dict$"):
+        EventCollector()({})
 
 
 @settings(deadline=None)  # as the other property tests: a busy machine is not a failure

@@ -284,8 +284,10 @@ def test_2q_main_queue_is_lru_and_a1in_gives_way_only_above_its_share():
     put(cache, seq(10))
     cache.evict(4)  # seq(0) leaves A1in: a ghost
     put(cache, seq(0))  # back: Am
+    cache.check_invariants()  # each leaf's entry is current: its queue, order and tokens
     cache.evict(4)  # A1in holds exactly kin of the tokens, not more: Am's seq(0) goes
     assert cached_sequences(cache) == {tuple(seq(10))}
+    cache.check_invariants()
     cache, _ = make_cache(policy="2q")
     put(cache, seq(0))
     put(cache, seq(10))
@@ -877,6 +879,7 @@ def queued_policy(**kwargs):
     (lambda: TwoQ(kin="0.25"), ValueError, "kin"),
     (lambda: TwoQ(kin=True), ValueError, "kin"),
     (lambda: TwoQ(kin=0), ValueError, "kin"),
+    (lambda: TwoQ(kin=1), ValueError, "kin"),
     (lambda: TwoQ(kout=None), ValueError, "kout"),
     (lambda: TwoQ(kout=0), ValueError, "kout"),
     (lambda: TwoQ(kout=float("inf")), ValueError, "kout"),
@@ -906,3 +909,47 @@ def test_lookahead_refuses_a_base_that_already_serves_a_tier():
     make_cache(policy=base)
     with pytest.raises(ValueError, match="base: this 's3fifo' policy already orders"):
         Lookahead(base)
+
+
+def test_policy_defaults_are_the_papers():
+    s3, two_q = S3FIFO(), TwoQ()
+    assert (s3.small_ratio, s3.max_freq) == (0.1, 3) and (two_q.kin, two_q.kout) == (0.25, 0.5)
+
+
+def test_a_turn_table_forgets_a_request_it_never_saw_or_already_forgot():
+    table, req = TurnTable(), object()
+    table.forget_request(req)
+    table.set_request(req, 2)
+    assert table.request(req) == 2
+    table.forget_request(req)
+    table.forget_request(req)
+    assert table.request(req) is None
+
+
+@pytest.mark.parametrize("make", [S3FIFO, TwoQ])
+def test_an_entry_the_policy_has_moved_on_from_is_not_current_though_still_queued(make):
+    # What check_invariants relies on to find a stale entry: the queue and order the policy now gives the node.
+    policy = make()
+    cache, _ = make_cache(policy=policy)
+    put(cache, seq(0))
+    node = next(n for n, _ in tree_nodes(cache) if n.entry is not None)
+    assert policy.is_current(node, node.entry)
+    state = policy._state[node]
+    state[0] = 1 - state[0]  # the policy has moved it to the other queue; its entry has not followed
+    assert not policy.is_current(node, node.entry)
+
+
+def test_gdsf_ranks_a_leaf_used_before_its_pruned_history_at_the_oldest_level_it_kept():
+    policy = GDSF(attention_crossover=4)
+    policy._min_history = 1  # prune from the second level on (the default waits for 1,024)
+    cache, _ = make_cache(size=64, policy=policy)
+    put(cache, seq(500))
+    (held,) = (n for n, path in tree_nodes(cache) if path == tuple(seq(500)))
+    cache.inc_lock_ref(held)         # used at the start, then held while the inflation rises
+    for k in range(1, 13):
+        put(cache, seq(100 * k))
+        cache.evict(4)
+    assert policy._pruned and policy._ticks[0] > held.last_access and policy._levels[0] < policy._levels[-1]
+    cache.dec_lock_ref(held)         # ranked again: its access is older than every level kept
+    assert policy._priority(held) == policy._levels[0] + 1.5
+    cache.check_invariants()

@@ -5,17 +5,24 @@ Inserts write it, backups and loads copy it, so every check can ask the question
 slot the tree hands out hold the right token?
 """
 
+import threading
+from datetime import timedelta
+
 import numpy as np
 import pytest
+import torch
+import torch.distributed as dist
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule, run_state_machine_as_test
 
-from kvmem import HiRadixCache, PagedTokenAllocator, RadixCache, ReqToTokenPool, TokenAllocator
+from kvmem import HiRadixCache, HostKVPool, MHAKVPool, PagedTokenAllocator, RadixCache, ReqToTokenPool, TokenAllocator
 from kvmem.eviction import ONLINE_POLICIES
 from kvmem.replay.belady import BeladyPolicy
 from kvmem.storage import FileStore
 from kvmem.tiers import Transfer
+from kvmem.tiers.backups import all_reduce_min
+from tests.test_radix_cache import tree_nodes
 from tests.test_radix_cache_model import future_index
 
 
@@ -183,6 +190,44 @@ def test_a_match_splits_between_the_device_part_and_the_host_part():
     assert m.last_node.token_ids() == tokens((1, 8)) and m.last_host_node.token_ids() == tokens((50, 8))
 
 
+def test_a_match_that_ends_one_host_only_token_past_the_device_part_reports_that_token():
+    w = World(device=32, host=128)
+    w.put(tokens((1, 8)))
+    w.put(tokens((1, 8), (50, 1)))
+    assert w.cache.evict(1) == 1  # the one-token leaf [50] goes to the host only
+    m = w.cache.match_prefix(tokens((1, 8), (50, 1), (90, 3)))
+    assert (m.indices.numel(), m.host_hit_length) == (8, 1)
+    assert m.last_node.token_ids() == tokens((1, 8)) and m.last_host_node.token_ids() == [50]
+    w.cache.check_invariants()
+
+
+def test_check_invariants_names_a_host_slot_held_twice_and_a_host_only_leaf_missing_from_its_set():
+    w = World(device=32, host=128)
+    w.put(tokens((1, 4)))
+    w.put(tokens((50, 4)))
+    a, b = (n for n, path in tree_nodes(w.cache) if len(path) == 4)
+    kept = b.host_value
+    b.host_value = a.host_value.copy()
+    with pytest.raises(AssertionError, match="^RadixCache invariant broken: the tree holds a host slot more than "
+                                             "once$"):
+        w.cache.check_invariants()
+    b.host_value = kept
+    assert w.cache.evict(4) == 4  # one leaf leaves the device: host only, in the host-evictable set
+    (leaf,) = (n for n, _ in tree_nodes(w.cache) if n.host_entry is not None)
+    entry, leaf.host_entry = leaf.host_entry, None
+    with pytest.raises(AssertionError, match=rf"^RadixCache invariant broken: node {leaf.id} is not in the "
+                                             "host-evictable set$"):
+        w.cache.check_invariants()
+    leaf.host_entry = entry
+    w.cache.check_invariants()
+
+
+def test_a_host_pool_for_another_device_pool_size_is_refused_naming_both():
+    device = MHAKVPool(64, 1, torch.float32, 1, 1, 1)
+    with pytest.raises(ValueError, match="^host_pool backs a device pool of 64 tokens, but token_allocator has 32$"):
+        HiRadixCache(ReqToTokenPool(2, 64), TokenAllocator(32), HostKVPool(device))
+
+
 def test_write_back_backs_up_only_what_eviction_takes():
     w = World(device=16, host=64, write_policy="write_back")
     w.put(tokens((1, 10)))
@@ -330,6 +375,33 @@ def test_a_prefetch_hangs_its_pages_only_under_a_parent_whose_host_copy_landed(t
     w.cache.check_invariants()
 
 
+class WaitedTransfer(DelayedTransfer):
+    """A copy that lands only when waited for (a stream nothing else synchronizes): polling it never completes it,
+    and a cache that polls it without end fails the test instead of hanging."""
+
+    def done(self):
+        self.polls_left = getattr(self, "polls_left", 1000) - 1
+        assert self.polls_left > 0, "polled a copy that only a wait completes"
+        return self.polls < 0 and super().done()
+
+
+def test_a_prefetch_under_a_parent_whose_backup_is_queued_behind_another_waits_for_both(tmp_path):
+    prompt = tokens((100, 32))
+    first = World(page_size=4, storage=FileStore(tmp_path))
+    first.put(prompt)
+    first.cache.close()
+    w = World(page_size=4, storage=FileStore(tmp_path), prefetch_policy="wait_complete")
+    w.host.delay = 1
+    w.host._transfer = lambda copy: WaitedTransfer(1, copy)
+    w.put(tokens((500, 8)))              # another prompt's backup, issued first
+    w.put(prompt[:8])                    # the backup of the parent the prefetch's pages will hang from
+    assert len(w.cache._pending) == 2
+    assert w.cache.finish_prefetch(w.cache.prefetch(prompt + [1])) == 24
+    assert not w.cache._pending and w.cache.stats.backed_up_tokens == 16
+    w.cache.check_invariants()
+    w.check_content()
+
+
 def test_load_back_refuses_a_stale_length_and_a_foreign_node():
     w = World(device=16, host=64)
     w.put(tokens((1, 8)))
@@ -390,7 +462,8 @@ def test_reset_waits_for_backups_in_flight_however_deep_they_lock_and_refuses_on
 def assert_reset_refused_under_a_lock_then_empties_both_tiers(w, key):
     m = w.cache.match_prefix(key)
     w.cache.inc_lock_ref(m.last_node)
-    with pytest.raises(RuntimeError, match="requests lock"):
+    with pytest.raises(RuntimeError, match=r"^reset\(\) while requests lock cached tokens; release them "
+                                           r"\(dec_lock_ref\) first$"):
         w.cache.reset()
     w.cache.check_invariants()
     w.cache.dec_lock_ref(m.last_node)
@@ -413,6 +486,112 @@ def test_load_back_that_cannot_fit_evicts_nothing():
     assert w.cache.load_back(m.last_host_node, m.host_hit_length) is None
     assert (w.cache.total_size(), w.cache.evictable_size(), w.alloc.available_size()) == before
     w.cache.check_invariants()
+
+
+# ---- tensor-parallel ranks: threads of one process, each with its own cache ---------------------------------
+def on_ranks(fn, world=2):
+    """fn(rank) on `world` threads at once (a collective needs every rank); their results, or the first error."""
+    results, errors = [None] * world, []
+
+    def run(rank):
+        try:
+            results[rank] = fn(rank)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, on the test's thread
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a rank is stuck in a collective"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def tp_groups(world=2):
+    """One gloo process group per rank over an in-memory store: a tensor-parallel group whose ranks are threads."""
+    store = dist.HashStore()
+
+    def group(rank):
+        backend = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=30))
+        g = dist.ProcessGroup(store, rank, world)
+        g._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+        g._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        return g
+    return on_ranks(group, world)
+
+
+def test_ranks_agree_on_the_minimum_of_their_counts_and_on_a_flag_only_when_all_set_it():
+    groups = tp_groups()
+    assert on_ranks(lambda rank: all_reduce_min([3, 5][rank], groups[rank])) == [3, 3]
+    flags = [[True, False, True, True], [True, True, False, True]]
+    assert on_ranks(lambda rank: all_reduce_min(flags[rank], groups[rank])) == [[True, False, False, True]] * 2
+
+
+def test_a_backup_completes_on_every_rank_at_the_poll_where_the_slowest_rank_finished_it():
+    groups = tp_groups()
+
+    def serve(rank):
+        w = World(device=16, host=64, tp_group=groups[rank])
+        w.host.delay = (1, 4)[rank]             # the insert's own check polls once: rank 0's copy lands at the
+        w.put(tokens((1, 8)))                   # first poll after it, rank 1's at the fourth
+        polls = [w.cache.writing_check() for _ in range(6)]
+        return polls, w.cache.protected_size(), w.cache.host_protected_size(), w.cache.stats.backed_up_tokens
+    assert on_ranks(serve) == [([0, 0, 0, 1, 0, 0], 0, 8, 8)] * 2
+
+
+def test_a_copy_that_failed_on_one_rank_is_released_on_every_rank():
+    groups = tp_groups()
+
+    def serve(rank):
+        w = World(device=16, host=64, tp_group=groups[rank])
+        w.host.delay, w.host.fail_late = 2, rank   # rank 1's copy fails when it lands
+        w.put(tokens((1, 8)))
+        while w.cache._pending:
+            w.cache.writing_check()
+        w.cache.check_invariants()
+        evicted = w.cache.evict(8)
+        return (w.cache.stats.failed_transfers, w.cache.host_total_size(), w.host.allocator.available_size(),
+                evicted, w.cache.match_prefix(tokens((1, 8))).host_hit_length)
+    assert on_ranks(serve) == [(1, 0, 64, 8, 0)] * 2    # device-only on both: the eviction drops it everywhere
+
+
+def test_ranks_prefetch_and_attach_only_the_pages_every_rank_has(tmp_path):
+    prompt = tokens((100, 32))                          # 8 pages of 4
+    for rank, stored in enumerate((32, 12)):            # rank 1's store has only the first 3 pages
+        first = World(page_size=4, storage=FileStore(tmp_path / f"rank{rank}"))
+        first.put(prompt[:stored])
+        first.cache.close()
+    groups = tp_groups()
+
+    def serve(rank):
+        w = World(page_size=4, storage=FileStore(tmp_path / f"rank{rank}"), tp_group=groups[rank])
+        prefetch = w.cache.prefetch(prompt + [1])
+        attached = w.cache.finish_prefetch(prefetch)
+        w.cache.check_invariants()
+        return prefetch.pages, attached, w.cache.match_prefix(prompt).host_hit_length, w.cache.host_total_size()
+    assert on_ranks(serve) == [(3, 12, 12, 12)] * 2
+
+
+def test_ranks_attach_only_the_pages_every_rank_read(tmp_path):
+    prompt = tokens((100, 32))
+    first = World(page_size=4, storage=FileStore(tmp_path))
+    first.put(prompt)
+    first.cache.close()
+    groups = tp_groups()
+
+    class ShortReads(FileStore):  # rank 1's reads load the first 2 pages they are asked for, and say so
+        def batch_get(self, keys, host_pool, host_slots):
+            return super().batch_get(keys[:2], host_pool, host_slots[:2 * 4])
+
+    def serve(rank):
+        w = World(page_size=4, storage=(FileStore, ShortReads)[rank](tmp_path), tp_group=groups[rank])
+        prefetch = w.cache.prefetch(prompt + [1])
+        attached = w.cache.finish_prefetch(prefetch)
+        w.cache.check_invariants()
+        return prefetch.pages, attached, w.cache.host_total_size(), w.host.allocator.available_size()
+    assert on_ranks(serve) == [(8, 8, 8, 248)] * 2
 
 
 # ---- any sequence of operations ----------------------------------------------------------------------------

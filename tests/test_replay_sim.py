@@ -8,10 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmem import sizing
 from kvmem.eviction import EVICTION_POLICIES
 from kvmem.replay.config import ReplayConfig
-from kvmem.replay.cost import GPUS, MODEL_COMPUTE, RooflineCost, StepCost, cost_model
+from kvmem.replay.cost import RooflineCost, StepCost, cost_model
 from kvmem.replay.decode_runs import ReplayScheduler
 from kvmem.replay.report import ReplayReport, format_summary
 from kvmem.replay.simulator import ReplicaSim, replay
@@ -117,122 +116,7 @@ def test_requests_that_never_fit_are_counted_and_named_only_ten_times(capsys):
     assert report.rejected == 14 and err.count("skipped: request") == 10 and "skipped 4 more" in err
 
 
-# ---- cost models ------------------------------------------------------------------------------------------------
-
-def test_the_fixed_step_cost_is_the_replays_original_clock():
-    cost = StepCost()
-    assert cost.extend_seconds(np.array([0, 10]), np.array([100, 60])) == 0.03 + 150 / 50_000
-    assert cost.decode_seconds(64, 10**6) == 0.03 and cost.prefill_seconds_saved(500) == 0.01
-    assert cost_model(ReplayConfig(capacity_tokens=10, max_context_len=10)) == StepCost()
-
-
-def test_every_sizing_model_has_a_compute_shape():
-    assert set(MODEL_COMPUTE) == set(sizing.MODEL_CONFIGS)
-
-
-def test_a_long_prefill_is_compute_bound_and_a_decode_step_bandwidth_bound():
-    cost = RooflineCost("H100", "llama-3-8b", tp=1, mfu=0.5, mbu=0.8)
-    h100 = GPUS["H100"]
-    # 4096 new tokens: 2 x 8.03e9 FLOPs each through the weights, plus 4096 x 4097 / 2 causal pairs at
-    # 2 x (128 + 128) x 32 heads x 32 layers FLOPs each, at half of 989.5 TFLOP/s.
-    flops = 2 * 8.03e9 * 4096 + 4096 * 4097 / 2 * 2 * 256 * 32 * 32
-    assert cost.extend_seconds(np.array([0]), np.array([4096])) == pytest.approx(flops / (0.5 * 989.5e12))
-    # 64 requests of 2048 tokens: the weights (16.06 GB) and 131072 tokens x 131072 bytes of KV at 80% of 3.35 TB/s.
-    moved = 8.03e9 * 2 + 64 * 2048 * 131072
-    assert cost.decode_seconds(64, 64 * 2048) == pytest.approx(moved / (0.8 * h100.memory_tbps * 1e12))
-    # A cached prefix saves its linear FLOPs and the attention among its own tokens.
-    assert cost.prefill_seconds_saved(4096) == pytest.approx(cost.extend_seconds(np.array([0]), np.array([4096])))
-    two = RooflineCost("H100", "llama-3-8b", tp=2)
-    assert two.decode_seconds(64, 64 * 2048) == pytest.approx(cost.decode_seconds(64, 64 * 2048) / 2)
-
-
-def test_loads_from_the_host_overlap_the_prefill_they_feed():
-    cost = RooflineCost("H100", "llama-3-8b", h2d_gbps=50.0)
-    compute = cost.extend_seconds(np.array([20000]), np.array([20100]))
-    loaded = cost.extend_seconds(np.array([20000]), np.array([20100]), loaded_tokens=20000)
-    assert loaded == pytest.approx(max(compute, 20000 * 131072 / 50e9)) and loaded > compute
-
-
-def test_a_prefill_after_a_cached_prefix_and_a_huge_decode_batch_are_priced_by_the_roofline():
-    cost = RooflineCost("H100", "llama-3-8b", mfu=0.5, mbu=0.8)
-    flops_per_s, bytes_per_s = 0.5 * 989.5e12, 0.8 * 3.35e12
-    # Queries 1000..5095 attend to keys 1..1001 .. 1..5096: (5096 x 5097 - 1000 x 1001) / 2 pairs.
-    flops = 2 * 8.03e9 * 4096 + (5096 * 5097 - 1000 * 1001) / 2 * 2 * 256 * 32 * 32
-    assert cost.extend_seconds(np.array([1000]), np.array([5096])) == pytest.approx(flops / flops_per_s)
-    # One new token after 10**6 cached ones: bandwidth-bound, it reads the weights and every token's KV once.
-    moved = 8.03e9 * 2 + (10**6 + 1) * 131072
-    assert cost.extend_seconds(np.array([10**6]), np.array([10**6 + 1])) == pytest.approx(moved / bytes_per_s)
-    # 10**5 requests decoding with no KV: compute-bound, every one through the weights.
-    assert cost.decode_seconds(10**5, 0) == pytest.approx(2 * 8.03e9 * 10**5 / flops_per_s)
-
-
-def test_cost_models_take_the_edges_of_their_ranges_and_each_gpus_own_host_link():
-    assert StepCost(decode_step_s=0).extend_seconds(np.array([0]), np.array([500])) == 0.01
-    full = RooflineCost("H100", "llama-3-8b", mfu=1.0, mbu=1.0)
-    assert full.decode_seconds(1, 0) == pytest.approx(8.03e9 * 2 / 3.35e12)
-    assert [RooflineCost(gpu, "llama-3-8b").h2d_gbps for gpu in ("H100", "A100", "L40S")] == [50.0, 25.0, 25.0]
-
-
-@pytest.mark.parametrize("model, tp, copies", [("llama-3-8b", 2, 1), ("llama-3-8b", 16, 2), ("deepseek-v3", 8, 8)])
-def test_under_tensor_parallelism_each_gpu_loads_its_share_of_the_kv_over_its_own_host_link(model, tp, copies):
-    # llama-3-8b's 8 KV heads split over 2 GPUs, or each kept twice over 16; deepseek-v3's latent whole on all 8.
-    cost = RooflineCost("H100", model, tp=tp, h2d_gbps=50.0, storage_gbps=10.0)
-    n, kv = 10**6, cost.kv_bytes_per_token * copies  # tokens loaded; a token's KV on all the GPUs together
-    prefix, seq = np.array([n]), np.array([n + 1])   # one new token: the load is the step
-    assert cost.extend_seconds(prefix, seq, loaded_tokens=n) == pytest.approx(kv * n / (tp * 50e9))
-    # Read from the storage tier first (a round trip, then the bytes), then over the host links: one store,
-    # shared by every GPU.
-    assert cost.extend_seconds(prefix, seq, loaded_tokens=n, storage_tokens=n) == \
-        pytest.approx(kv * n / (tp * 50e9) + cost.storage_latency_us * 1e-6 + kv * n / 10e9)
-
-
-def test_a_prefill_that_reads_from_storage_waits_one_round_trip_then_the_bytes_at_its_bandwidth():
-    cost = RooflineCost("H100", "llama-3-8b", storage_gbps=10.0, storage_latency_us=250.0)
-    compute = cost.extend_seconds(np.array([20000]), np.array([20100]))
-    host_only = cost.extend_seconds(np.array([20000]), np.array([20100]), loaded_tokens=20000)
-    read = cost.extend_seconds(np.array([20000]), np.array([20100]), loaded_tokens=20000, storage_tokens=20000)
-    assert host_only == pytest.approx(max(compute, 20000 * 131072 / 50e9))
-    assert read == pytest.approx(20000 * 131072 * (1 / 50e9 + 1 / 10e9) + 250e-6) and read > host_only
-    assert RooflineCost("H100", "llama-3-8b").storage_latency_us == 100.0
-    for bad in (-1.0, float("inf"), "5"):
-        with pytest.raises(ValueError, match="storage_latency_us"):
-            RooflineCost("H100", "llama-3-8b", storage_latency_us=bad)
-        with pytest.raises(ValueError, match="storage_latency_us"):
-            ReplayConfig(capacity_tokens=4096, max_context_len=512, storage_latency_us=bad)
-    config = ReplayConfig(capacity_tokens=4096, max_context_len=512, gpu="H100", storage_latency_us=30.0)
-    assert cost_model(config).storage_latency_us == 30.0
-
-
-def test_the_kv_capacity_of_a_gpu_server_is_what_its_memory_leaves_beside_the_weights():
-    cost = RooflineCost("H100", "llama-3-70b", tp=8)
-    left = 8 * 80e9 * 0.9 - 70.6e9 * 2
-    assert cost.kv_capacity_tokens(16) == int(left // (327680 * 16)) * 16
-    with pytest.raises(ValueError, match="leave no room for a KV cache"):
-        RooflineCost("H100", "deepseek-v3", tp=1).kv_capacity_tokens()
-
-
-def test_kv_that_tensor_parallelism_cannot_split_is_counted_on_every_gpu_that_keeps_it():
-    # MLA's latent is whole on every GPU; 8 KV heads on 16 GPUs are each kept twice (as vLLM and SGLang do).
-    mla = RooflineCost("H200", "deepseek-v3", tp=8)
-    assert mla.kv_capacity_tokens() == int((8 * 141e9 * 0.9 - 671e9 * 1) // (70272 * 8))
-    wide, split = RooflineCost("H100", "llama-3-8b", tp=16), RooflineCost("H100", "llama-3-8b", tp=8)
-    assert wide.kv_capacity_tokens() == int((16 * 80e9 * 0.9 - 8.03e9 * 2) // (131072 * 2))
-    assert split.kv_capacity_tokens() == int((8 * 80e9 * 0.9 - 8.03e9 * 2) // 131072)
-    for cost, copies in ((wide, 2), (split, 1)):
-        kv_read = cost.decode_seconds(64, 10**6) - cost.decode_seconds(64, 0)
-        assert kv_read == pytest.approx(copies * 131072 * 10**6 / (cost.tp * 3.35e12 * 0.8))
-
-
-@pytest.mark.parametrize("kwargs, match", [({"gpu": "B200"}, "gpu must be one of"),
-                                           ({"model": "gpt-5"}, "model must be one of"),
-                                           ({"tp": 0}, "tp"), ({"mfu": 1.5}, "mfu"),
-                                           ({"tp": 3}, "tp 3 must divide llama-3-8b's 32 attention heads"),
-                                           ({"model": "qwen2.5-7b", "tp": 14},
-                                            "tp 14 must divide qwen2.5-7b's 4 KV heads, or be a multiple of them")])
-def test_a_bad_roofline_is_refused_by_name(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        RooflineCost(**{"gpu": "H100", "model": "llama-3-8b", **kwargs})
-
+# ---- the cost models in a replay (their own tests: test_replay_cost.py) ----------------------------------------
 
 def test_a_roofline_replay_reports_gpu_seconds_saved_and_throughput():
     trace = read_trace(default_trace_path(), limit=40)

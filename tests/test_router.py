@@ -229,3 +229,9 @@ def test_bad_router_and_index_arguments_raise_naming_them():
         BlockIndex(2).apply_event(2, AllBlocksCleared())
     with pytest.raises(TypeError, match="EventBatch"):
         BlockIndex(2).apply(0, [AllBlocksCleared()])
+
+
+def test_a_block_index_shows_each_replicas_gpu_blocks():
+    index = BlockIndex(2)
+    index.apply(1, EventBatch(0.0, [BlockStored([11, 12], None, list(range(8)), 4)]))
+    assert repr(index) == "BlockIndex(num_replicas=2, gpu_blocks=[0, 2])"

@@ -294,6 +294,42 @@ def test_mutation_results_take_the_retested_survivors_new_exit_codes(monkeypatch
                                   {"name": "kvmem.a.x_f__mutmut_4", "status": "not checked", "line": "line of 4"}]
 
 
+def test_a_mutation_sample_depends_only_on_the_seed_and_the_set_of_mutants(monkeypatch):
+    draw = load_script("mutation.py", monkeypatch)["draw_sample"]
+    names = [f"kvmem.a.x_f__mutmut_{i}" for i in range(1, 101)]
+    sample = draw(names, 10, 0)
+    assert len(set(sample)) == 10 and set(sample) <= set(names) and sample == sorted(sample)
+    assert draw(list(reversed(names)), 10, 0) == sample != draw(names, 10, 1)
+    assert draw(names, 11, 0) != sample and draw(names, 100, 0) == draw(names, 101, 0) == sorted(names)
+
+
+def test_a_mutation_samples_score_comes_with_its_wilson_95_percent_interval(monkeypatch):
+    wilson = load_script("mutation.py", monkeypatch)["wilson_interval"]
+    assert wilson(8, 10) == [0.4902, 0.9433]
+    assert wilson(0, 5) == [0.0, 0.4345] and wilson(5, 5) == [0.5655, 1.0]
+    assert wilson(0, 0) is None and wilson(1, 1) == [0.2065, 1.0]
+
+
+def test_a_sampled_mutation_run_counts_only_its_sample(monkeypatch, tmp_path):
+    script = load_script("mutation.py", monkeypatch)
+    meta = tmp_path / "mutants" / "kvmem" / "a.py.meta"
+    meta.parent.mkdir(parents=True)
+    codes = {"kvmem.a.x_f__mutmut_1": 1, "kvmem.a.x_f__mutmut_2": 0, "kvmem.a.x_f__mutmut_3": None,
+             "kvmem.a.x_f__mutmut_4": 1}
+    meta.write_text(json.dumps({"exit_code_by_key": codes}))
+    module = {"mutate": ["kvmem/a.py"]}
+    assert script["read_sample"](tmp_path) is None and len(script["exit_codes"](tmp_path, module)) == 4
+    sample = {"seed": 3, "of": 4, "names": ["kvmem.a.x_f__mutmut_1", "kvmem.a.x_f__mutmut_4"]}
+    (tmp_path / "sample.json").write_text(json.dumps(sample))
+    assert script["read_sample"](tmp_path) == sample
+    assert script["exit_codes"](tmp_path, module) == {"kvmem.a.x_f__mutmut_1": ("kvmem/a.py", 1),
+                                                      "kvmem.a.x_f__mutmut_4": ("kvmem/a.py", 1)}
+    assert script["results"](tmp_path, module) == {"counts": {"killed": 2}, "survivors": []}
+    # Nothing of the sample survived: a retest runs nothing (mutmut would test every mutant given no names).
+    monkeypatch.setitem(script["retest_survivors"].__globals__, "run_mutmut", lambda *a: pytest.fail("ran mutmut"))
+    assert script["retest_survivors"](tmp_path, tmp_path / "retest", module, 1, {}) == {}
+
+
 def test_trace_reuse_reports_reusable_tokens_their_gaps_and_conversation_turns(tmp_path):
     # A, then B continues A (A's full blocks 1, 2 begin it) 10 s later, C shares nothing, D continues B 30 s
     # after B. Reused: B 2 blocks (gap 10 s), D 3 blocks (gap 30 s); A and B get a next turn, C and D do not.
@@ -376,6 +412,9 @@ RESCORE_EMPTY = ["--rescore", "--workdir", "{tmp}/empty"]
     (["--workdir", "{tmp}/file"], "--workdir"), (["--workdir", "{tmp}/file/under"], "--workdir"),
     (["--out", "{tmp}/missing/summary.json", *RESCORE_EMPTY], "--out"), (["--out", "{tmp}", *RESCORE_EMPTY], "--out"),
     (["--retest-survivors", *RESCORE_EMPTY], "--rescore"),
+    (["--sample", "0", *RESCORE_EMPTY], "--sample"), (["--sample", "x", *RESCORE_EMPTY], "--sample"),
+    (["--sample", "5", *RESCORE_EMPTY], "--sample"),  # a rescore scores the run's own sample
+    (["--sample", "5", "--seed", "x", *RESCORE_EMPTY], "--seed"),
 ])
 def test_mutation_refuses_bad_arguments_as_usage_errors(args, option, tmp_path, monkeypatch, capsys):
     (tmp_path / "empty").mkdir()

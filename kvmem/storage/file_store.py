@@ -332,10 +332,12 @@ class _Folder:
         """While the segments hold more than twice `capacity_bytes` and a segment, copies the live pages of the one
         with the fewest (records as they are: their times keep the order) to this process's segment and deletes
         it."""
-        tried = set()
+        tried, first_new = set(), self._next_number
         while self.disk_bytes > 2 * capacity_bytes + segment_bytes:
-            # Only a segment at most half live is worth its copy.
-            candidates = [n for n, seg in self.segments.items() if n not in tried and 2 * seg.live < seg.size]
+            # Only a segment at most half live is worth its copy; the copies' segments are not rewritten in the same
+            # pass (a segment of use records alone was copied to a new one, and that one again, for ever).
+            candidates = [n for n, seg in self.segments.items()
+                          if n < first_new and n not in tried and 2 * seg.live < seg.size]
             if not candidates:
                 return
             number = min(candidates, key=lambda n: (self.segments[n].live, n))
