@@ -41,6 +41,7 @@ from kvmem.replay.config import (
 )
 from kvmem.replay.cost import DEFAULT_MODEL, DEFAULT_STORAGE_LATENCY_US, GPUS, RooflineCost
 from kvmem.replay.engine import ENGINES, fallback_note, fallback_reason, requested_engine
+from kvmem.replay.pd_cli import add_pd_arguments, pd_runs, run_pd, slo_of
 from kvmem.replay.report import format_summary, require_matplotlib, write_sweep_plot
 from kvmem.replay.traces import Trace, TraceError, default_trace_path, read_trace
 
@@ -172,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=non_negative_int_arg, default=0,
                    help="seed for synthetic workloads and the simulator")
     add_cluster_arguments(p)
+    add_pd_arguments(p)
     return p
 
 
@@ -218,8 +220,14 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
         engine = requested_engine(args.engine)
         trace = _load_trace(args)
         config = _replay_config(args, trace)
-        runs = None if tour else cluster_runs(args, config)
-        points = None if runs is not None else _tour_points(config) if tour else _sweep_points(args, config)
+        slo = slo_of(args)
+        splits = None if tour else pd_runs(args, config)
+        runs = None if tour or splits is not None else cluster_runs(args, config)
+        if slo is not None and runs is None and splits is None:
+            raise ValueError("--slo-ttft-s and --slo-tbt-s price a fleet's goodput: give --replicas, "
+                             "--prefill-replicas or --pd-sweep")
+        points = (None if runs is not None or splits is not None else _tour_points(config) if tour
+                  else _sweep_points(args, config))
         for point in points or [config]:
             point.check_host_memory()
         _check_combinations(args, config, points)
@@ -239,12 +247,20 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
            "config": dataclasses.asdict(config)}
     if args.compare_policies:
         return _compare(args, trace, config, [p.capacity_tokens for p in points] if points else None, out, engine)
-    if runs is not None:  # a cluster replay
+    if splits is not None:  # a disaggregated replay
+        if engine == "native":
+            reason = fallback_reason(engine, config) or "the native engine does not cover P:D fleets yet"
+            print(f"{PROG}: {reason}: the Python engine replays the P:D fleet", file=sys.stderr)
+        try:
+            out = run_pd(args, trace, config, splits, out)
+        except (ValueError, RuntimeError) as e:
+            return _error(str(e))
+    elif runs is not None:  # a cluster replay
         if engine == "native":
             reason = fallback_reason(engine, config) or "the native engine does not cover --replicas yet"
             print(f"{PROG}: {reason}: the Python engine replays the cluster", file=sys.stderr)
         try:
-            out = run_cluster(args, trace, config, runs, out)
+            out = run_cluster(args, trace, config, runs, out, slo)
         except RuntimeError as e:
             return _error(str(e))
     else:

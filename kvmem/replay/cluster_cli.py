@@ -55,9 +55,9 @@ def cluster_runs(args: argparse.Namespace, config: ReplayConfig) -> list[tuple[i
 
 
 def run_cluster(args: argparse.Namespace, trace, config: ReplayConfig, runs: list[tuple[int, str]],
-                out: dict) -> dict:
-    """Replays `runs` and adds their reports (and plots, with --plot) to `out`; RuntimeError (one line) when the
-    plots cannot be written."""
+                out: dict, slo=None) -> dict:
+    """Replays `runs` and adds their reports (and plots, with --plot) to `out`, with goodput under `slo` (a
+    kvmem.replay.latency.SLO) when given; RuntimeError (one line) when the plots cannot be written."""
     from kvmem.replay.cluster import replay_cluster  # imports torch: only once the arguments are good
     from kvmem.replay.cluster_report import write_cluster_sweep_plots
 
@@ -66,7 +66,7 @@ def run_cluster(args: argparse.Namespace, trace, config: ReplayConfig, runs: lis
     for replicas, policy in runs:
         if len(runs) > 1 and progress:
             print(f"kvmem-replay: {replicas} replicas, {policy}", file=sys.stderr)
-        reports.append(replay_cluster(trace, config, replicas, policy, progress=progress))
+        reports.append(replay_cluster(trace, config, replicas, policy, progress=progress, slo=slo))
     if len(runs) == 1:
         out.update(reports[0].to_json())
     else:

@@ -185,8 +185,7 @@ class PDReplay:
         check_decode_pool(requests, config)
         cost = cost_model(config) if cost is None else cost
         model = config.model or DEFAULT_MODEL
-        if link is None:
-            link = KVLink(num_layers=sizing.get_model_config(model).num_layers, nics=config.tp)
+        link = link_for(config) if link is None else link
         self.requests, self.config, self.link, self.slo = requests, config, link, slo
         self.decode_prefix_cache = bool(decode_prefix_cache)
         self.progress = progress
@@ -372,6 +371,14 @@ class PDReplay:
         if outcome.finished and self._bar is not None:
             self._bar.update(len(outcome.finished))
         decode.publish(finished + [r.rid for r in outcome.finished], [])
+
+
+def link_for(config: ReplayConfig, link: KVLink | None = None) -> KVLink:
+    """`link` (default: KVLink()'s bandwidth and latency) with `config`'s model's layers and one NIC per GPU of a
+    replica."""
+    model = config.model or DEFAULT_MODEL
+    return dataclasses.replace(KVLink() if link is None else link,
+                               num_layers=sizing.get_model_config(model).num_layers, nics=config.tp)
 
 
 def _fits(sim, tokens: int) -> bool:
