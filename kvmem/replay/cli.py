@@ -221,7 +221,7 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
         trace = _load_trace(args)
         config = _replay_config(args, trace)
         slo = slo_of(args)
-        splits = None if tour else pd_runs(args, config)
+        splits = None if tour else pd_runs(args, config, trace)
         runs = None if tour or splits is not None else cluster_runs(args, config)
         if slo is not None and runs is None and splits is None:
             raise ValueError("--slo-ttft-s and --slo-tbt-s price a fleet's goodput: give --replicas, "

@@ -366,6 +366,8 @@ class PDReplay:
         outcome = decode.run_step(horizon)
         if sim.clock == start and not outcome.finished and not outcome.prefilled:
             decode.waits = True  # for pages it gave requests whose KV has not landed
+        if outcome.finished:
+            decode.stuck = False  # their memory is back: the head of `pending` may fit now
         for req in outcome.finished:
             self.times.finished(req.rid, sim.clock, len(req.output_ids))
         if outcome.finished and self._bar is not None:

@@ -64,9 +64,9 @@ def slo_of(args: argparse.Namespace):
     return SLO(args.slo_ttft_s, args.slo_tbt_s)
 
 
-def pd_runs(args: argparse.Namespace, config: ReplayConfig) -> list[tuple[int, int]] | None:
+def pd_runs(args: argparse.Namespace, config: ReplayConfig, trace) -> list[tuple[int, int]] | None:
     """The (P, D) splits to replay ((N, 0) for the colocated N of --pd-sweep), or None without a P:D option;
-    ValueError for options that do not go together."""
+    ValueError for options that do not go together, or a decode pool that holds no request of `trace`."""
     split = args.prefill_replicas is not None or args.decode_replicas is not None
     if not split and args.pd_sweep is None:
         given = [o for o in PD_OPTIONS if getattr(args, o[2:].replace("-", "_")) not in (None, False)]
@@ -86,9 +86,10 @@ def pd_runs(args: argparse.Namespace, config: ReplayConfig) -> list[tuple[int, i
     if args.router is not None and (split or len(args.router) > 1):
         raise ValueError("--router is the colocated fleet's policy in --pd-sweep (one); a P:D replay takes "
                          "--prefill-router and --decode-router")
-    from kvmem.replay.pd import check_disaggregable
+    from kvmem.replay.pd import check_decode_pool, check_disaggregable
 
     check_disaggregable(config)
+    check_decode_pool(trace, config)
     if args.pd_sweep is None:
         return [(args.prefill_replicas, args.decode_replicas)]
     if args.pd_sweep < 2:

@@ -298,10 +298,18 @@ class ReplicaSim:
     def preallocate(self, rid, request: TraceRequest, namespace: str | None = None) -> Req | None:
         """Matches `request`'s prompt in this replica's tree and gives it a row and pages for the rest, for its KV to
         arrive from a prefill side (`kvmem.disagg.preallocate`); None, nothing changed, when memory is short.
-        `namespace`: the request's KV-sharing domain (a namespace of its own matches nothing)."""
+        `namespace`: the request's KV-sharing domain (a namespace of its own matches nothing).
+
+        Room stays free or evictable for every output token the running requests, those waiting for their KV and this
+        one may still write: a decode step cannot retract its way out of pages held outside the loop.
+        """
         sched = self.sched
+        ps = sched.page_size
+        reserve = sum(r.max_new_tokens - len(r.output_ids) + ps - 1 for r in sched.running)
+        reserve += sum(r.max_new_tokens + ps - 1 for r in self.outside.values()) + request.output_len + ps - 1
         req = Req(rid, request.input_ids, request.output_len, namespace=namespace)
-        if preallocate(req, sched.req_to_token_pool, sched.token_allocator, sched.tree_cache) is None:
+        if preallocate(req, sched.req_to_token_pool, sched.token_allocator, sched.tree_cache,
+                       reserve_tokens=reserve) is None:
             return None
         self.outside[rid] = req
         return req
