@@ -72,7 +72,7 @@ class _StepResult:
     pinned_pages: int
 
 
-class _Replica:
+class Replica:
     """One simulated engine (a `ReplicaSim`: scheduler, cache, tiers, clock, report), its events, and the step
     results the router has not seen yet."""
 
@@ -141,7 +141,7 @@ class Fleet:
     """Replicas behind one `policy` router (see the module docstring): the loads the router keeps of them, the step
     results it has read, and the routing itself. A cluster replay has one; a disaggregated one, one per side."""
 
-    def __init__(self, replicas: list[_Replica], policy: str, page_size: int, **router_params) -> None:
+    def __init__(self, replicas: list[Replica], policy: str, page_size: int, **router_params) -> None:
         self.replicas = replicas
         self.router = Router(policy, len(replicas), block_size=page_size, **router_params)
         self.page_size = page_size
@@ -245,7 +245,7 @@ class ClusterReplay:
         # A simulated store lives in this process: the replicas share one, as they would a real store's pages.
         shared = open_storage(config) if is_simulated(config) else None
         self.times = RequestTimes()
-        self.replicas = [_Replica(r, config, cost, shared, self.times) for r in range(replicas)]
+        self.replicas = [Replica(r, config, cost, shared, self.times) for r in range(replicas)]
         self.fleet = Fleet(self.replicas, policy, config.page_size, **router_params)
         self.router = self.fleet.router
         self._clocks: list[tuple[float, int]] = []  # (clock, rank) of the replicas with work, a heap

@@ -39,7 +39,7 @@ import numpy as np
 from kvmem import sizing
 from kvmem._checks import check_int
 from kvmem._paging import round_up
-from kvmem.replay.cluster import Fleet, _Replica, check_policy
+from kvmem.replay.cluster import Fleet, Replica, check_policy
 from kvmem.replay.cluster_report import ClusterReport
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.cost import DEFAULT_MODEL, RooflineCost, StepCost, cost_model, kv_copies
@@ -51,7 +51,7 @@ from kvmem.replay.traces import TraceRequest
 PREFILL_OUTPUT_LEN = 2  # a prefill side's request asks for two tokens, so that it still runs after sampling the first
 
 
-class _PrefillReplica(_Replica):
+class PrefillReplica(Replica):
     """A prefill replica: the requests it has handed off, held until their KV has landed, and its link."""
 
     def __init__(self, *args, link: KVLink, **kwargs) -> None:
@@ -70,7 +70,7 @@ class _PrefillReplica(_Replica):
         return math.inf if self.sim.is_idle() else self.clock
 
 
-class _DecodeReplica(_Replica):
+class DecodeReplica(Replica):
     """A decode replica: requests waiting for pages, and those whose KV is on its way (with its landing time once
     their prefill has ended)."""
 
@@ -192,9 +192,9 @@ class PDReplay:
         # A token's KV on every GPU of a replica: replicated KV heads are sent to each GPU that keeps a copy.
         self.token_bytes = config.token_kv_bytes * (kv_copies(model, config.tp) if config.gpu is not None else 1)
         self.times = RequestTimes()
-        self.prefill = Fleet([_PrefillReplica(r, config, cost, link=link) for r in range(prefill_replicas)],
+        self.prefill = Fleet([PrefillReplica(r, config, cost, link=link) for r in range(prefill_replicas)],
                              prefill_router, config.page_size)
-        self.decode = Fleet([_DecodeReplica(r, config, cost) for r in range(decode_replicas)], decode_router,
+        self.decode = Fleet([DecodeReplica(r, config, cost) for r in range(decode_replicas)], decode_router,
                             config.page_size)
         self.transfer = KVTransferCounts()
         self.rejected = 0
@@ -234,7 +234,7 @@ class PDReplay:
                         requests=len(self.times.last), rejected=self.rejected, latency=latency,
                         replay_seconds=replay_s)
 
-    def replicas(self) -> list[_Replica]:
+    def replicas(self) -> list[Replica]:
         return self.prefill.replicas + self.decode.replicas
 
     def check_invariants(self) -> None:
@@ -248,7 +248,7 @@ class PDReplay:
             replica = min(self.replicas(), key=lambda r: r.next_event())
             if replica.next_event() >= until:
                 return
-            if isinstance(replica, _PrefillReplica):
+            if isinstance(replica, PrefillReplica):
                 self._prefill_step(replica, until)
             else:
                 self._decode_step(replica, until)
@@ -285,7 +285,7 @@ class PDReplay:
         return (_fits(self.prefill.replicas[0].sim, len(request.input_ids) + PREFILL_OUTPUT_LEN)
                 and _fits(self.decode.replicas[0].sim, len(request.input_ids) + request.output_len))
 
-    def _decode_boundary(self, decode: _DecodeReplica) -> list[int]:
+    def _decode_boundary(self, decode: DecodeReplica) -> list[int]:
         """What a decode replica does between steps: admits the requests whose KV has landed, then gives pages to
         those waiting, in order, while its memory lasts (each then joins its prefill replica's queue). Returns the
         requests that finished on admission (one output token)."""
@@ -321,7 +321,7 @@ class PDReplay:
             raise RuntimeError(f"request {rid}: refused by the prefill replica after the decode side gave it pages")
 
     # ---- steps -----------------------------------------------------------------------------------------------------
-    def _prefill_step(self, prefill: _PrefillReplica, until: float) -> None:
+    def _prefill_step(self, prefill: PrefillReplica, until: float) -> None:
         prefill.settle(prefill.clock)
         start = prefill.clock
         outcome = prefill.run_step(until)
@@ -335,7 +335,7 @@ class PDReplay:
             handed.append(req.rid)
         prefill.publish(handed, handed)
 
-    def _send(self, prefill: _PrefillReplica, rid: int, step_start: float) -> None:
+    def _send(self, prefill: PrefillReplica, rid: int, step_start: float) -> None:
         """Starts sending the KV of a prompt prefill just finished: the pages beyond its decode replica's match."""
         decode = self.decode.replicas[self._decode_of.pop(rid)]
         req = decode.sim.outside[rid]
@@ -353,7 +353,7 @@ class PDReplay:
         decode.landing[rid] = landed
         self.times.first_token(rid, landed)
 
-    def _decode_step(self, decode: _DecodeReplica, until: float) -> None:
+    def _decode_step(self, decode: DecodeReplica, until: float) -> None:
         sim = decode.sim
         sim.clock = decode.next_event()
         finished = self._decode_boundary(decode)
