@@ -258,6 +258,7 @@ def test_the_cli_sweeps_colocated_against_every_pd_split(capsys, tmp_path):
     (["--no-decode-prefix-cache"], "--no-decode-prefix-cache needs --prefill-replicas"),
     (["--prefill-replicas", "1", "--decode-replicas", "1", "--replicas", "2"], "--replicas does not go with"),
     (["--pd-sweep", "4"], "give --slo-ttft-s and --slo-tbt-s"),
+    (["--prefill-replicas", "1", "--decode-replicas", "1", "--plot", "out"], "one P:D replay has no plot"),
     (["--pd-sweep", "1", "--slo-ttft-s", "1", "--slo-tbt-s", "1"], "at least 2 replicas"),
     (["--slo-ttft-s", "1"], "--slo-ttft-s and --slo-tbt-s go together"),
     (["--slo-ttft-s", "1", "--slo-tbt-s", "1"], "give --replicas, --prefill-replicas or --pd-sweep"),

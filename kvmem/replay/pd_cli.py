@@ -91,6 +91,8 @@ def pd_runs(args: argparse.Namespace, config: ReplayConfig, trace) -> list[tuple
     check_disaggregable(config)
     check_decode_pool(trace, config)
     if args.pd_sweep is None:
+        if args.plot:
+            raise ValueError("--plot draws --pd-sweep's goodput against the P:D ratio; one P:D replay has no plot")
         return [(args.prefill_replicas, args.decode_replicas)]
     if args.pd_sweep < 2:
         raise ValueError(f"--pd-sweep {args.pd_sweep}: a split needs at least 2 replicas")
