@@ -45,11 +45,13 @@ class CheckedPDReplay(PDReplay):
 
 
 # ---- the flow ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("preallocate", ["arrival", "prefilled"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("decode_prefix_cache", [True, False])
-def test_both_sides_invariants_hold_after_every_event_and_no_memory_is_left_outside(page_size, decode_prefix_cache):
+def test_both_sides_invariants_hold_after_every_event_and_no_memory_is_left_outside(page_size, decode_prefix_cache,
+                                                                                     preallocate):
     sim = CheckedPDReplay(TRACE, config_for(TRACE, page_size=page_size, chunked_prefill_size=128), 2, 2,
-                          decode_prefix_cache=decode_prefix_cache)
+                          decode_prefix_cache=decode_prefix_cache, preallocate=preallocate)
     report = sim.run()
     assert sim.checks > 2 * len(TRACE)
     assert report.requests == len(TRACE) and report.rejected == 0
@@ -62,10 +64,11 @@ def test_both_sides_invariants_hold_after_every_event_and_no_memory_is_left_outs
     assert report.prefill.total().output_tokens == 0
 
 
-def test_a_small_decode_pool_makes_requests_wait_for_pages_and_a_busy_link_makes_prefill_wait_for_memory():
+@pytest.mark.parametrize("preallocate", ["arrival", "prefilled"])
+def test_a_small_decode_pool_makes_requests_wait_for_pages_and_a_busy_link_makes_prefill_wait_for_memory(preallocate):
     trace = shared_system_prompts(30, num_prompts=2, prompt_len=300, arrival_rate=50.0)
     sim = CheckedPDReplay(trace, config_for(trace, capacity=1200, page_size=4), 1, 1,
-                          link=KVLink(gbps=0.05, num_layers=4))
+                          link=KVLink(gbps=0.05, num_layers=4), preallocate=preallocate)
     report = sim.run()
     assert report.requests == 30 and report.transfer.exposed_seconds > 1.0
 
@@ -108,6 +111,17 @@ def test_a_requests_ttft_includes_its_transfer():
     assert ttft_slow >= wire + 500e-6 and ttft_slow - ttft_fast >= wire - ttft_fast
     assert slow.transfer.exposed_seconds == pytest.approx(ttft_slow - ttft_fast + fast.transfer.exposed_seconds,
                                                           abs=1e-5)
+
+
+def test_pages_given_once_prefilled_leave_the_whole_transfer_after_the_prefill():
+    requests = [TraceRequest(list(range(1, 1025)), 3, 0.0)]
+    link = KVLink(gbps=1.0, latency_us=0.0, num_layers=32)
+    overlapped = replay_pd(requests, config_for(requests), 1, 1, link=link)
+    after = replay_pd(requests, config_for(requests), 1, 1, link=link, preallocate="prefilled")
+    wire = 1024 * config_for(requests).token_kv_bytes * 8 / 1e9
+    assert after.transfer.exposed_seconds == pytest.approx(wire)
+    assert overlapped.transfer.exposed_seconds < after.transfer.exposed_seconds
+    assert after.to_json()["decode_preallocate"] == "prefilled"
 
 
 def test_the_decode_router_is_a_policy_of_its_own():
@@ -182,6 +196,7 @@ def test_the_colocated_cluster_report_has_the_same_latency_figures():
     ((1, 1), {"decode_router": "x"}, ValueError, r"\(decode_router\)"),
     ((1, 1), {"link": "fast"}, TypeError, "link"),
     ((1, 1), {"slo": (1, 2)}, TypeError, "slo"),
+    ((1, 1), {"preallocate": "later"}, ValueError, "preallocate must be one of arrival, prefilled"),
 ])
 def test_bad_arguments_are_refused_before_any_replica_is_built(args, kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -256,6 +271,7 @@ def test_the_cli_sweeps_colocated_against_every_pd_split(capsys, tmp_path):
     (["--prefill-replicas", "1", "--decode-replicas", "1", "--kv-link-gbps", "0"], "argument --kv-link-gbps: "),
     (["--kv-link-gbps", "100"], "--kv-link-gbps needs --prefill-replicas and --decode-replicas"),
     (["--no-decode-prefix-cache"], "--no-decode-prefix-cache needs --prefill-replicas"),
+    (["--decode-preallocate", "prefilled"], "--decode-preallocate needs --prefill-replicas"),
     (["--prefill-replicas", "1", "--decode-replicas", "1", "--replicas", "2"], "--replicas does not go with"),
     (["--pd-sweep", "4"], "give --slo-ttft-s and --slo-tbt-s"),
     (["--prefill-replicas", "1", "--decode-replicas", "1", "--plot", "out"], "one P:D replay has no plot"),

@@ -12,6 +12,10 @@ A request's way, as SGLang's disaggregated servers take it (see docs/disagg.md f
    first token (`ReplicaSim.hand_off`) and sends the pages beyond the decode side's match over its link, layer by
    layer while the step that finished the prompt runs (`kv_link`). Its memory is freed, the prompt cached there, once
    the bytes have landed.
+
+With `preallocate="prefilled"` steps 2 and 3 swap, as Mooncake's conductor does: the request joins the prefill queue
+on arrival, and once prefilled waits, its KV held on the prefill replica, until the decode replica gives it pages; the
+transfer starts then, with nothing left to overlap.
 4. The decode replica admits the request at its first step boundary after the landing (`ReplicaSim.add_prefilled`)
    and decodes it. Its TTFT ends at the landing, when the decode side can stream the first token.
 
@@ -49,6 +53,9 @@ from kvmem.replay.simulator import _arrival_order, _progress_bar, requests_arriv
 from kvmem.replay.traces import TraceRequest
 
 PREFILL_OUTPUT_LEN = 2  # a prefill side's request asks for two tokens, so that it still runs after sampling the first
+# When the decode side gives a request its pages: on arrival, before the prefill (SGLang: the prefill side waits for
+# them), or once prefilled (Mooncake: the KV waits on the prefill side until the decode side has room).
+PREALLOCATE = ("arrival", "prefilled")
 
 
 class PrefillReplica(Replica):
@@ -58,7 +65,8 @@ class PrefillReplica(Replica):
         super().__init__(*args, **kwargs)
         self.link = link
         self.link_free = 0.0
-        self.sending: dict[int, float] = {}  # rid -> when its KV lands on the decode side
+        self.sending: dict[int, float] = {}  # rid -> when its KV lands on the decode side (inf: not sent yet)
+        self.waits = False  # for memory its sends hold: its next step comes after a landing
 
     def settle(self, now: float) -> None:
         """Frees the memory of the requests whose KV has landed by `now` (their prompts stay cached here)."""
@@ -67,7 +75,9 @@ class PrefillReplica(Replica):
             self.sim.release(rid, cache=True)
 
     def next_event(self) -> float:
-        return math.inf if self.sim.is_idle() else self.clock
+        if self.sim.is_idle():
+            return math.inf
+        return max(self.clock, min(self.sending.values(), default=math.inf)) if self.waits else self.clock
 
 
 class DecodeReplica(Replica):
@@ -76,7 +86,8 @@ class DecodeReplica(Replica):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.pending: deque[int] = deque()           # routed here, waiting for pages, in arrival order
+        self.pending: deque[tuple[int, float]] = deque()  # (rid, from when) waiting for pages, first come first
+
         self.landing: dict[int, float | None] = {}   # pre-allocated: rid -> when its KV lands (None: not prefilled)
         # Memory held by pre-allocated requests stops the loop until a landing: the head of `pending` found no
         # pages (`stuck`), or the scheduler could admit none of its waiting requests with none running (`waits`).
@@ -89,7 +100,7 @@ class DecodeReplica(Replica):
     def next_event(self) -> float:
         if self.waits or (self.sim.is_idle() and (not self.pending or self.stuck)):
             return max(self.clock, self.next_landing())
-        return self.clock
+        return self.clock if not self.sim.is_idle() else max(self.clock, self.pending[0][1])
 
 
 @dataclass
@@ -113,6 +124,7 @@ class PDReport:
     decode: ClusterReport
     link: KVLink
     decode_prefix_cache: bool
+    preallocate: str
     transfer: KVTransferCounts
     requests: int
     rejected: int
@@ -133,7 +145,7 @@ class PDReport:
             "prefill_replicas": self.prefill.num_replicas, "decode_replicas": self.decode.num_replicas,
             "prefill_router": self.prefill.policy, "decode_router": self.decode.policy,
             "kv_link_gbps": self.link.gbps, "kv_link_latency_us": self.link.latency_us,
-            "decode_prefix_cache": self.decode_prefix_cache,
+            "decode_prefix_cache": self.decode_prefix_cache, "decode_preallocate": self.preallocate,
             "requests": self.requests, "rejected": self.rejected,
             "kv_transfer_bytes": t.bytes, "kv_transfer_bytes_whole_prompts": t.whole_prompt_bytes,
             "kv_bytes_saved_fraction": round(self.kv_bytes_saved_fraction, 6),
@@ -169,12 +181,14 @@ class PDReplay:
 
     def __init__(self, requests: Sequence[TraceRequest], config: ReplayConfig, prefill_replicas: int,
                  decode_replicas: int, *, prefill_router: str = "cache-aware", decode_router: str = "cache-aware",
-                 link: KVLink | None = None, decode_prefix_cache: bool = True, slo: SLO | None = None,
-                 cost: StepCost | RooflineCost | None = None, progress: bool = False) -> None:
+                 link: KVLink | None = None, decode_prefix_cache: bool = True, preallocate: str = "arrival",
+                 slo: SLO | None = None, cost: StepCost | RooflineCost | None = None, progress: bool = False) -> None:
         check_int("prefill_replicas", prefill_replicas, minimum=1)
         check_int("decode_replicas", decode_replicas, minimum=1)
         check_policy("prefill_router", prefill_router)
         check_policy("decode_router", decode_router)
+        if preallocate not in PREALLOCATE:
+            raise ValueError(f"preallocate must be one of {', '.join(PREALLOCATE)}, got {preallocate!r}")
         if not isinstance(config, ReplayConfig):
             raise TypeError(f"config must be a ReplayConfig, got {type(config).__name__}")
         if link is not None and not isinstance(link, KVLink):
@@ -188,6 +202,7 @@ class PDReplay:
         link = link_for(config) if link is None else link
         self.requests, self.config, self.link, self.slo = requests, config, link, slo
         self.decode_prefix_cache = bool(decode_prefix_cache)
+        self.preallocate = preallocate
         self.progress = progress
         # A token's KV on every GPU of a replica: replicated KV heads are sent to each GPU that keeps a copy.
         self.token_bytes = config.token_kv_bytes * (kv_copies(model, config.tp) if config.gpu is not None else 1)
@@ -200,6 +215,8 @@ class PDReplay:
         self.rejected = 0
         self._prefill_of: dict[int, int] = {}  # rid -> its prefill replica, until it has been queued there
         self._decode_of: dict[int, int] = {}   # rid -> its decode replica, until its KV has been sent
+        # rid -> (its prefill replica, the start and end of the step that finished its prompt), until sent
+        self._prefill_step_of: dict[int, tuple[PrefillReplica, float, float]] = {}
         self._ran = False
         self._bar = None
 
@@ -230,7 +247,8 @@ class PDReplay:
         replay_s = time.perf_counter() - t_start
         makespan = max(r.clock for r in self.prefill.replicas + self.decode.replicas)
         return PDReport(prefill=self.prefill.report(makespan, replay_s), decode=self.decode.report(makespan, replay_s),
-                        link=self.link, decode_prefix_cache=self.decode_prefix_cache, transfer=self.transfer,
+                        link=self.link, decode_prefix_cache=self.decode_prefix_cache, preallocate=self.preallocate,
+                        transfer=self.transfer,
                         requests=len(self.times.last), rejected=self.rejected, latency=latency,
                         replay_seconds=replay_s)
 
@@ -268,13 +286,20 @@ class PDReplay:
         self.prefill.routed(p_rank, rid, len(prompt) - p_cached, p_cached)
         self.decode.routed(d_rank, rid, 0, d_cached)
         self._prefill_of[rid], self._decode_of[rid] = p_rank, d_rank
-        decode = self.decode.replicas[d_rank]
-        decode.routed += 1
+        self.decode.replicas[d_rank].routed += 1
+        if self.preallocate == "prefilled":
+            self._queue_prefill(rid, arrival)
+        else:
+            self._wait_for_pages(rid, arrival)
+
+    def _wait_for_pages(self, rid: int, now: float) -> None:
+        """Queues a request for pages on its decode replica, from `now`; an idle decode loop takes it at once."""
+        decode = self.decode.replicas[self._decode_of[rid]]
         if not decode.pending:
             decode.stuck = False
-        decode.pending.append(rid)
-        if decode.sim.is_idle() and decode.clock <= arrival:  # an idle decode loop takes it at once
-            decode.sim.clock = arrival
+        decode.pending.append((rid, now))
+        if decode.sim.is_idle() and decode.clock <= now:
+            decode.sim.clock = now
             self._decode_boundary(decode)
             if decode.sim.is_idle():
                 decode.publish([], [])
@@ -287,8 +312,8 @@ class PDReplay:
 
     def _decode_boundary(self, decode: DecodeReplica) -> list[int]:
         """What a decode replica does between steps: admits the requests whose KV has landed, then gives pages to
-        those waiting, in order, while its memory lasts (each then joins its prefill replica's queue). Returns the
-        requests that finished on admission (one output token)."""
+        those waiting, in order, while its memory lasts (each then joins its prefill replica's queue, or, prefilled
+        already, has its KV sent). Returns the requests that finished on admission (one output token)."""
         now, sim = decode.clock, decode.sim
         finished = []
         for rid in sorted((rid for rid, t in decode.landing.items() if t is not None and t <= now),
@@ -299,16 +324,19 @@ class PDReplay:
                 self.times.finished(rid, now, len(req.output_ids))
                 finished.append(rid)
         namespace = None
-        while decode.pending:
-            rid = decode.pending[0]
+        while decode.pending and decode.pending[0][1] <= now:
+            rid = decode.pending[0][0]
             if not self.decode_prefix_cache:
                 namespace = f"pd-request-{rid}"  # a domain of its own: it matches nothing cached here
             if sim.preallocate(rid, self.requests[rid], namespace) is None:
                 break
             decode.pending.popleft()
             decode.landing[rid] = None
-            self._queue_prefill(rid, now)
-        decode.stuck = bool(decode.pending)
+            if self.preallocate == "prefilled":
+                self._send(rid, now)
+            else:
+                self._queue_prefill(rid, now)
+        decode.stuck = bool(decode.pending) and decode.pending[0][1] <= now
         if finished and self._bar is not None:
             self._bar.update(len(finished))
         return finished
@@ -322,32 +350,42 @@ class PDReplay:
 
     # ---- steps -----------------------------------------------------------------------------------------------------
     def _prefill_step(self, prefill: PrefillReplica, until: float) -> None:
+        prefill.sim.clock = prefill.next_event()
+        prefill.waits = False
         prefill.settle(prefill.clock)
         start = prefill.clock
         outcome = prefill.run_step(until)
-        if prefill.clock == start and not outcome.prefilled:  # waits for memory its sends hold
-            prefill.sim.clock = max(start, min(prefill.sending.values()))
+        if prefill.clock == start and not outcome.prefilled:
+            prefill.waits = True  # for memory its sends hold
             return
         handed = []
         for req in outcome.prefilled:
+            rid = req.rid
             prefill.sim.hand_off(req)
-            self._send(prefill, req.rid, start)
-            handed.append(req.rid)
+            self._prefill_step_of[rid] = (prefill, start, prefill.clock)
+            prefill.sending[rid] = math.inf
+            if self.preallocate == "prefilled":
+                self._wait_for_pages(rid, prefill.clock)
+            else:
+                self._send(rid, start)  # its pages were given before it joined the prefill queue
+            handed.append(rid)
         prefill.publish(handed, handed)
 
-    def _send(self, prefill: PrefillReplica, rid: int, step_start: float) -> None:
-        """Starts sending the KV of a prompt prefill just finished: the pages beyond its decode replica's match."""
+    def _send(self, rid: int, ready: float) -> None:
+        """Starts sending the KV of a prompt its prefill replica finished, its decode pages given by `ready`: the
+        pages beyond its decode replica's match."""
+        prefill, step_start, step_end = self._prefill_step_of.pop(rid)
         decode = self.decode.replicas[self._decode_of.pop(rid)]
         req = decode.sim.outside[rid]
         prompt, hit = len(req.input_ids), req.cache_protected_len
         nbytes = (prompt - hit) * self.token_bytes
-        busy_until, landed = prefill.link.send(nbytes, step_start, prefill.clock, prefill.link_free)
+        busy_until, landed = prefill.link.send(nbytes, step_start, step_end, max(prefill.link_free, ready))
         t = self.transfer
         t.bytes += nbytes
         t.whole_prompt_bytes += prompt * self.token_bytes
         t.pages_cached_tokens += hit
         t.busy_seconds += nbytes / prefill.link.bytes_per_s
-        t.exposed_seconds += landed - prefill.clock
+        t.exposed_seconds += landed - step_end
         prefill.link_free = busy_until
         prefill.sending[rid] = landed
         decode.landing[rid] = landed

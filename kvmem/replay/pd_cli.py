@@ -20,7 +20,7 @@ from kvmem.replay.kv_link import DEFAULT_KV_LINK_GBPS, DEFAULT_KV_LINK_LATENCY_U
 from kvmem.router import POLICIES
 
 PD_OPTIONS = ("--prefill-router", "--decode-router", "--kv-link-gbps", "--kv-link-latency-us",
-              "--no-decode-prefix-cache")
+              "--no-decode-prefix-cache", "--decode-preallocate")
 
 
 def add_pd_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +42,9 @@ def add_pd_arguments(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_KV_LINK_LATENCY_US:g})")
     p.add_argument("--no-decode-prefix-cache", action="store_true",
                    help="the decode side matches no prompt in its cache: every prompt's KV is sent whole")
+    p.add_argument("--decode-preallocate", choices=("arrival", "prefilled"),
+                   help="when a decode replica gives a request its pages: on arrival, the prefill waiting for them "
+                        "(SGLang; default), or once prefilled, the KV waiting on the prefill side (Mooncake)")
     p.add_argument("--slo-ttft-s", type=positive_float_arg, metavar="S",
                    help="time-to-first-token SLO, seconds: with --slo-tbt-s, the report's goodput counts the requests "
                         "per second that meet both (also for --replicas)")
@@ -120,7 +123,8 @@ def run_pd(args: argparse.Namespace, trace, config: ReplayConfig, runs: list[tup
             continue
         replays.append(PDReplay(trace, config, p, d, prefill_router=args.prefill_router or DEFAULT_POLICY,
                                 decode_router=args.decode_router or DEFAULT_POLICY, link=link,
-                                decode_prefix_cache=not args.no_decode_prefix_cache, slo=slo, progress=progress))
+                                decode_prefix_cache=not args.no_decode_prefix_cache,
+                                preallocate=args.decode_preallocate or "arrival", slo=slo, progress=progress))
     rows = []
     for (p, d), replay in zip(runs, replays):
         if len(runs) > 1 and progress:
