@@ -195,6 +195,8 @@ def write_pd_plot(rows: list[dict], config: ReplayConfig, directory: str):
         ax.axhline(r.get("goodput_rps", 0.0), color="tab:orange", linestyle="--",
                    label=f"colocated ({r['replicas']} replicas, {r['router']})")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(ratios, [f"{ratio:.3g}" for ratio in ratios])
+    ax.minorticks_off()
     gpus = f"{config.model} on {config.tp} x {config.gpu} per replica" if config.gpu else "fixed step cost"
     ax.set(xlabel="prefill / decode replicas", ylabel="goodput (requests/s meeting both SLOs)",
            title=f"Goodput vs P:D ratio ({gpus}; TTFT <= {rows[0]['slo_ttft_s']:g} s, "
