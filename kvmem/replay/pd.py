@@ -106,11 +106,11 @@ class DecodeReplica(Replica):
 @dataclass
 class KVTransferCounts:
     """What the links moved: bytes (and what whole prompts would have been), seconds the links were busy, and the
-    seconds of transfer left after each prefill ended (before the bytes landed), summed over requests."""
+    seconds from the end of each prompt's prefill to its bytes landing (waiting for decode pages included), summed
+    over requests."""
 
     bytes: int = 0
     whole_prompt_bytes: int = 0
-    pages_cached_tokens: int = 0
     busy_seconds: float = 0.0
     exposed_seconds: float = 0.0
 
@@ -383,7 +383,6 @@ class PDReplay:
         t = self.transfer
         t.bytes += nbytes
         t.whole_prompt_bytes += prompt * self.token_bytes
-        t.pages_cached_tokens += hit
         t.busy_seconds += nbytes / prefill.link.bytes_per_s
         t.exposed_seconds += landed - step_end
         prefill.link_free = busy_until
