@@ -167,9 +167,11 @@ class PDReplay:
     over `link` (default: `KVLink()` with the model's layers, one NIC per GPU of a replica); `run()` returns a
     `PDReport`. See the module docstring.
 
-    Raises before building anything: ValueError for a replica count below 1, an unknown policy, a configuration with
-    a host or storage tier or the belady oracle (not modelled on either side), or a decode pool that holds no request
-    of the trace (prompt and output); TypeError for a config, link or slo of the wrong type.
+    `preallocate`: when the decode side gives a request its pages (one of `PREALLOCATE`, see the module docstring).
+
+    Raises before building anything: ValueError for a replica count below 1, an unknown policy or preallocate, a
+    configuration with a host or storage tier or the belady oracle (not modelled on either side), or a decode pool
+    that holds no request of the trace (prompt and output); TypeError for a config, link or slo of the wrong type.
 
     >>> from kvmem.replay.synthetic import shared_system_prompts
     >>> trace = shared_system_prompts(40, num_prompts=4, prompt_len=512, arrival_rate=5.0)
