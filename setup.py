@@ -13,12 +13,14 @@ else:
     # The sources compile side by side (one job per core): the binding, pybind11's templates, takes most of it.
     ParallelCompile("KVMEM_BUILD_JOBS").install()
 
-SOURCES = ["tokens.cpp", "tree.cpp", "replica.cpp", "bindings.cpp"]
+SOURCES = ["tokens.cpp", "tree.cpp", "host_tier.cpp", "storage_tier.cpp", "store.cpp", "replica.cpp", "decode_run.cpp",
+           "view.cpp", "cluster.cpp", "bindings.cpp"]
 
 native = Extension(
     "kvmem.replay._native",
     sources=[f"kvmem/replay/native/{name}" for name in SOURCES],
-    depends=[f"kvmem/replay/native/{name}" for name in ("tokens.h", "tree.h", "replica.h", "driver.h")],
+    depends=[f"kvmem/replay/native/{name}" for name in ("events.h", "tokens.h", "tree.h", "store.h", "view.h",
+                                                          "replica.h", "driver.h", "cluster.h")],
     include_dirs=[] if pybind11 is None else [pybind11.get_include()],
     language="c++",
     # -ffp-contract=off: no fused multiply-adds, so that the clocks' doubles round as Python's do. -g0: no debug

@@ -12,9 +12,9 @@ kernels therefore check values only when the tensors live on the CPU, and check 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from kvmem._checks import check_int
+from kvmem._torch import torch
 
 try:  # triton is a dependency, but a broken or absent install should still leave the torch path usable
     import triton

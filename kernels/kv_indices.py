@@ -9,9 +9,9 @@ page_size 1 a page is a token slot, so kv_indices lists slots. This module build
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from kvmem._paging import pages_for
+from kvmem._torch import torch
 
 from ._dispatch import (
     check_index_tensor,

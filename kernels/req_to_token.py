@@ -8,7 +8,8 @@ step each request's row gets its cached prefix (slots matched in the radix tree)
 from __future__ import annotations
 
 import numpy as np
-import torch
+
+from kvmem._torch import torch
 
 from ._dispatch import (
     check_index_tensor,

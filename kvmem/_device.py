@@ -3,7 +3,7 @@ would take its bookkeeping and then fail at the first tensor it builds."""
 
 from __future__ import annotations
 
-import torch
+from kvmem._torch import torch
 
 
 def check_device(device) -> torch.device:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from array import array
 
 import numpy as np
-import torch
+
+from kvmem._torch import torch
 
 
 def as_index_array(name: str, value) -> np.ndarray:

@@ -19,12 +19,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from kvmem._checks import check_host_bytes, check_int
 from kvmem._device import check_device
 from kvmem._index import as_index_array
 from kvmem._paging import num_new_pages
+from kvmem._torch import torch
 
 
 @dataclass(frozen=True)

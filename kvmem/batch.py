@@ -15,10 +15,10 @@ from itertools import compress
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvmem._checks import check_int
 from kvmem._paging import num_new_pages
+from kvmem._torch import torch
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.page_hash import encode_namespace
 from kvmem.radix_cache import RadixCache

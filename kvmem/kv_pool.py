@@ -33,11 +33,10 @@ dim (head_dim // 2 for int4, the group count for scales).
 
 from __future__ import annotations
 
-import torch
-
 from kvmem import sizing
 from kvmem._checks import check_host_bytes, check_int
 from kvmem._device import check_device
+from kvmem._torch import torch
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

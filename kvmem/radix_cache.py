@@ -30,10 +30,10 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
-import torch
 
 from kvmem._checks import check_int, check_number, fail_invariant
 from kvmem._index import as_index_array
+from kvmem._torch import torch
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.events.schema import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvmem.eviction import EvictionPolicy, EvictionPolicySpec

@@ -10,10 +10,10 @@ import functools
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from kvmem._checks import check_host_bytes, check_int
 from kvmem._device import check_device
+from kvmem._torch import torch
 
 _SLOT_BOUND = 1 << 31  # the table holds int32 slots
 

@@ -28,7 +28,8 @@ the largest difference between the two outputs.
 
 Workloads: mooncake-conversation and mooncake-synthetic (../shared/traces/mooncake/*_trace.jsonl, first
 --limit requests, arrivals honoured at --time-scale), synthetic-system / -chat / -agent
-(kvmem.replay.synthetic, --limit requests arriving at --arrival-rate per second).
+(kvmem.replay.synthetic, --limit requests arriving at --arrival-rate per second). A workload that does not run (its
+trace missing from --traces, or a Mooncake one under --quick) is named on stderr and in `skipped`, with why.
 
     python scripts/bench_cascade.py [--quick] [--device cpu|cuda] [--page-size 16] [--out FILE]
 """
@@ -39,6 +40,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -206,12 +208,9 @@ class GpuAttention:
 
 def load_workloads(ap: argparse.ArgumentParser, args: argparse.Namespace, workloads: list[str]) -> dict:
     """Each workload's trace, read (or drawn) and its replay sized before any replay runs: a trace that cannot be
-    read, or a replay past this machine's memory, is a usage error rather than a traceback between workloads. A
-    Mooncake trace missing from --traces is left out (its row says it was skipped)."""
+    read, or a replay past this machine's memory, is a usage error rather than a traceback between workloads."""
     traces = {}
     for name in workloads:
-        if name.startswith("mooncake-") and not trace_file(name, args).exists():
-            continue
         try:
             traces[name] = load_workload(name, args)
         except TraceError as e:
@@ -224,8 +223,6 @@ def load_workloads(ap: argparse.ArgumentParser, args: argparse.Namespace, worklo
 
 
 def bench_workload(name: str, args: argparse.Namespace, model, trace) -> dict:
-    if name.startswith("mooncake-") and not trace_file(name, args).exists():
-        return {"workload": name, "error": f"{trace_file(name, args)} not found: skipped"}
     token_bytes = bytes_per_token(model)
     snapshots = []
     sums = {"flat": 0, "cascade": 0, **{m: 0 for m in MAX_LEVELS_SWEEP}}
@@ -315,8 +312,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.traces is None:  # the default is not checked: a checkout without ../shared skips the Mooncake traces
         args.traces = str(TRACES)
     workloads = args.workloads.split(",")
+    skipped = {w: "--quick runs the synthetic workloads only" for w in workloads
+               if args.quick and not w.startswith("synthetic-")}
+    skipped.update({w: f"{trace_file(w, args)} not found" for w in workloads
+                    if w not in skipped and w.startswith("mooncake-") and not trace_file(w, args).exists()})
+    for name, why in skipped.items():
+        print(f"bench_cascade: {name} skipped: {why}", file=sys.stderr)
+    workloads = [w for w in workloads if w not in skipped]
     if args.quick:
-        workloads = [w for w in workloads if w.startswith("synthetic-")]
         args.limit, args.warmup, args.every, args.snapshots, args.repeats = 300, 20, 10, 2, 3
         args.min_batch, args.capacity_tokens = 4, 400_000
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -335,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         "args": {k: v for k, v in vars(args).items() if k != "out"},
         "bytes_per_token": bytes_per_token(model),
         "workloads": [bench_workload(w, args, model, traces.get(w)) for w in workloads],
+        "skipped": skipped,  # workload -> why it did not run
     }
     text = json.dumps(report, indent=1)
     if args.out:

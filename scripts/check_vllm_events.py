@@ -18,7 +18,9 @@ run at page size 16 and 1):
 
 The vLLM side runs this same file with `--peer vllm` under the python of a venv with vLLM installed
 (`../shared/peers/setup_vllm.sh`); it is skipped with a note when that python does not exist. The JSON
-report is printed on stdout; the exit status is 0 only if every check passed.
+report is printed on stdout, its `status` "ok" (every peer ran and passed), "skipped" (a peer was skipped and
+those that ran passed: nothing was checked against the skipped one) or "failed"; `skipped` names the peers
+skipped. The exit status is 0 unless a check failed.
 
     python scripts/check_vllm_events.py [--vllm-python PATH] [--sglang-python PATH] [--out FILE]
 """
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                "map": [encode_batch(b, "map").hex() for b in batches],
                "array": [encode_batch(b, "array").hex() for b in batches]}
     report = {"batches": len(batches), "events": sum(len(b.events) for b in batches)}
-    ok = True
+    ok, skipped = True, []
     vllm = run_peer(args.vllm_python, "vllm", request)
     if "decoded" in vllm:
         report["vllm_version"] = vllm["version"]
@@ -165,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         report["vllm"] = vllm
         ok &= "skipped" in vllm
+        skipped.append("vllm")
     if args.sglang_python:
         sglang = run_peer(args.sglang_python, "sglang", request)
         if "decoded" in sglang:
@@ -174,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             report["sglang"] = sglang
             ok &= "skipped" in sglang
-    report["ok"] = bool(ok)
+            skipped.append("sglang")
+    report["status"] = "failed" if not ok else "skipped" if skipped else "ok"
+    report["skipped"] = skipped
     text = json.dumps(report, indent=1)
     if args.out:
         with open(args.out, "w") as f:

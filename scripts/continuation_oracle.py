@@ -27,12 +27,12 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
-from trace_reuse import conversations  # scripts/trace_reuse.py, beside this one
 
 from kvmem._checks import positive_int_arg
 from kvmem.eviction import MultiTurn
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.cost import GPUS
+from kvmem.replay.reuse import conversations
 from kvmem.replay.simulator import replay
 from kvmem.replay.traces import MooncakeTrace, TraceError, read_trace
 

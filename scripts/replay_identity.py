@@ -10,7 +10,8 @@ A change that must not move any replay decision (a refactoring, a faster engine)
 before and after it (or with two `--engine`s) and comparing. Each configuration runs `kvmem-replay ... --json-only
 --no-progress` in its own process on the Mooncake traces of ../shared/traces; the wall-clock fields of a report
 (`TIMING_KEYS`) are dropped, every other field must be equal. Prints one JSON object: per configuration its hit
-rate, retractions and wall seconds, and with `--compare` whether it is identical (and the first differences).
+rate, retractions and wall seconds, kvmem-replay's line saying the Python engine replayed what the asked-for native
+engine does not cover (`fallback`), and with `--compare` whether it is identical (and the first differences).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def strip_timings(report):
     return report
 
 
-def run(name: str, traces: str, extra: list[str]) -> tuple[dict, float]:
+def run(name: str, traces: str, extra: list[str]) -> tuple[dict, float, str | None]:
     argv = [a.format(traces=traces) for a in CONFIGS[name]] + ["--json-only", "--no-progress"] + extra
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", "import sys; from kvmem.replay.cli import main; sys.exit(main())",
@@ -73,7 +74,8 @@ def run(name: str, traces: str, extra: list[str]) -> tuple[dict, float]:
     wall = time.perf_counter() - t0
     if done.returncode != 0:
         raise RuntimeError(f"{name}: kvmem-replay {' '.join(argv)} exited {done.returncode}: {done.stderr[-2000:]}")
-    return strip_timings(json.loads(done.stdout)), wall
+    fallback = [line for line in done.stderr.splitlines() if "the Python engine replays" in line]
+    return strip_timings(json.loads(done.stdout)), wall, fallback[0] if fallback else None
 
 
 def differences(old, new, path="") -> list[str]:
@@ -114,10 +116,12 @@ def main() -> int:
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         results = dict(zip(names, pool.map(lambda n: run(n, args.traces, extra), names)))
     summary = {}
-    for name, (report, wall) in results.items():
+    for name, (report, wall, fallback) in results.items():
         (out / f"{name}.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
         body = report.get("sweep", [report])[0] if "sweep" in report else report
         row = {"hit_rate": body.get("hit_rate"), "retractions": body.get("retractions"), "wall_s": round(wall, 2)}
+        if fallback:  # kvmem-replay's line on stderr: the native engine asked for does not cover it
+            row["fallback"] = fallback
         if args.compare:
             old_path = Path(args.compare) / f"{name}.json"
             if old_path.exists():

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """What each tier buys: replays of one trace over a grid of device capacities, host tiers, write policies and
-storage tiers, with the hit rate of each tier and the KV moved between them, as one JSON table.
+storage tiers, with the hit rate of each tier, TTFT and the KV moved between them, as one JSON table
+(`kvmem-replay TRACE --sweep-host SIZES` sets host sizes beside none in one run, with a summary).
 
 Each point is a `kvmem-replay` run (the same simulator, scheduler and cache), one process per point
 (--jobs at a time). A storage spec may hold `{point}`, replaced by the point's index, so that every point
@@ -25,7 +26,8 @@ import _peer  # scripts/_peer.py: the script's own folder is on sys.path
 
 FIELDS = ("hit_rate", "device_hit_rate", "host_hit_rate", "storage_hit_rate", "loaded_tokens", "backed_up_tokens",
           "host_evicted_tokens", "prefetched_tokens", "stored_tokens", "storage_misses_corrupt", "storage_failed_ops",
-          "transfer_seconds", "evicted_tokens", "requests", "prompt_tokens")
+          "transfer_seconds", "evicted_tokens", "requests", "prompt_tokens", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+          "overload")
 
 
 def run_point(trace: str, argv: list[str]) -> dict:

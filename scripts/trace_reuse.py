@@ -21,63 +21,8 @@ import argparse
 import json
 import sys
 
-import numpy as np
-
-from kvmem.replay.traces import BLOCK_SIZE, MooncakeTrace, TraceError, read_trace
-
-PERCENTILES = (10, 25, 50, 75, 90)
-TURNS = 8  # by_turn's entries: 0 .. TURNS-2, then TURNS-1 and later
-
-
-def conversations(trace: MooncakeTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per request (`[n]` arrays, file order): the prompt tokens an unbounded cache would serve it, the seconds
-    since their prefix was last used (nan: none), its conversation turn (0: a first prompt) and whether it
-    gets a next turn (see the module docstring)."""
-    n = len(trace)
-    order = np.argsort(trace.arrival_s, kind="stable")
-    last_use: dict[int, float] = {}  # block id -> last arrival that used it
-    ends_full_prefix: dict[int, int] = {}  # block id -> latest request whose full blocks end with it
-    reused, gaps = np.zeros(n, dtype=np.int64), np.full(n, np.nan)
-    turn, has_next = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
-    for i in order.tolist():
-        ids = trace.hash_ids[trace.block_offsets[i]:trace.block_offsets[i + 1]].tolist()
-        t, length = float(trace.arrival_s[i]), int(trace.input_lens[i])
-        seen = 0
-        while seen < len(ids) and ids[seen] in last_use:
-            seen += 1
-        if seen:
-            reused[i] = min(seen * BLOCK_SIZE, length - 1)
-            gaps[i] = t - last_use[ids[seen - 1]]
-        for k in range(len(ids) - 1, 1, -1):  # the longest earlier full-block prompt that begins this one
-            prev = ends_full_prefix.get(ids[k - 1])
-            if prev is not None and trace.block_offsets[prev + 1] - trace.block_offsets[prev] - 1 == k:
-                turn[i], has_next[prev] = turn[prev] + 1, True
-                break
-        for b in ids:
-            last_use[b] = t
-        if len(ids) >= 3:
-            ends_full_prefix[ids[-2]] = i
-    return reused, gaps, turn, has_next
-
-
-def reuse_facts(trace: MooncakeTrace) -> dict:
-    """The JSON-ready facts above, for a Mooncake trace (requests in arrival order)."""
-    n = len(trace)
-    reused, gaps, turn, has_next = conversations(trace)
-    weights = reused[reused > 0]
-    gap = gaps[reused > 0]
-    by_gap = np.argsort(gap, kind="stable")
-    cumulative = np.cumsum(weights[by_gap]) / weights.sum() if weights.size else np.empty(0)
-    percentiles = {f"p{q}": round(float(gap[by_gap][np.searchsorted(cumulative, q / 100)]), 3)
-                   for q in PERCENTILES} if weights.size else {}
-    turns = np.minimum(turn, TURNS - 1)
-    return {"trace": trace.name, "requests": n, "prompt_tokens": int(trace.input_lens.sum()),
-            "reusable_share": round(float(reused.sum() / max(trace.input_lens.sum(), 1)), 4),
-            "reuse_gap_s": percentiles,
-            "next_turn": {"share": round(float(has_next.mean()), 4) if n else 0.0,
-                          "by_turn": [{"turn": k, "prompts": int((turns == k).sum()),
-                                       "share": round(float(has_next[turns == k].mean()), 4)}
-                                      for k in range(TURNS) if (turns == k).any()]}}
+from kvmem.replay.reuse import reuse_facts
+from kvmem.replay.traces import TraceError, read_trace
 
 
 def main(argv: list[str] | None = None) -> int:

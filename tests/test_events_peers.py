@@ -23,9 +23,16 @@ def test_vllm_decodes_kvmems_events_and_kvmem_decodes_vllms():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--vllm-python", VLLM_PYTHON], capture_output=True,
                           text=True, timeout=600)
     report = json.loads(proc.stdout)
-    assert proc.returncode == 0 and report["ok"], report
+    assert proc.returncode == 0 and report["status"] == "ok" and report["skipped"] == [], report
     checks, n = report["vllm"], report["batches"]
     for name in ("vllm_decodes_kvmem_map", "vllm_decodes_kvmem_array", "vllm_decodes_kvmem_array_first_6_fields",
                  "vllm_extra_fields_at_default", "kvmem_decodes_vllm", "identical_bytes_once_repacked"):
         assert checks[name] == n, name
 
+
+def test_a_check_whose_peer_is_missing_reports_it_skipped_not_ok(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--vllm-python", str(tmp_path / "no-python")],
+                          capture_output=True, text=True, timeout=300)
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 0 and report["status"] == "skipped" and report["skipped"] == ["vllm"], report
+    assert "not found" in report["vllm"]["skipped"]

@@ -253,7 +253,7 @@ def test_the_admission_constants_are_the_scheduler_s():
 
 def test_the_native_engine_refuses_what_it_does_not_cover():
     trace = read_trace(HEAD, limit=5)
-    for options, what in ((dict(host_capacity_tokens=2_000_000), "a host tier"),
+    for options, what in ((dict(host_capacity_tokens=2_000_000, storage="file:/nonexistent/kvmem"), "a file store"),
                           (dict(eviction_policy="s3fifo"), "s3fifo eviction")):
         config = ReplayConfig(capacity_tokens=1_000_000, max_context_len=trace.max_context_len, **options)
         assert native_replay.unsupported(config) == what

@@ -34,10 +34,21 @@ def test_docs_python_examples_run(page):
         exec(compile(code, str(page), "exec"), {})
 
 
-def test_readme_setup_pins_the_cpu_torch_build():
+def test_readme_setup_shows_the_planners_install_without_torch_beside_the_full_one_from_the_cpu_wheel_index():
     text = README.read_text()
-    assert "pip install torch==2.13.0 -e '.[dev]'" in text
+    assert "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/kvmem-replay" in text
+    assert ("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && .venv/bin/pip install -e "
+            "'.[dev]'") in text
     assert ".venv/bin/python -m pytest" in text
+
+
+def test_the_dev_extra_installs_what_the_tests_need_and_the_core_does_not_need_torch():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith(("torch", "triton"))]
+    extras = project["optional-dependencies"]
+    assert "torch" in extras["dev"][-1] and extras["torch"][0].startswith("torch")
 
 
 def _replay_commands(page: Path) -> list[str]:

@@ -8,8 +8,9 @@ import pytest
 
 from kvmem.replay import cli, native_replay
 from kvmem.replay.cli import DEFAULT_CAPACITY_TOKENS, main
+from kvmem.replay.compare import GAP_NOISE
 from kvmem.replay.config import ReplayConfig
-from kvmem.replay.report import ReplayReport, write_sweep_plot
+from kvmem.replay.report import ReplayReport, write_sweep_plots
 from kvmem.replay.traces import default_trace_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -290,7 +291,7 @@ def test_an_unknown_model_exits_2(capsys, fake_replay):
 def test_plotting_without_matplotlib_fails_before_the_replay(capsys, fake_replay, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib...` raise ImportError
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    assert_one_line_error(*run(capsys, "--plot", str(tmp_path)), "plots need matplotlib: pip install matplotlib\n")
+    assert_one_line_error(*run(capsys, "--plot", str(tmp_path)), "plots need matplotlib: pip install 'kvmem[plot]'\n")
     assert fake_replay == []
 
 
@@ -321,7 +322,8 @@ def test_the_script_shim_and_the_module_report_errors_without_a_traceback(tmp_pa
 def test_a_one_capacity_sweep_still_plots(tmp_path, figures):
     report = ReplayReport(1000)
     report.record_admission(100, 25)
-    assert write_sweep_plot([report], tmp_path).exists() and len(figures[0].axes[0].get_lines()) == 1
+    assert all(p.exists() for p in write_sweep_plots([report], tmp_path))
+    assert len(figures[0].axes[0].get_lines()) == 1
 
 
 def test_tier_hits_add_up_over_admissions_and_a_wholly_cached_prompt_is_admissible():
@@ -359,8 +361,9 @@ def test_plots_are_written_as_png_files(tmp_path):
         report.record_step(0.0, 500, 100, 1)
         report.record_step(1.0, 900, 300, 2)
         reports.append(report)
-    paths = reports[0].write_plots(tmp_path) + [write_sweep_plot(reports, tmp_path)]
-    assert [p.name for p in paths] == ["memory_use.png", "hit_rate.png", "hit_rate_vs_capacity.png"]
+    paths = reports[0].write_plots(tmp_path) + write_sweep_plots(reports, tmp_path)
+    assert [p.name for p in paths] == ["memory_use.png", "hit_rate.png", "hit_rate_vs_capacity.png",
+                                       "ttft_vs_capacity.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
 
 
@@ -423,7 +426,8 @@ def test_a_human_summary_goes_to_stderr_unless_json_only(capsys, fake_replay):
     code, out, err = run(capsys, "--limit", "4", "--no-progress", "--json-only")
     assert code == 0 and err == "" and json.loads(out)["requests"] == 4
     code, _, err = run(capsys, "--limit", "4", "--no-progress", "--sweep", "1000,2000")
-    assert code == 0 and "capacity" in err.splitlines()[2] and len(err.splitlines()) == 5
+    lines = err.splitlines()  # the trace, its reuse ceiling, the clock, the table's header and its two rows
+    assert code == 0 and "reuse ceiling" in lines[1] and "capacity" in lines[3] and len(lines) == 6
 
 
 def test_no_arguments_at_all_tours_capacities_with_and_without_a_host_tier(capsys, fake_replay):
@@ -437,10 +441,11 @@ def test_no_arguments_at_all_tours_capacities_with_and_without_a_host_tier(capsy
     assert len(report["sweep"]) == 4 and "The tour" in err
 
 
-def test_a_sweep_runs_its_replays_in_worker_processes(capsys, tmp_path):
+def test_a_sweep_on_the_python_engine_runs_its_replays_in_worker_processes(capsys, tmp_path):
     path = write_trace(tmp_path, ['{"input_ids": [%s], "output_len": 3}' % ", ".join(map(str, range(i, i + 40)))
                                   for i in range(6)])
-    code, out, err = run(capsys, str(path), "--sweep", "64,128,4096", "--jobs", "2", "--no-progress")
+    code, out, err = run(capsys, str(path), "--sweep", "64,128,4096", "--jobs", "2", "--no-progress", "--engine",
+                         "python")
     assert code == 0
     sweep = json.loads(out)["sweep"]
     assert [r["capacity_tokens"] for r in sweep] == [64, 128, 4096]
@@ -477,7 +482,7 @@ def test_compare_policies_reports_the_share_of_the_gap_each_policy_closes(capsys
     hit, gap = compare["hit_rate"], compare["gap_closed"]
     lru, belady = hit["lru"][0], hit["belady"][0]
     for policy in compare["policies"]:
-        expected = (hit[policy][0] - lru) / (belady - lru) if belady > lru else None
+        expected = (hit[policy][0] - lru) / (belady - lru) if belady - lru >= GAP_NOISE else None
         assert gap[policy][0] == (expected if expected is None else pytest.approx(expected, abs=1e-3))
     assert "policy" in err
     code, out, err = run(capsys, "--format", "synthetic-chat", "--limit", "40", "--capacity-tokens", "3000",
@@ -509,7 +514,7 @@ def test_compare_table_shows_each_policy_then_how_much_lru_could_choose_among_an
         "policy                             1,000                   3,000",
         "----------------------------------------------------------------",
         "lru                               0.1000                  0.2000",
-        "lookahead           0.1500 (+50% of gap)                  0.2000",
+        "lookahead           0.1500 (+50% of gap)            0.2000 (n/a)",
         "belady                            0.2000                  0.2000",
         "----------------------------------------------------------------",
         "lru: evictable                       13%                    100%",
@@ -592,8 +597,8 @@ def test_a_sweep_stopped_by_sigterm_leaves_no_worker_behind():
     import time
 
     proc = subprocess.Popen([sys.executable, "-m", "kvmem.replay.cli", "--format", "synthetic-chat", "--limit",
-                             "100000", "--sweep", "100000,200000", "--jobs", "2", "--no-progress"],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                             "100000", "--sweep", "100000,200000", "--jobs", "2", "--no-progress", "--engine",
+                             "python"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     children: set[int] = set()
     try:
         deadline = time.monotonic() + 120
@@ -708,26 +713,39 @@ def test_the_memory_and_hit_rate_plots_draw_the_samples_against_simulated_time(t
 
 
 @pytest.mark.parametrize("tiered", [False, True])
-def test_the_sweep_plot_draws_a_hit_rate_curve_per_tier_over_the_capacities(tmp_path, figures, tiered):
+def test_the_sweep_plot_draws_a_hit_rate_curve_per_tier_over_the_capacities_as_typed(tmp_path, figures, tiered):
     reports = []
     for capacity, device, host in ((4000, 30, 10), (1000, 10, 20)):
         report = ReplayReport(capacity, host_capacity_tokens=9000 if tiered else None)
         report.record_admission(100, device + host, host)
         reports.append(report)
-    path = write_sweep_plot(reports, tmp_path / "sweep" / "plots")
-    assert path.name == "hit_rate_vs_capacity.png" and png_dpi(path) == 120
-    assert png_size(path)[0] < 960 and png_size(path)[1] < 540 and tuple(figures[0].get_size_inches()) == (8, 4.5)
-    (ax,) = figures[0].axes
+    hit_path, ttft_path = write_sweep_plots(reports, tmp_path / "sweep" / "plots", labels=["4k", "1k"],
+                                            ceilings={"reuse ceiling": 0.5})
+    assert (hit_path.name, ttft_path.name) == ("hit_rate_vs_capacity.png", "ttft_vs_capacity.png")
+    assert png_dpi(hit_path) == 120 and png_size(hit_path)[0] < 960 and png_size(hit_path)[1] < 540
+    assert tuple(figures[0].get_size_inches()) == (8, 4.5)
+    ax = figures[0].axes[0]
     assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel(), ax.get_ylim(), ax.get_xscale()) == (
-        "Hit rate vs KV capacity", "device KV capacity (tokens)", "hit rate", (0, 1), "log")
-    assert ax.xaxis.get_transform().base == 2
+        "Hit rate vs KV capacity", "device KV capacity", "hit rate", (0, 1), "log")
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1k", "4k"]  # as typed, not powers of 2
     assert all(g.get_visible() and g.get_alpha() == 0.3 for g in ax.xaxis.get_gridlines() + ax.yaxis.get_gridlines())
-    curves = [(x, [round(y, 2) for y in ys]) for x, ys in lines_of(ax).values()]
-    markers = [line.get_marker() for line in ax.get_lines()]
+    curves = {name: (x, [round(y, 2) for y in ys]) for name, (x, ys) in lines_of(ax).items()}
+    ceiling = curves.pop("reuse ceiling 0.500")
+    assert ceiling[1] == [0.5, 0.5] and ax.get_lines()[-1].get_linestyle() == "--"
     if not tiered:
-        assert curves == [([1000, 4000], [0.3, 0.4])] and ax.get_legend() is None and markers == ["o"]
-        assert ax.get_lines()[0].get_label().startswith("_")  # unlabelled: no legend entry
+        assert list(curves.values())[0] == ([1000, 4000], [0.3, 0.4])
+        assert list(curves)[0].startswith("_")  # unlabelled: the ceiling alone is in the legend
         return
-    assert list(lines_of(ax)) == ["any tier", "device", "host (9,000)"] and ax.get_legend()._loc == 2
-    assert markers == ["o", ".", "."]
-    assert curves == [([1000, 4000], [0.3, 0.4]), ([1000, 4000], [0.1, 0.3]), ([1000, 4000], [0.2, 0.1])]
+    assert curves == {"host 9k": ([1000, 4000], [0.3, 0.4]), "device": ([1000, 4000], [0.1, 0.3]),
+                      "host (9k)": ([1000, 4000], [0.2, 0.1])}
+    assert ax.get_legend()._loc == 2
+
+
+def test_the_sweep_plots_mark_what_the_chosen_gpus_hold_where_it_falls_among_the_capacities(tmp_path, figures):
+    reports = [ReplayReport(c) for c in (1000, 4000, 16000)]
+    write_sweep_plots(reports, tmp_path, fit=(6000, "1 x H100"))
+    for ax in (figures[0].axes[0], figures[1].axes[0]):
+        line = lines_of(ax)["what 1 x H100 hold: 6k"]
+        assert line[0] == [6000, 6000] and ax.get_lines()[-1].get_linestyle() == "-."
+    write_sweep_plots(reports, tmp_path, fit=(50000, "8 x H100"))  # every capacity fits: nothing to mark
+    assert not [name for name in lines_of(figures[2].axes[0]) if name.startswith("what")]

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 NATIVE = native_replay.load_native()
 needs_native = pytest.mark.skipif(isinstance(NATIVE, ImportError),
                                   reason=f"the native replay engine is not built ({NATIVE})")
-TIMINGS = {"cache_op_seconds", "replay_seconds", "cache_op_breakdown_s"}
+TIMINGS = {"cache_op_seconds", "replay_seconds", "cache_op_breakdown_s", "routing_seconds"}
 FEW = ["--limit", "60", "--no-progress", "--json-only"]
 SMALL = [*FEW, "--capacity-tokens", "200000"]
 
@@ -31,7 +31,12 @@ def run(capsys, *argv):
 
 
 def without_timings(out: str) -> dict:
-    return {k: v for k, v in json.loads(out).items() if k not in TIMINGS}
+    """A JSON report without its wall-clock fields, at any depth."""
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in TIMINGS}
+        return [strip(v) for v in value] if isinstance(value, list) else value
+    return strip(json.loads(out))
 
 
 def test_the_flag_then_the_environment_then_native_pick_the_engine(monkeypatch):
@@ -62,18 +67,41 @@ def test_both_engines_print_the_same_report(capsys):
 
 
 @needs_native
-def test_what_the_native_engine_lacks_runs_on_the_python_engine_with_one_line_saying_so(capsys):
-    code, out, err = run(capsys, *SMALL, "--host-capacity-tokens", "400000")
-    assert code == 0 and json.loads(out)["host_capacity_tokens"] == 400000
-    assert err == "kvmem-replay: the native engine does not cover a host tier yet: the Python engine replays it\n"
+@pytest.mark.parametrize("options", [["--router", "kv-overlap", "--page-size", "16"],
+                                     ["--router", "round-robin,least-load", "--host-capacity-tokens", "400000"]])
+def test_both_engines_print_the_same_cluster_report(capsys, options):
+    reports = []
+    for name in engine.ENGINES:
+        code, out, err = run(capsys, *SMALL, "--replicas", "3", *options, "--engine", name)
+        assert code == 0 and err == ""
+        reports.append(without_timings(out))
+    assert reports[0] == reports[1]
+
+
+@needs_native
+def test_what_the_native_engine_lacks_runs_on_the_python_engine_with_one_line_saying_so(capsys, tmp_path):
+    code, out, err = run(capsys, *SMALL, "--host-capacity-tokens", "400000", "--storage", f"file:{tmp_path}")
+    assert code == 0 and json.loads(out)["storage"] == f"file:{tmp_path}"
+    assert err == "kvmem-replay: the native engine does not cover a file store yet: the Python engine replays it\n"
     code, out, err = run(capsys, *FEW, "--sweep", "100000,200000", "--eviction-policy", "s3fifo", "--jobs", "1")
     assert code == 0 and err.startswith("kvmem-replay: the native engine does not cover s3fifo eviction yet: the "
                                         "Python engine replays them\n")
-    code, out, err = run(capsys, *SMALL, "--replicas", "2")
-    assert code == 0 and err.startswith("kvmem-replay: the native engine does not cover --replicas yet: the Python "
-                                        "engine replays the cluster\n")
-    code, out, err = run(capsys, *SMALL, "--engine", "python", "--host-capacity-tokens", "400000")
+    code, out, err = run(capsys, *SMALL, "--replicas", "2", "--eviction-policy", "s3fifo")
+    assert code == 0 and err == ("kvmem-replay: the native engine does not cover s3fifo eviction yet: the Python "
+                                 "engine replays the cluster\n")
+    code, out, err = run(capsys, *SMALL, "--engine", "python", "--host-capacity-tokens", "400000", "--storage",
+                         f"file:{tmp_path}")
     assert code == 0 and err == ""  # asked for: nothing to say
+
+
+@needs_native
+def test_a_simulated_storage_tier_replays_the_same_on_both_engines(capsys):
+    reports = []
+    for name in ("native", "python"):
+        code, out, err = run(capsys, *SMALL, "--host-capacity-tokens", "400000", "--storage", "sim", "--engine", name)
+        assert code == 0 and err == ""
+        reports.append(without_timings(out))
+    assert reports[0] == reports[1] and reports[0]["storage"] == "sim"
 
 
 def test_without_the_native_module_the_python_engine_replays_with_one_line_saying_so(capsys, monkeypatch):
@@ -88,6 +116,21 @@ def test_without_the_native_module_the_python_engine_replays_with_one_line_sayin
 
 
 @needs_native
+def test_a_native_sweep_replays_in_this_process_and_a_python_one_in_workers(capsys, monkeypatch):
+    import concurrent.futures
+
+    started = []
+    real = concurrent.futures.ProcessPoolExecutor
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", lambda *a, **k: started.append(a) or real(*a, **k))
+    reports = []
+    for name in ("native", "python"):
+        code, out, err = run(capsys, *FEW, "--sweep", "100000,200000", "--jobs", "2", "--engine", name)
+        assert code == 0 and err == "" and len(started) == (name == "python")
+        reports.append(without_timings(out))
+    assert reports[0] == reports[1]
+
+
+@needs_native
 def test_a_policy_comparison_replays_what_it_can_on_the_native_engine(capsys):
     code, out, err = run(capsys, *SMALL, "--compare-policies", "fifo,s3fifo", "--jobs", "1")
     assert code == 0
@@ -96,29 +139,17 @@ def test_a_policy_comparison_replays_what_it_can_on_the_native_engine(capsys):
 
 
 @needs_native
-def test_the_native_path_imports_no_torch():
-    # kvmem/__init__.py and kvmem.replay.config import torch today (issue 35): the package is entered without its
-    # __init__, and the configuration is a plain namespace with ReplayConfig's fields.
-    code = f"""
-import sys, types
-class NoTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "triton"):
-            raise ImportError("torch is not installed here")
-sys.meta_path.insert(0, NoTorch())
-package = types.ModuleType("kvmem")
-package.__path__ = [{str(REPO / "kvmem")!r}]
-sys.modules["kvmem"] = package
-from kvmem.replay import native_replay
-from kvmem.replay.traces import read_trace, default_trace_path
-trace = read_trace(default_trace_path(), limit=40)
-config = types.SimpleNamespace(capacity_tokens=300000, max_context_len=trace.max_context_len, page_size=16,
-    eviction_policy="lru", schedule_policy="lpm", max_running=256, chunked_prefill_size=8192, honour_arrivals=True,
-    host_capacity_tokens=None, cache_decode_pages=True, in_batch_prefix_caching=False, pin_prefix_tokens=0,
-    pin_budget=0.2, gpu=None, context_len=trace.max_context_len)
-report = native_replay.replay(trace, config)
-assert "torch" not in sys.modules and report.requests == 40, report
-print("ok", report.hit_rate)
+@needs_native
+def test_the_replay_on_the_native_engine_runs_where_torch_cannot_be_imported():
+    # None in sys.modules: `import torch` raises ModuleNotFoundError and importlib finds no torch, as on an install
+    # without the torch extra.
+    code = """
+import json, sys
+sys.modules["torch"] = sys.modules["triton"] = None
+from kvmem.replay.cli import main
+assert main(["--limit", "40", "--page-size", "16", "--capacity-tokens", "300000", "--no-progress"]) == 0
+assert sys.modules["torch"] is None
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
-    assert done.returncode == 0 and done.stdout.startswith("ok "), done.stderr[-2000:]
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["requests"] == 40 and "hit rate" in done.stderr

@@ -284,3 +284,12 @@ def test_the_cli_sweeps_colocated_against_every_pd_split(capsys, tmp_path):
 def test_the_cli_refuses_bad_pd_options_in_one_line_naming_the_option(capsys, args, message):
     status, out, err = run_cli(capsys, *args)
     assert status == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_colocated_cluster_with_slos_reports_goodput_from_the_python_engine_saying_so(capsys):
+    status, out, err = run_cli(capsys, "--replicas", "2", "--slo-ttft-s", "2", "--slo-tbt-s", "0.1",
+                               "--engine", "native", "--json-only")
+    assert status == 0
+    report = json.loads(out)
+    assert report["goodput_rps"] > 0 and "tbt_p90_s" in report
+    assert err.count("does not time requests (--slo-ttft-s) yet: the Python engine replays the cluster") == 1

@@ -360,7 +360,7 @@ def test_the_summary_of_a_sweep_reads_in_full():
     assert format_summary(reports, "T").splitlines() == [
         "T",
         "clock: fixed",
-        "  capacity   host  hit rate  device   host  storage  TTFT p50     p90     p99  GPU-s saved  peak memory"
+        "  capacity   host  hit rate  device   host  storage  TTFT p50     p90     p99  GPU-s saved  pinned peak"
         "  evicted  retractions",
         "      4.1k  16.4k     0.250   0.150  0.100    0.000      4 ms    4 ms    4 ms          100          50%"
         "    12.3k        1,234",
@@ -369,9 +369,10 @@ def test_the_summary_of_a_sweep_reads_in_full():
     plain = [a_report(100), a_report(200)]
     plain[1].ttft_s, plain[1].prefill_seconds_saved = type(plain[1].ttft_s)("d"), 10.0
     lines = format_summary(plain, "T").splitlines()
-    assert lines[2].split() == ["capacity", "host", "hit", "rate", "device", "host", "TTFT", "p50", "p90", "p99",
-                                "s", "saved", "peak", "memory", "evicted", "retractions"]
-    assert lines[4].split() == ["200", "-", "0.250", "0.250", "-", "-", "-", "-", "10", "50%", "0", "0"]
+    # No host tier in the table: no tier columns. Running requests held 40 of 100 and 90 of 200 slots at most.
+    assert lines[2].split() == ["capacity", "hit", "rate", "TTFT", "p50", "p90", "p99", "s", "saved", "pinned", "peak",
+                                "evicted", "retractions"]
+    assert lines[4].split() == ["200", "0.250", "-", "-", "-", "10", "45%", "0", "0"]
 
 
 @pytest.mark.parametrize("seconds, text", [(0.004, "4 ms"), (0.00999, "9.99 ms"), (0.01, "0.01 s"),

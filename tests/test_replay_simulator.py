@@ -264,9 +264,9 @@ def test_the_cost_model_takes_free_decodes_and_slow_prefills_but_refuses_impossi
     for kwargs in ({"decode_step_s": -1.0}, {"prefill_tokens_per_s": 0.0}):
         with pytest.raises(ValueError) as raised:
             StepCost(**kwargs)
-        assert str(raised.value) == f"need decode_step_s >= 0 and prefill_tokens_per_s > 0, got {StepCost.__name__}(" \
+        assert str(raised.value) == "need decode_step_s >= 0 and prefill_tokens_per_s > 0, got " \
             f"decode_step_s={kwargs.get('decode_step_s', 0.03)}, prefill_tokens_per_s=" \
-            f"{kwargs.get('prefill_tokens_per_s', 50000.0)})"
+            f"{kwargs.get('prefill_tokens_per_s', 50000.0)}"
 
 
 def test_a_file_store_of_limited_capacity_keeps_the_leading_pages_of_what_it_cannot_hold(tmp_path):

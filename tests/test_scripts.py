@@ -210,7 +210,10 @@ def test_replay_benchmark_runs_kvmem_on_the_peers_workload_and_skips_missing_pee
         assert kvmem["vllm"]["cache_s"] > 0 and kvmem["vllm"]["hit_rate"] >= kvmem["sglang"]["hit_rate"] > 0
         assert "not found" in row["vllm"]["error"] and row["ratios"]["vllm_cache_ops_plus_hash"] is None
     assert report["kvmem_faster_than_vllm_cache_ops_plus_hash"] is False
-def test_trace_replay_benchmark_sets_both_engines_beside_dynamo_and_skips_a_missing_dynamo(tmp_path, monkeypatch):
+
+
+def test_trace_replay_benchmark_sets_the_engines_and_clusters_beside_dynamo_and_skips_a_missing_dynamo(tmp_path,
+                                                                                                         monkeypatch):
     from kvmem.replay.native_replay import native_built
     from kvmem.replay.traces import default_trace_path
 
@@ -220,15 +223,26 @@ def test_trace_replay_benchmark_sets_both_engines_beside_dynamo_and_skips_a_miss
     monkeypatch.setenv("DYNAMO_PEER_VENV", str(tmp_path / "no-venv"))
     out = tmp_path / "report.json"
     sides = "native,native-no-torch,python,dynamo" if native_built() else "python,dynamo"
+    cluster_sides = "native-no-torch,python,dynamo" if native_built() else "python,dynamo"
     report = run_script("bench_trace_replay.py", "--traces", "conversation", "--page-sizes", "16", "--limit", "30",
                         "--capacity-tokens", "200000", "--sides", sides, "--shared", str(tmp_path / "shared"),
-                        "--out", str(out))
+                        "--replicas", "2", "--cluster-page-sizes", "16", "--cluster-sides", cluster_sides,
+                        "--no-build", "--out", str(out))
     assert json.loads(out.read_text()) == report
     (row,) = report["rows"]
     assert (row["trace"], row["page_size"]) == ("conversation", 16) and "no Dynamo venv" in row["dynamo"]["skipped"]
     kvmem = [row[side] for side in sides.split(",")[:-1]]
     assert all(r["requests"] == 30 and r["wall_s"] > 0 and r["peak_rss_mb"] > 0 for r in kvmem)
     assert len({r["hit_rate"] for r in kvmem}) == 1 and row["ratios"] == {}  # one replay, whatever the engine
+    assert [(c["router"], c["replicas"], c["page_size"]) for c in report["clusters"]] == [
+        ("round-robin", 2, 16), ("kv-overlap", 2, 16)]
+    for cluster in report["clusters"]:
+        kvmem = [cluster[side] for side in cluster_sides.split(",")[:-1]]
+        assert all(r["requests"] == 30 and r["makespan_s"] > 0 for r in kvmem)
+        assert len({r["hit_rate"] for r in kvmem}) == 1
+    sweep = report["sweep"]
+    assert len(sweep["capacities"]) == len(sweep["hit_rates"]) == 6 and sweep["wall_s"] > 0
+    assert "build" not in report and report["meta"]["commit"]
 
 
 def test_eviction_benchmark_times_every_online_policy_against_lru(tmp_path):
@@ -480,6 +494,14 @@ QUICK_CASCADE = ["--quick", "--workloads", "synthetic-system"]
 SMALL_CASCADE = ["--workloads", "synthetic-system", "--limit", "20", "--snapshots", "1", "--warmup", "0"]
 
 
+def test_bench_cascade_names_the_workloads_it_skips_and_why(tmp_path):
+    report = run_script("bench_cascade.py", "--workloads", "mooncake-conversation,mooncake-synthetic", "--traces",
+                        str(tmp_path))
+    assert report["workloads"] == []
+    assert report["skipped"] == {f"mooncake-{name}": f"{tmp_path / f'{name}_trace.jsonl'} not found"
+                                 for name in ("conversation", "synthetic")}
+
+
 @pytest.mark.parametrize("args, option", [
     (["--quick", "--workloads", ""], "--workloads"), (["--quick", "--workloads", "bogus"], "--workloads"),
     (["--quick", "--workloads", "synthetic-system,,synthetic-chat"], "--workloads"),
@@ -599,3 +621,13 @@ def test_storage_footprint_counts_what_each_store_leaves_and_removes_it(tmp_path
                                           (["t.jsonl", "--timeout-s", "0"], "--timeout-s")])
 def test_storage_footprint_refuses_bad_arguments_before_any_replay(argv, option, monkeypatch, capsys):
     usage_error("storage_footprint.py", argv, option, monkeypatch, capsys)
+
+
+def test_replay_tiers_reports_each_points_time_to_first_token_beside_its_hit_rates(monkeypatch):
+    pytest.importorskip("torch")  # a host tier replays on the Python engine
+    from kvmem.replay.traces import default_trace_path
+
+    script = load_script("replay_tiers.py", monkeypatch)
+    row = script["run_point"](str(default_trace_path()), ["--limit", "30", "--capacity-tokens", "100000",
+                                                          "--host-capacity-tokens", "400000", "--no-progress"])
+    assert row["ttft_p50_s"] <= row["ttft_p90_s"] <= row["ttft_p99_s"] and 0 <= row["host_hit_rate"] <= 1

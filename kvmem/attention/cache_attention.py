@@ -37,9 +37,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 from kvmem._checks import check_int
+from kvmem._torch import torch
 from kvmem.kv_pool import MHAKVPool
 
 CACHE_MODES = (0, 1)

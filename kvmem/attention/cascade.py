@@ -41,9 +41,9 @@ from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvmem._checks import check_int
+from kvmem._torch import torch
 from kvmem.attention.metadata import PagedKVMetadata
 from kvmem.batch import ScheduleBatch
 from kvmem.kernels.kv_indices import _create_kv_indices, _create_kv_indptr, _kv_last_page_len

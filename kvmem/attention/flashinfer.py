@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
+from kvmem._torch import torch
 from kvmem.attention.metadata import PagedKVMetadata
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ one rather than return a plausible zero output.
 
 from __future__ import annotations
 
-import torch
+from kvmem._torch import torch
 
 
 def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from kvmem._torch import torch
 from kvmem.kernels._dispatch import check_index_tensor, check_length, check_same_device, first_bad, host_values
 from kvmem.kernels.kv_indices import _create_kv_indices, _create_kv_indptr, _kv_last_page_len, check_gather_args
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
-
+from kvmem._torch import torch
 from kvmem.kv_pool import MHAKVPool, MLAKVPool
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import math
 
-import torch
-
+from kvmem._torch import torch
 from kvmem.attention.cascade import CascadeMetadata
 from kvmem.attention.flashinfer import KV_LAYOUTS
 from kvmem.attention.merge import merge_states

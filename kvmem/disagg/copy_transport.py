@@ -7,8 +7,8 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-import torch
 
+from kvmem._torch import torch
 from kvmem.disagg.layout import KVLayout, layer_buffers
 from kvmem.disagg.transport import Finished, KVBuffers, KVTransport, Transfer
 from kvmem.kv_pool import MHAKVPool, MLAKVPool

@@ -12,8 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
+from kvmem._torch import torch
 from kvmem.kv_pool import MHAKVPool, MLAKVPool
 
 

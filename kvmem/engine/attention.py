@@ -13,8 +13,7 @@ projects the latent output back with W_UV.
 
 from __future__ import annotations
 
-import torch
-
+from kvmem._torch import torch
 from kvmem.attention.metadata import PagedKVMetadata
 from kvmem.attention.pool_pages import kv_pages
 from kvmem.attention.reference import reference_paged_attention

@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
 from kvmem._checks import positive_int_arg
+from kvmem._torch import torch
 from kvmem.engine.attention import ATTENTION_BACKENDS
 from kvmem.engine.engine import Engine
 from kvmem.engine.presets import PRESETS, build_model

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-import torch
 
 from kvmem._checks import check_int
 from kvmem._device import check_device
 from kvmem._paging import round_up
+from kvmem._torch import torch
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.batch import ForwardMode, Req, ReqStatus
 from kvmem.engine.attention import make_attention_backend

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from kvmem._torch import torch
 from kvmem.kv_pool import MHAKVPool, MLAKVPool
 
 MHA_ARCHITECTURES = ("llama", "mistral", "qwen2")

@@ -9,7 +9,7 @@ kernels introduce in fp32.
 
 from __future__ import annotations
 
-import torch
+from kvmem._torch import torch
 
 # name -> (model_type, config fields). eos_token_id is None unless overridden, so that a random model's
 # generations run their full length; tests that stop on EOS pass eos_token_id.

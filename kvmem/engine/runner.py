@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
 
+from kvmem._torch import torch
 from kvmem.batch import ForwardMode, ScheduleBatch
 from kvmem.engine.models import ForwardBatch
 

@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import multiprocessing
 import os
 import signal
 import stat
@@ -29,6 +28,16 @@ from kvmem._checks import (
     positive_float_arg,
     positive_int_arg,
 )
+from kvmem._extras import INSTALL_TORCH, torch_available
+from kvmem.replay.capacity import (
+    Size,
+    gpu_fit,
+    gpus_needed,
+    kv_gib,
+    parse_gib_sizes,
+    parse_token_sizes,
+    tokens_in_gib,
+)
 from kvmem.replay.cluster_cli import add_cluster_arguments, cluster_runs, run_cluster
 from kvmem.replay.compare import DEFAULT_POLICIES
 from kvmem.replay.config import (
@@ -40,10 +49,12 @@ from kvmem.replay.config import (
     ReplayConfig,
 )
 from kvmem.replay.cost import DEFAULT_MODEL, DEFAULT_STORAGE_LATENCY_US, GPUS, RooflineCost
-from kvmem.replay.engine import ENGINES, fallback_note, fallback_reason, requested_engine
+from kvmem.replay.engine import ENGINES, engine_for, fallback_note, fallback_reason, requested_engine
 from kvmem.replay.pd_cli import add_pd_arguments, pd_runs, run_pd, slo_of
-from kvmem.replay.report import format_summary, require_matplotlib, write_sweep_plot
+from kvmem.replay.report import format_summary, format_tokens, require_matplotlib, write_sweep_plots
+from kvmem.replay.reuse import reuse_ceiling
 from kvmem.replay.traces import Trace, TraceError, default_trace_path, read_trace
+from kvmem.replay.workers import kill_workers, replay_all
 
 PROG = "kvmem-replay"
 DEFAULT_CAPACITY_TOKENS = 1 << 18  # 262,144: e.g. Llama-3-8B's bf16 KV in 32 GiB
@@ -76,12 +87,14 @@ def _policy_list(text: str) -> list[str]:
     return names
 
 
-def _capacity_list(text: str) -> list[int]:
+def _target_fraction(text: str) -> float:
     try:
-        return [positive_int_arg(part) for part in text.split(",")]
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive token counts, got {text!r} "
-                                         "(a TRACE goes before --sweep)") from None
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share of the achievable hit rate in (0, 1], got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,9 +159,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-error", default="stop", choices=("stop", "skip"),
                    help="at a malformed trace line: stop with its line number, or skip it (default stop)")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR (needs matplotlib)")
-    p.add_argument("--sweep", nargs="?", const=[], type=_capacity_list, metavar="CAPACITIES",
-                   help="replay at several capacities (comma-separated tokens; default: the capacity "
-                        "x 1/8, 1/4, 1/2, 1, 2, 4) and report the hit-rate curve")
+    p.add_argument("--sweep", nargs="?", const=[], type=parse_token_sizes, metavar="CAPACITIES",
+                   help="replay at several capacities (comma-separated tokens, 1M or 500k; default: the capacity "
+                        "x 1/8, 1/4, 1/2, 1, 2, 4) and report the hit-rate and TTFT curves")
+    p.add_argument("--sweep-gb", type=parse_gib_sizes, metavar="GIBS",
+                   help="as --sweep, in GiB of --model's KV (comma-separated)")
+    p.add_argument("--sweep-host", type=parse_token_sizes, metavar="CAPACITIES",
+                   help="compare host tiers of these sizes (tokens, 1M or 500k) with none: a row each, and what each "
+                        "buys in hit rate and TTFT (with --storage sim, each also with the storage tier)")
+    p.add_argument("--sweep-host-gb", type=parse_gib_sizes, metavar="GIBS",
+                   help="as --sweep-host, in GiB of --model's KV")
+    p.add_argument("--target-hit-fraction", type=_target_fraction, metavar="F",
+                   help="find the KV capacity that reaches F (e.g. 0.9) of the hit rate this server reaches with "
+                        "unbounded KV, by replays in parallel; answers in tokens, GiB of KV and, with --gpu, GPUs")
     p.add_argument("--cache-decode-pages", action=argparse.BooleanOptionalAction, default=True,
                    help="cache each full page of output as soon as it is written, as vLLM does (default); "
                         "--no-cache-decode-pages caches output when the request finishes, as SGLang does")
@@ -162,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=positive_int_arg, default=1, metavar="N",
                    help="GPUs per replica, tensor-parallel (with --gpu; default 1)")
     p.add_argument("--jobs", type=positive_int_arg, metavar="J",
-                   help="replays run at once by --sweep and --compare-policies, in separate processes (default: the "
-                        "cores)")
+                   help="Python-engine replays run at once by --sweep and --compare-policies, in separate processes "
+                        "(default: the cores)")
     p.add_argument("--engine", choices=ENGINES,
                    help="native: the compiled engine (the default where it is built and covers the configuration; "
                         "else the Python engine runs, saying why); python: the reference (kvmem's Scheduler and "
@@ -207,9 +230,8 @@ class _Terminated(BaseException):
 
 
 def _on_sigterm(signum, frame) -> None:
-    # Ctrl-C reaches every process of the group; a SIGTERM only this one, and a pool waits for its workers.
-    for child in multiprocessing.active_children():
-        child.kill()  # at once and silently, even one still starting up
+    # A SIGTERM reaches only this process, and a pool waits for its workers.
+    kill_workers()
     raise _Terminated
 
 
@@ -226,10 +248,20 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
         if slo is not None and runs is None and splits is None:
             raise ValueError("--slo-ttft-s and --slo-tbt-s price a fleet's goodput: give --replicas, "
                              "--prefill-replicas or --pd-sweep")
-        points = (None if runs is not None or splits is not None else _tour_points(config) if tour
-                  else _sweep_points(args, config))
+        _check_plan(args)
+        labels, host_labels = None, {}
+        if runs is not None or splits is not None or args.target_hit_fraction is not None:
+            points = None
+        elif tour:
+            points = _tour_points(config)
+        else:
+            points, labels = _sweep_points(args, config)
+            host_labels = _host_labels(args)
+        if tour and not torch_available():
+            points = _native_tour(points, engine)
         for point in points or [config]:
             point.check_host_memory()
+        _check_torch(args, engine, config, points, runs, splits)
         _check_combinations(args, config, points)
         _check_storage(config)
         if args.plot:
@@ -245,8 +277,11 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
     trace_format = args.format if args.format in SYNTHETIC_FORMATS else trace.format
     out = {"trace": trace.name, "format": trace_format, "skipped_lines": len(trace.skipped),
            "config": dataclasses.asdict(config)}
+    title = _title(trace, trace_format, config, tour)
     if args.compare_policies:
         return _compare(args, trace, config, [p.capacity_tokens for p in points] if points else None, out, engine)
+    if args.target_hit_fraction is not None:
+        return _plan(args, trace, config, out, engine, title)
     if splits is not None:  # a disaggregated replay
         if engine == "native":
             reason = fallback_reason(engine, config) or "the native engine does not cover P:D fleets yet"
@@ -256,11 +291,14 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
         except (ValueError, RuntimeError) as e:
             return _error(str(e))
     elif runs is not None:  # a cluster replay
-        if engine == "native":
-            reason = fallback_reason(engine, config) or "the native engine does not cover --replicas yet"
-            print(f"{PROG}: {reason}: the Python engine replays the cluster", file=sys.stderr)
+        reason = fallback_reason(engine, config)
+        if reason is None and slo is not None and engine == "native":
+            reason = "the native engine does not time requests (--slo-ttft-s) yet"
+        if reason is not None:
+            print(f"{PROG}: {reason}: the Python engine replays the cluster{'s' if len(runs) > 1 else ''}",
+                  file=sys.stderr)
         try:
-            out = run_cluster(args, trace, config, runs, out, slo)
+            out = run_cluster(args, trace, config, runs, out, title, engine if slo is None else "python", slo)
         except RuntimeError as e:
             return _error(str(e))
     else:
@@ -269,24 +307,136 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
             print(f"{PROG}: {note}", file=sys.stderr)
         reports = replay_all(trace, points or [config], 1 if points is None else args.jobs or default_jobs(),
                              progress, engine)
+        labels = labels or [format_tokens(r.capacity_tokens) for r in reports]
+        fit = _gpu_fit(args, config)
+        ceilings = None
         if points is None:
             out.update(reports[0].to_json())
         else:
-            out["sweep"] = [r.to_json() for r in reports]
+            out["sweep"] = [_sweep_json(r, label, fit, host_labels) for r, label in zip(reports, labels)]
+            ceiling = reuse_ceiling(trace)  # a sweep's curve reads against it
+            if ceiling is not None:
+                out["trace_ceiling"] = round(ceiling, 6)
+                ceilings = {"the trace's reuse ceiling": ceiling}
+                head, _, rest = title.partition("\n")  # under the trace's line, above the tour's
+                title = "\n".join([head, f"the trace's reuse ceiling (what an unbounded cache would serve): "
+                                          f"{ceiling:.3f}"] + ([rest] if rest else []))
         if not args.json_only:
-            print(format_summary(reports, _title(trace, trace_format, config, tour)), file=sys.stderr)
+            print(format_summary(reports, title, labels, fit, host_labels), file=sys.stderr)
         if args.plot:
             try:
-                plots = reports[0].write_plots(args.plot) if points is None else [write_sweep_plot(reports, args.plot)]
+                plots = reports[0].write_plots(args.plot) if points is None else \
+                    write_sweep_plots(reports, args.plot, labels, ceilings=ceilings, host_labels=host_labels, fit=fit)
             except OSError as e:
                 return _report_then_error(out, f"cannot write plots to {args.plot}: {e.strerror or e}")
             out["plots"] = [str(p) for p in plots]
         if points is None and reports[0].rejected and not reports[0].requests:
             return _report_then_error(out, f"all {reports[0].rejected:,} requests were rejected: none fits in the KV "
                                            f"cache's {config.capacity_tokens:,} tokens")
+    _write_json(out)
+    return 0
+
+
+def _write_json(out: dict) -> None:
     sys.stdout.write(json.dumps(out, indent=2) + "\n")
     sys.stdout.flush()
+
+
+def _gpu_fit(args: argparse.Namespace, config: ReplayConfig) -> tuple[int, str] | None:
+    """With --gpu: the KV tokens those GPUs hold beside the weights, and what they are (None without --gpu)."""
+    if args.gpu is None:
+        return None
+    fit = gpu_fit(args.gpu, config.model or DEFAULT_MODEL, args.tp, config.token_kv_bytes, config.page_size)
+    return fit, f"{args.tp} x {args.gpu}"
+
+
+def _sweep_json(report, label: str, fit: tuple[int, str] | None, host_labels: dict[int, str] | None = None) -> dict:
+    """A sweep replay's report, with its capacity (and host tier) as typed and, with --gpu, whether those GPUs hold
+    it."""
+    out = {"label": label, **report.to_json()}
+    if report.host_capacity_tokens in (host_labels or {}):
+        out["host_label"] = host_labels[report.host_capacity_tokens]
+    if fit is not None:
+        out["fits_gpus"] = report.capacity_tokens <= fit[0]
+    return out
+
+
+def _plan(args: argparse.Namespace, trace: Trace, config: ReplayConfig, out: dict, engine: str, title: str) -> int:
+    """--target-hit-fraction: the capacity search (kvmem.replay.planner), its answer and the curve it measured."""
+    from kvmem.replay.planner import plan_capacity
+    from kvmem.replay.workers import ReplayPool
+
+    jobs = args.jobs or default_jobs()
+    note = fallback_note(engine, [config])
+    if note is not None:
+        print(f"{PROG}: {note}", file=sys.stderr)
+
+    def run(configs):
+        reports = pool.run(configs)
+        if not args.no_progress:
+            print(f"{PROG}: " + ", ".join(f"{format_tokens(r.capacity_tokens)} tokens: hit rate {r.hit_rate:.4f}"
+                                         for r in reports), file=sys.stderr)
+        return reports
+
+    with ReplayPool(trace, jobs, engine) as pool:
+        plan = plan_capacity(trace, config, args.target_hit_fraction, run, jobs)
+    fit = _gpu_fit(args, config)
+    out["sweep"] = [_sweep_json(r, format_tokens(r.capacity_tokens), fit) for r in plan.curve]
+    out["capacity_plan"] = _plan_json(args, config, plan)
+    if not args.json_only:
+        print(_plan_summary(args, config, plan, title, fit), file=sys.stderr)
+    if args.plot:
+        ceilings = {"this server, unbounded KV": plan.achievable, f"target ({plan.fraction:g} x)": plan.target}
+        if plan.trace_ceiling is not None:
+            ceilings = {"the trace's reuse ceiling": plan.trace_ceiling, **ceilings}
+        try:
+            out["plots"] = [str(p) for p in write_sweep_plots(plan.curve, args.plot, ceilings=ceilings,
+                                                              answer=plan.tokens, fit=fit)]
+        except OSError as e:
+            return _report_then_error(out, f"cannot write plots to {args.plot}: {e.strerror or e}")
+    _write_json(out)
     return 0
+
+
+def _plan_json(args: argparse.Namespace, config: ReplayConfig, plan) -> dict:
+    out = {"target_hit_fraction": plan.fraction,
+           "trace_ceiling": None if plan.trace_ceiling is None else round(plan.trace_ceiling, 6),
+           "achievable_hit_rate": round(plan.achievable, 6), "unbounded_tokens": plan.unbounded_tokens,
+           "target_hit_rate": round(plan.target, 6), "tokens": plan.tokens,
+           "kv_bytes_per_token": config.token_kv_bytes,
+           "kv_gib": round(kv_gib(plan.tokens, config.token_kv_bytes), 3), "replays": len(plan.curve),
+           "rounds": plan.rounds}
+    if args.gpu is not None:
+        count = gpus_needed(plan.tokens, args.gpu, config.model or DEFAULT_MODEL, config.token_kv_bytes,
+                            config.page_size)
+        out["gpus"] = {"gpu": count.gpu, "tp": count.tp, "holds_tokens": count.largest,
+                       "largest_tp": count.largest_tp}
+    return out
+
+
+def _plan_summary(args: argparse.Namespace, config: ReplayConfig, plan, title: str, fit) -> str:
+    answer = next(r for r in plan.curve if r.capacity_tokens == plan.tokens)
+    ceiling = "" if plan.trace_ceiling is None else \
+        f"the trace's reuse ceiling (what an unbounded cache would serve): {plan.trace_ceiling:.3f}\n"
+    table = format_summary(plan.curve, title, [("> " if r is answer else "") + format_tokens(r.capacity_tokens)
+                                               for r in plan.curve], fit)
+    head, _, rest = table.partition("\n")
+    model = config.model or DEFAULT_MODEL if args.gpu is not None or config.model else "llama-3-8b (default)"
+    lines = [head, f"{ceiling}this server with unbounded KV ({format_tokens(plan.unbounded_tokens)} tokens): hit rate "
+                   f"{plan.achievable:.3f}; target {plan.fraction:g} x {plan.achievable:.3f} = {plan.target:.3f}",
+             rest,
+             f"answer (>): {plan.tokens:,} tokens ({format_tokens(plan.tokens)}) reach hit rate {answer.hit_rate:.3f}, "
+             f"{plan.rounds} rounds of replays; that is {kv_gib(plan.tokens, config.token_kv_bytes):,.1f} GiB of "
+             f"{model}'s KV at {config.token_kv_bytes:,} bytes a token"]
+    if args.gpu is not None:
+        count = gpus_needed(plan.tokens, args.gpu, config.model or DEFAULT_MODEL, config.token_kv_bytes,
+                            config.page_size)
+        lines.append(f"GPUs: {count.tp} x {args.gpu} (tensor-parallel) hold it beside the weights" if count.tp else
+                     f"GPUs: no tensor-parallel group of {args.gpu}s holds it beside the weights (the most: "
+                     f"{format_tokens(count.largest)} tokens on {count.largest_tp}); replicas split the trace "
+                     f"(--replicas)")
+        lines.append(f"(TTFT as priced on {args.tp} x {args.gpu}: the clock of --tp)")
+    return "\n".join(lines)
 
 
 def _report_then_error(out: dict, message: str) -> int:
@@ -299,48 +449,6 @@ def _report_then_error(out: dict, message: str) -> int:
 def default_jobs() -> int:
     """--jobs without a value: one replay per core."""
     return os.cpu_count() or 1
-
-
-def replay_all(trace: Trace, configs: list[ReplayConfig], jobs: int, progress: bool, engine: str = "native") -> list:
-    """The ReplayReport of each config, in order, from `engine` (see kvmem.replay.engine): in this process (with a
-    progress bar per replay) when jobs is 1 or there is one config, else `jobs` at a time in worker processes (a
-    bar over replays)."""
-    from kvmem.replay.engine import replay  # the Python engine imports torch: only once the arguments are good
-
-    if jobs == 1 or len(configs) == 1:
-        return [replay(trace, c, progress, engine) for c in configs]
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    # spawn, not fork: a forked child of a process that loaded torch and OpenBLAS may deadlock in their pools.
-    with ProcessPoolExecutor(min(jobs, len(configs)), mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_set_worker_trace, initargs=(trace,)) as pool:
-        futures = [pool.submit(_replay_in_worker, c, engine) for c in configs]
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(configs), unit="replay", file=sys.stderr, dynamic_ncols=True)
-        for _ in as_completed(futures):
-            if bar is not None:
-                bar.update(1)
-        if bar is not None:
-            bar.close()
-        return [f.result() for f in futures]
-
-
-_worker_trace: Trace | None = None
-
-
-def _set_worker_trace(trace: Trace) -> None:
-    global _worker_trace
-    _worker_trace = trace
-
-
-def _replay_in_worker(config: ReplayConfig, engine: str):
-    from kvmem.replay.engine import replay
-
-    return replay(_worker_trace, config, engine=engine)
 
 
 def _title(trace: Trace, trace_format: str, config: ReplayConfig, tour: bool) -> str:
@@ -428,6 +536,11 @@ def _replay_config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
         tiers["host_capacity_tokens"] = _tokens_in(args.host_mem_gb, "--host-mem-gb", args)
     elif args.host_capacity_tokens is not None:
         tiers["host_capacity_tokens"] = args.host_capacity_tokens
+    elif args.storage is not None and (args.sweep_host or args.sweep_host_gb):
+        # --sweep-host's largest size stands in, so that the config (storage needs a host tier) holds together;
+        # the sweep sets each point's host tier
+        largest = max(args.sweep_host or args.sweep_host_gb, key=lambda s: s.tokens or s.gib)
+        tiers["host_capacity_tokens"] = _size_tokens(largest, "--sweep-host-gb", args)
     return ReplayConfig(
         capacity_tokens=capacity, max_context_len=trace.max_context_len, page_size=args.page_size,
         eviction_policy=args.eviction_policy or "lru", schedule_policy=args.schedule_policy,
@@ -449,8 +562,15 @@ def _check_tier_options(args: argparse.Namespace) -> None:
     given = [(option, value) for option, value in (
         ("--write-policy", args.write_policy), ("--h2d-gbps", args.h2d_gbps), ("--d2h-gbps", args.d2h_gbps))
         if value is not None]
-    if given and args.host_capacity_tokens is None and args.host_mem_gb is None:
-        raise ValueError(f"{given[0][0]} needs a host tier (--host-capacity-tokens or --host-mem-gb)")
+    host_sweep = args.sweep_host is not None or args.sweep_host_gb is not None
+    if given and args.host_capacity_tokens is None and args.host_mem_gb is None and not host_sweep:
+        raise ValueError(f"{given[0][0]} needs a host tier (--host-capacity-tokens, --host-mem-gb or --sweep-host)")
+    if host_sweep and (args.host_capacity_tokens is not None or args.host_mem_gb is not None):
+        raise ValueError("--sweep-host sets the host tiers' sizes: drop --host-capacity-tokens and --host-mem-gb")
+    if args.sweep_host is not None and args.sweep_host_gb is not None:
+        raise ValueError("--sweep-host and --sweep-host-gb: give the host sizes once")
+    if args.sweep is not None and args.sweep_gb is not None:
+        raise ValueError("--sweep and --sweep-gb: give the capacities once")
     for option, value in (("--storage-metadata", args.storage_metadata), ("--storage-gbps", args.storage_gbps),
                           ("--storage-capacity-tokens", args.storage_capacity_tokens),
                           ("--storage-latency-us", args.storage_latency_us)):
@@ -462,12 +582,57 @@ def _check_combinations(args: argparse.Namespace, config: ReplayConfig, points: 
     """Options another one overrides, and replays that would depend on each other."""
     if args.compare_policies and args.eviction_policy is not None:
         raise ValueError("--eviction-policy with --compare-policies: name the policies in --compare-policies' list")
-    if args.sweep and args.capacity_tokens is not None:
-        raise ValueError("--capacity-tokens with --sweep CAPACITIES: the list sets the capacities (--sweep without "
-                         "a list sweeps around --capacity-tokens)")
-    if config.storage is not None and (points is not None or args.compare_policies):
+    if (args.sweep or args.sweep_gb) and (args.capacity_tokens is not None or args.gpu_mem_gb is not None):
+        raise ValueError("--capacity-tokens or --gpu-mem-gb with --sweep CAPACITIES: the list sets the capacities "
+                         "(--sweep without a list sweeps around --capacity-tokens)")
+    if config.storage is not None and (points is not None or args.compare_policies) and not is_simulated(config):
         raise ValueError("--storage with --sweep or --compare-policies: each replay would find the pages the ones "
-                         "before it stored; replay each configuration against its own --storage")
+                         "before it stored; replay each configuration against its own --storage, or plan with "
+                         "--storage sim (a store of its own for each replay)")
+
+
+def _check_plan(args: argparse.Namespace) -> None:
+    """--target-hit-fraction searches the device capacity: options that set it, or that another replay mode
+    reads, do not go with it."""
+    if args.target_hit_fraction is None:
+        return
+    for option, value in (("--capacity-tokens", args.capacity_tokens), ("--gpu-mem-gb", args.gpu_mem_gb),
+                          ("--sweep", args.sweep), ("--sweep-gb", args.sweep_gb),
+                          ("--sweep-host", args.sweep_host), ("--sweep-host-gb", args.sweep_host_gb),
+                          ("--compare-policies", args.compare_policies), ("--replicas", args.replicas),
+                          ("--host-capacity-tokens", args.host_capacity_tokens), ("--host-mem-gb", args.host_mem_gb),
+                          ("--storage", args.storage)):
+        if value is not None:
+            raise ValueError(f"{option} with --target-hit-fraction: the search sets the device's KV capacity "
+                             f"itself, without lower tiers; drop {option}")
+
+
+def _check_torch(args: argparse.Namespace, engine: str, config: ReplayConfig, points: list | None,
+                 runs: list | None, splits: list | None = None) -> None:
+    """RuntimeError (one line) when a replay of this command needs the Python engine and torch is missing."""
+    if torch_available():
+        return
+    if splits is not None:
+        what = "a P:D replay (--prefill-replicas, --pd-sweep)"
+    elif runs is not None:
+        what = "a cluster replay (--replicas)"
+    elif args.compare_policies:
+        what = "--compare-policies (belady, the ceiling, always)"
+    else:
+        python = [c for c in points or [config] if engine_for(engine, c) == "python"]
+        if not python:
+            return
+        what = "--engine python" if engine == "python" else fallback_reason(engine, python[0])
+    raise RuntimeError(f"{what}: the Python engine would replay it, and it needs torch: {INSTALL_TORCH}")
+
+
+def _native_tour(points: list[ReplayConfig], engine: str) -> list[ReplayConfig]:
+    """The tour's replays the native engine covers, with a line on stderr for those left out (torch missing)."""
+    native = [p for p in points if engine_for(engine, p) == "native"]
+    if len(native) < len(points):
+        print(f"{PROG}: the tour's {len(points) - len(native)} replays with a host tier need the Python engine, which "
+              f"needs torch: replaying the other {len(native)}; for all of them, {INSTALL_TORCH}", file=sys.stderr)
+    return native
 
 
 def _is_regular_file(path: str) -> bool:
@@ -475,6 +640,13 @@ def _is_regular_file(path: str) -> bool:
         return stat.S_ISREG(os.stat(path).st_mode)
     except OSError:
         return False
+
+
+def is_simulated(config: ReplayConfig) -> bool:
+    """Whether config's storage tier is a simulated store (kvmem.replay.simulator.is_simulated, without torch)."""
+    from kvmem.storage import parse_store_spec
+
+    return config.storage is not None and parse_store_spec(config.storage)[0] == "sim"
 
 
 def _check_storage(config: ReplayConfig) -> None:
@@ -524,15 +696,57 @@ def _tokens_in(mem_gb: float, option: str, args: argparse.Namespace) -> int:
     return tokens
 
 
-def _sweep_points(args: argparse.Namespace, config: ReplayConfig) -> list[ReplayConfig] | None:
-    """--sweep's configs, by capacity (None without --sweep)."""
-    if args.sweep is None:
-        return None
-    capacities = args.sweep or [max(int(config.capacity_tokens * f), args.page_size) for f in SWEEP_FACTORS]
-    for c in capacities:
-        if c < args.page_size:
-            raise ValueError(f"--sweep capacity {c} is less than one page (--page-size {args.page_size})")
-    return [dataclasses.replace(config, capacity_tokens=c) for c in sorted(set(capacities))]
+def _sweep_points(args: argparse.Namespace, config: ReplayConfig) -> tuple[list[ReplayConfig] | None, list | None]:
+    """The sweep's configs and their labels (the capacities as typed), by capacity and then host tier; (None,
+    None) without a sweep. A sweep over host sizes has a row without the host tier (and with --storage sim, a row
+    with and one without the storage tier) for each."""
+    sizes = args.sweep if args.sweep is not None else args.sweep_gb
+    hosts = args.sweep_host if args.sweep_host is not None else args.sweep_host_gb
+    if sizes is None and hosts is None:
+        return None, None
+    if sizes is None:
+        device = [Size(format_tokens(config.capacity_tokens), tokens=config.capacity_tokens)]
+    elif not sizes:  # --sweep alone
+        device = [Size(format_tokens(t), tokens=t) for t in
+                  (max(int(config.capacity_tokens * f), args.page_size) for f in SWEEP_FACTORS)]
+    else:
+        device = [Size(s.label, tokens=_size_tokens(s, "--sweep-gb", args)) for s in sizes]
+    for s in device:
+        if s.tokens < args.page_size:
+            raise ValueError(f"--sweep capacity {s.label} is less than one page (--page-size {args.page_size})")
+    device = sorted({s.tokens: s for s in reversed(device)}.values(), key=lambda s: s.tokens)
+    host_tokens = sorted({_size_tokens(h, "--sweep-host-gb", args) for h in hosts}) if hosts else [None]
+    points, labels = [], []
+    for s in device:
+        for host in ([None] if hosts else []) + host_tokens:
+            stores = [None] if host is None else [None, config.storage] if config.storage and hosts else \
+                [config.storage]
+            for store in dict.fromkeys(stores):
+                points.append(dataclasses.replace(config, capacity_tokens=s.tokens, host_capacity_tokens=host,
+                                                  storage=store))
+                labels.append(s.label)
+    return points, labels
+
+
+def _host_labels(args: argparse.Namespace) -> dict[int, str]:
+    """--sweep-host's sizes as typed, by their tokens."""
+    hosts = args.sweep_host if args.sweep_host is not None else args.sweep_host_gb
+    return {_size_tokens(h, "--sweep-host-gb", args): h.label for h in hosts or []}
+
+
+def _size_tokens(size: Size, option: str, args: argparse.Namespace) -> int:
+    """A typed size in tokens: as given, or its GiB of the model's KV (whole pages)."""
+    if size.tokens is not None:
+        return size.tokens
+    tokens = tokens_in_gib(size.gib, _model_name(args, None) or _missing_model(option), args.kv_cache_dtype or "auto",
+                           args.page_size)
+    if tokens <= 0:
+        raise ValueError(f"{option} {size.label} holds no {args.page_size}-token page of {_model_name(args)}'s KV")
+    return tokens
+
+
+def _missing_model(option: str) -> str:
+    raise ValueError(f"{option} needs --model to know the bytes per token")
 
 
 def _tour_points(config: ReplayConfig) -> list[ReplayConfig]:

@@ -200,7 +200,8 @@ class Fleet:
 
     def report(self, makespan_s: float, replay_s: float, times: RequestTimes | None = None,
                slo: SLO | None = None) -> ClusterReport:
-        """The replicas' reports (closing them) and the routing, as a ClusterReport."""
+        """The replicas' reports (closing them) and the routing, as a ClusterReport; with `slo`, the requests' latency
+        and goodput (`times`) too."""
         replicas = self.replicas
         return ClusterReport(
             policy=self.router.policy, reports=[r.sim.close() for r in replicas],
@@ -208,7 +209,7 @@ class Fleet:
             prefill_seconds=[r.prefill_s for r in replicas], makespan_seconds=makespan_s, events=self.events,
             index_cached_tokens=self.index_cached_tokens if self.reads_index else None,
             routing_seconds=self.routing_s, replay_seconds=replay_s,
-            latency=None if times is None else times.to_json(slo))
+            latency=None if times is None or slo is None else times.to_json(slo))
 
 
 class ClusterReplay:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmem.events import AllBlocksCleared, BlockStored, EventBatch
-from kvmem.replay.report import ReplayReport, require_matplotlib
+from kvmem.replay.report import ReplayReport, format_seconds, format_tokens, require_matplotlib, summary_rows
 
 # The counters of a ReplayReport that add up over replicas (a cluster's capacity is its replicas' sum).
 _SUMMED = ("capacity_tokens", "requests", "prompt_tokens", "cached_tokens", "evicted_tokens", "retractions",
@@ -85,6 +85,7 @@ class ClusterReport:
             setattr(total, name, sum(getattr(r, name) for r in self.reports))
         for r in self.reports:
             total.ttft_s.extend(r.ttft_s)
+            total.first_token_s.extend(r.first_token_s)
         total.cache_phases = {k: sum(r.cache_phases.get(k, 0.0) for r in self.reports) for k in first.cache_phases}
         total.replay_seconds = self.replay_seconds
         return total
@@ -159,6 +160,80 @@ class ClusterReport:
         path = out / "replicas.png"
         fig.savefig(path, dpi=120, bbox_inches="tight")
         return [path]
+
+
+def format_cluster_summary(reports: Sequence[ClusterReport], title: str) -> str:
+    """What a person reads after a cluster replay: a single replay's summary over the whole cluster, then the
+    router's load imbalance and a row per replica; or, for several cluster replays, a row each. A warning when
+    arrivals outran the cluster."""
+    lines = [title, f"clock: {reports[0].reports[0].cost_model} (each replica)"]
+    if len(reports) == 1:
+        lines += _cluster_lines(reports[0])
+    else:
+        lines += _table([_run_row(r) for r in reports])
+    for r in reports:
+        overload = r.total().overload()
+        if overload is not None:
+            where = "" if len(reports) == 1 else f"{r.num_replicas} replicas, {r.policy}: "
+            lines.append(f"warning: {where}{overload.message()}")
+    if len(reports) == 1:
+        behind = {rank: o for rank, o in enumerate(r.overload() for r in reports[0].reports) if o is not None}
+        if behind:  # the cluster may keep up while the router overloads some replicas
+            keeps_up = ", though the cluster keeps up" if reports[0].total().overload() is None else ""
+            lines.append(f"warning: arrivals outrun replica{'s' if len(behind) > 1 else ''} "
+                         f"{', '.join(map(str, behind))} of {reports[0].num_replicas} (outrun) from t="
+                         f"{format_seconds(min(o.from_s for o in behind.values()))} at the earliest: their TTFT "
+                         f"reflects queueing{keeps_up}")
+    return "\n".join(lines)
+
+
+def _cluster_lines(cluster: ClusterReport) -> list[str]:
+    total, sim_s = cluster.total(), cluster.simulated_seconds
+    rows = [(name, value) for name, value in summary_rows(total) if name != "KV memory"]
+    throughput = f"{total.output_tokens / sim_s if sim_s else 0:,.0f} output tokens/s over {format_seconds(sim_s)} " \
+                 f"simulated"
+    rows = [(name, throughput if name == "throughput" else value) for name, value in rows]
+    index = "" if cluster.index_cached_tokens is None else \
+        f"; the index showed {cluster.index_cached_tokens / max(total.prompt_tokens, 1):.3f} of prompt tokens cached"
+    rows.append(("router", f"{cluster.policy} over {cluster.num_replicas} replicas: load imbalance "
+                           f"{cluster.load_imbalance:.2f} (the busiest replica's requests over the mean){index}"))
+    lines = [f"  {name:<24}{value}" for name, value in rows]
+    return lines + _table([_replica_row(cluster, rank) for rank in range(cluster.num_replicas)])
+
+
+def _replica_row(cluster: ClusterReport, rank: int) -> list[tuple[str, str]]:
+    r = cluster.reports[rank]
+    ttft = r.ttft_percentiles()
+    return [("replica", str(rank)), ("routed", f"{cluster.routed[rank]:,}"), ("hit rate", f"{r.hit_rate:.3f}"),
+            ("TTFT p50", format_seconds(ttft.get("p50"))), ("p90", format_seconds(ttft.get("p90"))),
+            ("busy", format_seconds(cluster.busy_seconds[rank])),
+            ("prefill", format_seconds(cluster.prefill_seconds[rank])),
+            ("peak memory", f"{format_tokens(r.peak_tokens_used)} of {format_tokens(r.capacity_tokens)}"),
+            ("evicted", format_tokens(r.evicted_tokens)), ("+outrun", _outrun(r))]
+
+
+def _outrun(r: ReplayReport) -> str:
+    overload = r.overload()
+    return "" if overload is None else f"from {format_seconds(overload.from_s)}"
+
+
+def _run_row(cluster: ClusterReport) -> list[tuple[str, str]]:
+    ttft = cluster.total().ttft_percentiles()
+    return [("replicas", str(cluster.num_replicas)), ("router", cluster.policy),
+            ("hit rate", f"{cluster.hit_rate:.3f}"), ("TTFT p50", format_seconds(ttft.get("p50"))),
+            ("p90", format_seconds(ttft.get("p90"))), ("p99", format_seconds(ttft.get("p99"))),
+            ("load imbalance", f"{cluster.load_imbalance:.2f}"),
+            ("makespan", format_seconds(cluster.makespan_seconds))]
+
+
+def _table(rows: list[list[tuple[str, str]]]) -> list[str]:
+    """Rows of (column, cell) as a right-aligned table; a column whose name starts with "+" only where some row
+    fills it."""
+    keep = [i for i, (name, _) in enumerate(rows[0]) if not name.startswith("+") or any(row[i][1] for row in rows)]
+    rows = [[row[i] for i in keep] for row in rows]
+    cells = [[name.lstrip("+") for name, _ in rows[0]]] + [[value for _, value in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    return ["  " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in cells]
 
 
 def write_cluster_sweep_plots(reports: Sequence[ClusterReport], directory: str | os.PathLike) -> list[Path]:

@@ -21,8 +21,11 @@ from pathlib import Path
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.engine import fallback_note
 from kvmem.replay.report import format_seconds, require_matplotlib
+from kvmem.replay.workers import kill_workers, sigint_blocked, worker_ignores_sigint
 
 BASELINE, CEILING = "lru", "belady"
+# Below this gap between belady's and lru's hit rates, a share of it is noise (a few requests' hits): n/a.
+GAP_NOISE = 0.005
 DEFAULT_POLICIES = ("lru", "lfu", "fifo", "s3fifo", "arc", "2q", "gdsf", "lookahead", "multiturn", "belady")
 
 _trace = None  # the trace a worker replays, loaded once by its initializer
@@ -30,6 +33,7 @@ _trace = None  # the trace a worker replays, loaded once by its initializer
 
 def _load_worker_trace(load_trace: Callable) -> None:
     global _trace
+    worker_ignores_sigint()
     _trace = load_trace()
 
 
@@ -44,7 +48,8 @@ def compare_policies(trace, config: ReplayConfig, policies: Sequence[str], capac
     """Replays `trace` under each policy (plus lru and belady) at each capacity, in this process or (jobs > 1) in
     worker processes that build the trace with `load_trace()` (a picklable callable; required then). Returns the
     JSON-ready result: `policies`, `capacities`, `hit_rate[policy]` and `gap_closed[policy]` (one value per
-    capacity; gap_closed is None where belady does no better than lru), and every replay's report in `runs`."""
+    capacity; gap_closed is None where belady leads lru by less than GAP_NOISE), and every replay's report in
+    `runs`."""
     policies = list(dict.fromkeys([BASELINE, *policies, CEILING]))
     configs = [dataclasses.replace(config, eviction_policy=p, capacity_tokens=c) for p in policies for c in capacities]
     reports: dict[tuple[str, int], dict] = {}
@@ -65,9 +70,14 @@ def compare_policies(trace, config: ReplayConfig, policies: Sequence[str], capac
             raise ValueError("jobs > 1 needs load_trace: each worker process builds the trace itself")
         with ProcessPoolExecutor(max_workers=min(jobs, len(configs)), mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_load_worker_trace, initargs=(load_trace,)) as pool:
-            futures = {pool.submit(_replay_one, c, None, engine): c for c in configs}
-            for future in as_completed(futures):
-                done(futures[future], future.result())
+            try:
+                with sigint_blocked():  # Ctrl-C is this process's alone (kvmem.replay.workers)
+                    futures = {pool.submit(_replay_one, c, None, engine): c for c in configs}
+                for future in as_completed(futures):
+                    done(futures[future], future.result())
+            except BaseException:
+                kill_workers()  # before the pool waits for them
+                raise
     hit = {p: [reports[p, c]["hit_rate"] for c in capacities] for p in policies}
     gap = {p: [_gap_closed(h, lo, hi) for h, lo, hi in zip(hit[p], hit[BASELINE], hit[CEILING])] for p in policies}
     return {"policies": policies, "capacities": list(capacities), "hit_rate": hit, "gap_closed": gap,
@@ -75,7 +85,7 @@ def compare_policies(trace, config: ReplayConfig, policies: Sequence[str], capac
 
 
 def _gap_closed(hit: float, lru: float, belady: float) -> float | None:
-    return round((hit - lru) / (belady - lru), 4) if belady > lru else None
+    return round((hit - lru) / (belady - lru), 4) if belady - lru >= GAP_NOISE else None
 
 
 def format_table(result: dict) -> str:
@@ -91,7 +101,8 @@ def format_table(result: dict) -> str:
     for p in result["policies"]:
         cells = []
         for h, g in zip(result["hit_rate"][p], result["gap_closed"][p]):
-            cells.append(f"{h:.4f}" + ("" if g is None or p in (BASELINE, CEILING) else f" ({g:+.0%} of gap)"))
+            gap = "" if p in (BASELINE, CEILING) else " (n/a)" if g is None else f" ({g:+.0%} of gap)"
+            cells.append(f"{h:.4f}{gap}")
         lines.append(f"{p:<{width}}" + "".join(f"{cell:>24}" for cell in cells))
     lines.append("-" * len(head))
     # A report's capacity_tokens is the one asked for rounded down to whole pages: match them in sorted order.

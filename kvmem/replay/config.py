@@ -6,21 +6,23 @@ from dataclasses import dataclass
 
 from kvmem._checks import check_host_bytes, check_int, check_number
 from kvmem.eviction import EVICTION_POLICIES as _POLICY_KEYS
-from kvmem.replay.cost import DEFAULT_MODEL, DEFAULT_STORAGE_LATENCY_US, GPUS, MODEL_COMPUTE, kv_copies
-from kvmem.scheduler import SCHEDULE_POLICIES
+from kvmem.replay.cost import (
+    DEFAULT_KV_BYTES_PER_TOKEN,
+    DEFAULT_MODEL,
+    DEFAULT_PCIE_GBPS,
+    DEFAULT_STORAGE_GBPS,
+    DEFAULT_STORAGE_LATENCY_US,
+    GPUS,
+    MODEL_COMPUTE,
+    kv_copies,
+)
 from kvmem.sizing import bytes_per_token, get_model_config
 from kvmem.storage import parse_store_spec
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # kvmem.tiers.WRITE_POLICIES
-# Llama-3-8B's KV in bfloat16 (32 layers x 8 KV heads x (128 + 128) x 2 bytes): what a token weighs when
-# the replay prices copies between tiers and no --model says otherwise.
-DEFAULT_KV_BYTES_PER_TOKEN = 131072
-# PCIe 5.0 x16 moves 64 GB/s per direction (32 GT/s x 16 lanes, 128b/130b encoding); copies of pinned host
-# memory reach about 80% of it, and NVIDIA's H100 datasheet puts host-device bandwidth at 64 GB/s.
-DEFAULT_PCIE_GBPS = 50.0
-# A storage tier reached over a 100 Gb/s network (Mooncake's RDMA pools) or a striped NVMe array moves about
-# 10 GB/s to a node.
-DEFAULT_STORAGE_GBPS = 10.0
+# kvmem.tiers.WRITE_POLICIES and kvmem.schedule_policy.SCHEDULE_POLICIES, copied because those import torch and
+# the replay's configuration must not (a test checks that they agree).
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+SCHEDULE_POLICIES = ("lpm", "fcfs")
 
 # The names the radix cache accepts, in its order; the replay offers exactly those.
 EVICTION_POLICIES = tuple(_POLICY_KEYS)
@@ -57,7 +59,7 @@ class ReplayConfig:
         ("P2PHANDSHAKE" or a URL).
     storage_capacity_tokens: what the file or simulated store may hold (None: unbounded, or sim:CAPACITY_TOKENS's;
         at least one page). storage_gbps / storage_latency_us: the storage tier's bandwidth (GB/s) and a read's
-        latency (us), what the roofline clock charges a prefill that reads from it.
+        latency (us), what the clock charges a prefill that reads from it.
     cache_decode_pages: a running request's full output pages count as cached as soon as they are written (as
         vLLM does; see kvmem.SchedulerConfig); False: outputs are cached when the request finishes (as SGLang).
     in_batch_prefix_caching: a request waits a step for a page another request of its prefill batch computes

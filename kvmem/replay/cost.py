@@ -4,7 +4,8 @@ The replay's clock advances by the cost of each step it takes, so the cost model
 overlap in time and what a time to first token (TTFT) is. Two models, both torch-free:
 
 - `StepCost`: a fixed cost per forward plus prefill tokens at a throughput (the replay's original clock,
-  kept so that results can be compared with earlier runs).
+  kept so that results can be compared with earlier runs), and the loads from lower tiers, priced and
+  overlapped with the prefill as the roofline's are.
 - `RooflineCost`: a model preset (its KV shape from `kvmem.sizing`, its compute shape from `MODEL_COMPUTE`)
   on `tp` GPUs of a `GPUS` preset. A step takes the longer of its FLOPs at `mfu` of the GPUs' peak and its
   bytes at `mbu` of their memory bandwidth (a roofline): a prefill of many tokens is compute-bound, a decode
@@ -33,22 +34,48 @@ import numpy as np
 from kvmem import sizing
 from kvmem._checks import check_int, check_number
 
+# Llama-3-8B's KV in bfloat16 (32 layers x 8 KV heads x (128 + 128) x 2 bytes): what a token weighs when
+# the replay prices copies between tiers and no --model says otherwise.
+DEFAULT_KV_BYTES_PER_TOKEN = 131072
+# PCIe 5.0 x16 moves 64 GB/s per direction (32 GT/s x 16 lanes, 128b/130b encoding); copies of pinned host
+# memory reach about 80% of it, and NVIDIA's H100 datasheet puts host-device bandwidth at 64 GB/s.
+DEFAULT_PCIE_GBPS = 50.0
+# A storage tier reached over a 100 Gb/s network (Mooncake's RDMA pools) or a striped NVMe array moves about
+# 10 GB/s to a node.
+DEFAULT_STORAGE_GBPS = 10.0
+# What a read from the storage tier waits before its bytes flow: a NAND flash read takes about 100 us, and NVMe
+# drives answer in 20-100 us end to end (Pure Storage, "What is NVMe?"); a distributed store's get adds a metadata
+# round trip to its master, tens of us on a datacenter network. 100 us is the order of either.
+DEFAULT_STORAGE_LATENCY_US = 100.0
+
 
 @dataclass(frozen=True)
 class StepCost:
-    """Simulated seconds per step: a fixed part per forward plus prefill tokens at a throughput.
+    """Simulated seconds per step: a fixed part per forward plus prefill tokens at a throughput, and the loads
+    from lower tiers.
 
     The defaults are of the order of one 8-GPU node serving a 70B-class model (tens of thousands of
     prefill tokens per second, tens of milliseconds per decode step); change them to model another
-    server. It knows no GPU: loads from lower tiers cost it nothing, and it saves no GPU-seconds.
+    server. It knows no GPU and saves no GPU-seconds, but it charges what a prefill loads from the host tier
+    (`kv_bytes_per_token` a token over `h2d_gbps`) and reads from the storage tier (one `storage_latency_us`,
+    then the bytes at `storage_gbps`), overlapped with the prefill as the roofline overlaps them: the step takes
+    the longer of the two. Without tiers nothing loads, and a step costs what it always did.
     """
 
     decode_step_s: float = 0.03
     prefill_tokens_per_s: float = 50_000.0
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+    h2d_gbps: float = DEFAULT_PCIE_GBPS
+    storage_gbps: float = DEFAULT_STORAGE_GBPS
+    storage_latency_us: float = DEFAULT_STORAGE_LATENCY_US
 
     def __post_init__(self) -> None:
         if not self.decode_step_s >= 0 or not self.prefill_tokens_per_s > 0:
-            raise ValueError(f"need decode_step_s >= 0 and prefill_tokens_per_s > 0, got {self}")
+            raise ValueError(f"need decode_step_s >= 0 and prefill_tokens_per_s > 0, got decode_step_s="
+                             f"{self.decode_step_s!r}, prefill_tokens_per_s={self.prefill_tokens_per_s!r}")
+        _check_links(self)
+        object.__setattr__(self, "_kv_bytes", self.kv_bytes_per_token)
+        object.__setattr__(self, "_links", 1)
 
     @property
     def name(self) -> str:
@@ -60,8 +87,11 @@ class StepCost:
 
     def extend_seconds(self, prefix_lens: np.ndarray, seq_lens: np.ndarray, loaded_tokens: int = 0,
                        storage_tokens: int = 0) -> float:
-        """A prefill step over tokens prefix_lens[i]..seq_lens[i]-1 of each request ([bs] int64 each)."""
-        return self.decode_step_s + int((seq_lens - prefix_lens).sum()) / self.prefill_tokens_per_s
+        """A prefill step over tokens prefix_lens[i]..seq_lens[i]-1 of each request ([bs] int64 each), of which
+        `loaded_tokens` of cached prefix were loaded back from the host (`storage_tokens` of them first read from
+        the storage tier)."""
+        compute = self.decode_step_s + int((seq_lens - prefix_lens).sum()) / self.prefill_tokens_per_s
+        return max(compute, load_seconds(self, loaded_tokens, storage_tokens))
 
     def decode_seconds(self, batch_size: int, kv_tokens: int) -> float:
         """A decode step of `batch_size` requests attending to `kv_tokens` tokens in all."""
@@ -70,6 +100,24 @@ class StepCost:
     def prefill_seconds_saved(self, cached_tokens: int) -> float:
         """Server seconds a prefill did not spend on `cached_tokens` cached tokens at the head of its prompt."""
         return cached_tokens / self.prefill_tokens_per_s
+
+
+def load_seconds(cost: StepCost | RooflineCost, loaded_tokens: int, storage_tokens: int) -> float:
+    """What a prefill's loads take on either clock: `loaded_tokens` of KV over the host links (every GPU's copy over
+    its own link), `storage_tokens` of them first read from the storage tier (one round trip of latency, then the
+    bytes at its bandwidth)."""
+    load = cost._kv_bytes * (loaded_tokens / (cost._links * cost.h2d_gbps * 1e9)
+                             + storage_tokens / (cost.storage_gbps * 1e9))
+    if storage_tokens:
+        load += cost.storage_latency_us * 1e-6
+    return load
+
+
+def _check_links(cost: StepCost | RooflineCost) -> None:
+    check_int("kv_bytes_per_token", cost.kv_bytes_per_token, minimum=1)
+    check_number("h2d_gbps", cost.h2d_gbps, 0, allow_minimum=False)
+    check_number("storage_gbps", cost.storage_gbps, 0, allow_minimum=False)
+    check_number("storage_latency_us", cost.storage_latency_us, 0)
 
 
 @dataclass(frozen=True)
@@ -124,10 +172,6 @@ MODEL_COMPUTE: MappingProxyType[str, ModelCompute] = MappingProxyType({
 
 # The share of GPU memory an engine takes for weights and KV cache (vLLM's gpu_memory_utilization default).
 MEMORY_FRACTION = 0.9
-# What a read from the storage tier waits before its bytes flow: a NAND flash read takes about 100 us, and NVMe
-# drives answer in 20-100 us end to end (Pure Storage, "What is NVMe?"); a distributed store's get adds a metadata
-# round trip to its master, tens of us on a datacenter network. 100 us is the order of either.
-DEFAULT_STORAGE_LATENCY_US = 100.0
 
 
 @dataclass(frozen=True)
@@ -149,7 +193,7 @@ class RooflineCost:
     mbu: float = 0.8
     kv_bytes_per_token: int | None = None
     h2d_gbps: float | None = None
-    storage_gbps: float = 10.0
+    storage_gbps: float = DEFAULT_STORAGE_GBPS
     storage_latency_us: float = DEFAULT_STORAGE_LATENCY_US
 
     def __post_init__(self) -> None:
@@ -164,12 +208,9 @@ class RooflineCost:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         if self.kv_bytes_per_token is None:
             object.__setattr__(self, "kv_bytes_per_token", sizing.bytes_per_token(sizing.get_model_config(self.model)))
-        check_int("kv_bytes_per_token", self.kv_bytes_per_token, minimum=1)
         if self.h2d_gbps is None:
             object.__setattr__(self, "h2d_gbps", GPUS[self.gpu].host_link_gbps)
-        check_number("h2d_gbps", self.h2d_gbps, 0, allow_minimum=False)
-        check_number("storage_gbps", self.storage_gbps, 0, allow_minimum=False)
-        check_number("storage_latency_us", self.storage_latency_us, 0)
+        _check_links(self)
         spec, compute = GPUS[self.gpu], MODEL_COMPUTE[self.model]
         kv = sizing.get_model_config(self.model)
         # Per-step constants: FLOP/s and bytes/s the GPUs reach together, weights bytes, attention FLOPs a
@@ -181,6 +222,7 @@ class RooflineCost:
                            * compute.num_attention_heads * kv.num_layers)
         object.__setattr__(self, "_token_flops", 2.0 * compute.active_params_b * 1e9)
         object.__setattr__(self, "_kv_bytes", self.kv_bytes_per_token * copies)  # a token's KV on all the GPUs
+        object.__setattr__(self, "_links", self.tp)  # each GPU loads its copy over its own host link
 
     @property
     def name(self) -> str:
@@ -210,11 +252,7 @@ class RooflineCost:
         flops = self._token_flops * new_tokens + self._pair_flops * float(_causal_pairs(prefix_lens, seq_lens))
         moved = self._weight_bytes + self._kv_bytes * float(seq_lens.sum())
         compute = max(flops / self._flops_per_s, moved / self._bytes_per_s)
-        load = self._kv_bytes * (loaded_tokens / (self.tp * self.h2d_gbps * 1e9)
-                                          + storage_tokens / (self.storage_gbps * 1e9))
-        if storage_tokens:
-            load += self.storage_latency_us * 1e-6
-        return max(compute, load)
+        return max(compute, load_seconds(self, loaded_tokens, storage_tokens))
 
     def decode_seconds(self, batch_size: int, kv_tokens: int) -> float:
         """A decode step of `batch_size` requests attending to `kv_tokens` tokens in all: it reads the weights
@@ -254,7 +292,9 @@ def cost_model(config) -> StepCost | RooflineCost:
     """The cost model of a ReplayConfig: the roofline of its model on its GPUs when it names a GPU, else the
     fixed StepCost."""
     if config.gpu is None:
-        return StepCost()
+        h2d, _ = config.host_links_gbps
+        return StepCost(kv_bytes_per_token=config.token_kv_bytes, h2d_gbps=h2d, storage_gbps=config.storage_gbps,
+                        storage_latency_us=config.storage_latency_us)
     return RooflineCost(config.gpu, config.model or DEFAULT_MODEL, config.tp,
                         kv_bytes_per_token=config.kv_bytes_per_token, h2d_gbps=config.h2d_gbps,
                         storage_gbps=config.storage_gbps, storage_latency_us=config.storage_latency_us)

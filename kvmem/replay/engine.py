@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from kvmem._extras import INSTALL_TORCH, torch_available
+
 ENGINES = ("native", "python")
 ENV = "KVMEM_ENGINE"
 
@@ -66,6 +68,12 @@ def fallback_note(engine: str, configs: Sequence) -> str | None:
     return f"{reason}: the Python engine replays {'it' if len(configs) == 1 else 'them'}"
 
 
+def require_python_engine(what: str) -> None:
+    """Raises RuntimeError (one line) when `what` must run on the Python engine and torch is not installed."""
+    if not torch_available():
+        raise RuntimeError(f"{what} runs on the Python engine, which needs torch: {INSTALL_TORCH}")
+
+
 def replay(requests, config, progress: bool = False, engine: str = "native"):
     """The ReplayReport of `config` over `requests` from `engine`, or from the Python engine where the native one
     cannot run it (say so with `fallback_note`)."""
@@ -76,3 +84,17 @@ def replay(requests, config, progress: bool = False, engine: str = "native"):
     from kvmem.replay.simulator import replay as python_replay  # imports torch
 
     return python_replay(requests, config, progress)
+
+
+def replay_cluster(requests, config, replicas: int, policy: str, progress: bool = False, engine: str = "native",
+                   slo=None):
+    """The ClusterReport of `replicas` replicas of `config` behind a `policy` router, from `engine`, or from the
+    Python engine where the native one cannot run it (say so with `fallback_reason`); with `slo` (a
+    kvmem.replay.latency.SLO), from the Python engine, which times each request."""
+    if slo is None and engine_for(engine, config) == "native":
+        from kvmem.replay import native_cluster
+
+        return native_cluster.replay_cluster(requests, config, replicas, policy, progress=progress)
+    from kvmem.replay.cluster import replay_cluster as python_replay_cluster  # imports torch
+
+    return python_replay_cluster(requests, config, replicas, policy, progress=progress, slo=slo)

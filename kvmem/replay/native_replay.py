@@ -23,6 +23,7 @@ import time
 from array import array
 from collections.abc import Sequence
 from functools import lru_cache
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -34,7 +35,7 @@ NATIVE_POLICIES = ("lru", "lfu", "fifo", "priority")
 # kvmem.SchedulerConfig's admission defaults, which a replay's scheduler keeps (a test checks that they agree):
 # copied here because kvmem.scheduler imports torch.
 ADMISSION = {"lpm_window": 128, "init_new_token_ratio": 0.7, "min_new_token_ratio": 0.1,
-             "new_token_ratio_decay": 0.001}
+             "new_token_ratio_decay": 0.001, "load_back_threshold": 16}
 STEPS_PER_CALL = 2048  # steps between returns to Python: progress, and Ctrl-C taken within a fraction of a second
 MAX_SKIP_NOTES = 10  # as simulator.MAX_SKIP_NOTES
 _NOTE = "kvmem-replay: "
@@ -55,6 +56,11 @@ def load_native():
         return e
 
 
+def _simulated_store(config) -> bool:
+    """Whether `config`'s storage tier is a simulated store ("sim" or "sim:CAPACITY_TOKENS")."""
+    return config.storage.split(":")[0] == "sim"
+
+
 def native_built() -> bool:
     return not isinstance(load_native(), ImportError)
 
@@ -62,8 +68,8 @@ def native_built() -> bool:
 def unsupported(config, cost=None, policies=None) -> str | None:
     """What of a replay of `config` (on `cost`, with the tiers' `policies` objects) the native engine does not
     cover, in a few words; None when it covers all of it."""
-    if config.host_capacity_tokens is not None:
-        return "a host tier"
+    if config.storage is not None and not _simulated_store(config):
+        return f"a {config.storage.split(':')[0]} store"
     if config.eviction_policy not in NATIVE_POLICIES:
         return f"{config.eviction_policy} eviction"
     if policies:
@@ -100,7 +106,7 @@ def replay(requests: Sequence[TraceRequest], config, progress: bool = False,
         bar.close()
     if noted > MAX_SKIP_NOTES:
         print(f"{_NOTE}skipped {noted - MAX_SKIP_NOTES} more requests that can never run here", file=sys.stderr)
-    report = _report(run, cost)
+    report = _report(run.report(), run.start_s, cost, config)
     report.replay_seconds = time.perf_counter() - t_start
     return report
 
@@ -181,8 +187,16 @@ def _engine_config(config, cost: StepCost | RooflineCost) -> dict:
     else:
         clock = {"roofline": True, "flops_per_s": cost._flops_per_s, "bytes_per_s": cost._bytes_per_s,
                  "weight_bytes": cost._weight_bytes, "pair_flops": cost._pair_flops,
-                 "token_flops": cost._token_flops, "kv_bytes": float(cost._kv_bytes)}
+                 "token_flops": cost._token_flops}
+    # Both clocks charge loads from lower tiers alike (kvmem.replay.cost.load_seconds).
+    clock.update({"kv_bytes": float(cost._kv_bytes), "links": float(cost._links), "h2d_gbps": float(cost.h2d_gbps),
+                  "storage_gbps": float(cost.storage_gbps), "storage_latency_us": float(cost.storage_latency_us)})
+    host = None if config.host_capacity_tokens is None else config.host_pages * ps
+    store = config.store_capacity_tokens if host is not None and config.storage is not None else None
+    store = 0 if store is None else max(1, store // ps) * ps  # simulator.open_storage's: at least a page
     return {"capacity_tokens": config.capacity_tokens // ps * ps, "context_len": config.context_len,
+            "host_capacity_tokens": host, "write_policy": None if host is None else config.write_policy,
+            "storage": host is not None and config.storage is not None, "storage_capacity_tokens": store,
             "page_size": ps, "eviction_policy": config.eviction_policy, "schedule_policy": config.schedule_policy,
             "max_running": config.max_running, "chunked_prefill_size": config.chunked_prefill_size or 0,
             "cache_decode_pages": config.cache_decode_pages,
@@ -196,13 +210,18 @@ def _note_rejections(run, noted: int, config, requests) -> int:
     returns how many have been rejected."""
     for rid, why in run.rejections(noted):
         noted += 1
-        if noted > MAX_SKIP_NOTES:
-            continue
-        n_in, n_out = _lengths(requests, rid)
-        limit = (f"the KV capacity {config.capacity_tokens // config.page_size * config.page_size}"
-                 if why == "capacity" else f"max_context_len {config.context_len}")
-        print(f"{_NOTE}skipped: request {rid!r}: {n_in} prompt + {n_out} new tokens exceed {limit}", file=sys.stderr)
+        if noted <= MAX_SKIP_NOTES:
+            _note_rejection("", rid, why, config, requests)
     return noted
+
+
+def _note_rejection(replica: str, rid: int, why: str, config, requests) -> None:
+    """ReplicaSim's note for a request it rejects (`why`: "capacity" or "context"); `replica` names a cluster's."""
+    n_in, n_out = _lengths(requests, rid)
+    limit = (f"the KV capacity {config.capacity_tokens // config.page_size * config.page_size}"
+             if why == "capacity" else f"max_context_len {config.context_len}")
+    print(f"{_NOTE}{replica}skipped: request {rid!r}: {n_in} prompt + {n_out} new tokens exceed {limit}",
+          file=sys.stderr)
 
 
 def _lengths(requests, rid: int) -> tuple[int, int]:
@@ -212,15 +231,25 @@ def _lengths(requests, rid: int) -> tuple[int, int]:
     return len(requests[rid].input_ids), requests[rid].output_len
 
 
-def _report(run, cost: StepCost | RooflineCost) -> ReplayReport:
-    r = run.report()
+def _report(r: dict, start_s: float | None, cost: StepCost | RooflineCost, config) -> ReplayReport:
+    """The ReplayReport of a replica of `config` whose native report is `r`, its first request arrived at
+    `start_s`."""
     report = ReplayReport(capacity_tokens=r["capacity_tokens"], cost_model=cost.name, num_gpus=cost.num_gpus)
-    report.start_s = run.start_s
+    report.start_s = start_s
     for name in ("requests", "prompt_tokens", "cached_tokens", "evicted_tokens", "retractions", "rejected",
-                 "output_tokens", "prefill_seconds_saved", "cache_op_seconds"):
+                 "output_tokens", "prefill_seconds_saved", "cache_op_seconds", "host_cached_tokens"):
         setattr(report, name, r[name])
+    if config.host_capacity_tokens is not None:
+        report.host_capacity_tokens = config.host_pages * config.page_size
+        report.storage_cached_tokens = r["storage_cached_tokens"]
+        stats = SimpleNamespace(**{k: r[k] for k in ("loaded_tokens", "backed_up_tokens", "host_evicted_tokens")})
+        link = None if config.storage is None else SimpleNamespace(
+            stats=SimpleNamespace(prefetched_tokens=r["prefetched_tokens"], stored_tokens=r["stored_tokens"]),
+            storage=SimpleNamespace(stats=SimpleNamespace(corrupt=0, failed_ops=r["storage_failed_ops"])))
+        report.record_tiers(SimpleNamespace(stats=stats, storage_link=link), config)
     for name, code in (("time_s", "d"), ("tokens_used", "q"), ("evictable_tokens", "q"), ("running", "q"),
-                       ("cumulative_hit_rate", "d"), ("ttft_s", "d")):
+                       ("cumulative_hit_rate", "d"), ("ttft_s", "d"),
+                       ("first_token_s", "d")):
         samples = array(code)
         samples.frombytes(r[name].tobytes())
         setattr(report, name, samples)

@@ -82,7 +82,9 @@ def pd_runs(args: argparse.Namespace, config: ReplayConfig, trace) -> list[tuple
     if split and args.pd_sweep is not None:
         raise ValueError("--pd-sweep N replays its own splits of N replicas: drop --prefill-replicas and "
                          "--decode-replicas")
-    for option, value in (("--replicas", args.replicas), ("--sweep", args.sweep),
+    for option, value in (("--replicas", args.replicas), ("--sweep", args.sweep), ("--sweep-gb", args.sweep_gb),
+                          ("--sweep-host", args.sweep_host), ("--sweep-host-gb", args.sweep_host_gb),
+                          ("--target-hit-fraction", args.target_hit_fraction),
                           ("--compare-policies", args.compare_policies)):
         if value is not None:
             raise ValueError(f"{option} does not go with a P:D replay (--prefill-replicas, --pd-sweep)")

@@ -7,11 +7,32 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from kvmem.replay.cost import DEFAULT_MODEL, kv_copies
 from kvmem.timing import LOOP_PHASES
+
+# A queue that grows without bound: from the last time the requests waiting for a first token were fewest, to the
+# last arrival, at least OVERLOAD_SPAN of the arrivals' span and OVERLOAD_REQUESTS arrivals, the server gave first
+# tokens at most OVERLOAD_SERVED of the rate requests arrived at.
+OVERLOAD_SPAN = 0.1
+OVERLOAD_REQUESTS = 20
+OVERLOAD_SERVED = 0.9
+
+
+class Overload(NamedTuple):
+    """Arrivals outran the server: from `from_s` (simulated seconds after the first arrival) to the last arrival,
+    requests arrived at `offered_per_s` and got their first token at `served_per_s` (requests per second)."""
+
+    from_s: float
+    offered_per_s: float
+    served_per_s: float
+
+    def message(self) -> str:
+        return (f"arrivals outrun this server from t={format_seconds(self.from_s)}: TTFT reflects queueing "
+                f"(offered {self.offered_per_s:,.3g} requests/s, served {self.served_per_s:,.3g})")
 
 
 @dataclass
@@ -70,6 +91,7 @@ class ReplayReport:
     cost_model: str = ""
     num_gpus: int | None = None
     ttft_s: array = field(default_factory=lambda: array("d"), repr=False)
+    first_token_s: array = field(default_factory=lambda: array("d"), repr=False)  # when each ttft_s ended
     output_tokens: int = 0
     prefill_seconds_saved: float = 0.0
     cache_phases: dict = field(default_factory=dict)
@@ -145,6 +167,31 @@ class ReplayReport:
         p50, p90, p99 = np.percentile(ttft, [50, 90, 99])
         return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(ttft.mean())}
 
+    def overload(self) -> Overload | None:
+        """Whether the queue of requests waiting for their first token grew without bound (see OVERLOAD_SPAN): the
+        Overload, else None. Read from each first token's time and TTFT (their difference is the arrival); requests
+        queued all at once (no arrival span) are never flagged."""
+        ttft = np.frombuffer(self.ttft_s, dtype=np.float64)
+        first = np.frombuffer(self.first_token_s, dtype=np.float64)
+        if len(first) != len(ttft) or len(first) < OVERLOAD_REQUESTS:
+            return None
+        arrivals, first = np.sort(first - ttft), np.sort(first)
+        a0, a1 = arrivals[0], arrivals[-1]
+        if not a1 > a0:
+            return None
+        # Requests waiting for a first token just after each first token given before the last arrival, and at a0.
+        times = np.concatenate(([a0], first[first <= a1]))
+        waiting = np.searchsorted(arrivals, times, "right") - np.searchsorted(first, times, "right")
+        fewest = len(waiting) - 1 - int(np.argmin(waiting[::-1]))  # the last time it was at its minimum
+        t0 = times[fewest]
+        span = a1 - t0
+        offered = int(np.searchsorted(arrivals, a1, "right") - np.searchsorted(arrivals, t0, "right"))
+        served = int(np.searchsorted(first, a1, "right") - np.searchsorted(first, t0, "right"))
+        if span < OVERLOAD_SPAN * (a1 - a0) or offered < OVERLOAD_REQUESTS or served > OVERLOAD_SERVED * offered:
+            return None
+        start = a0 if self.start_s is None else min(self.start_s, a0)
+        return Overload(float(t0 - start), float(offered / span), float(served / span))
+
     @property
     def simulated_seconds(self) -> float:
         """Simulated time from the first arrival to the end of the last step (a trace's clock may start
@@ -215,7 +262,18 @@ class ReplayReport:
             "replay_seconds": round(self.replay_seconds, 6),
             **self._tier_json(),
             **self._time_json(),
+            **self._overload_json(),
         }
+
+    def _overload_json(self) -> dict:
+        """`overload` when arrivals outran the server (see `overload`); nothing otherwise, so that a report whose
+        queue drained is as it was."""
+        overload = self.overload()
+        if overload is None:
+            return {}
+        return {"overload": {"from_s": round(overload.from_s, 6),
+                             "offered_requests_per_s": round(overload.offered_per_s, 6),
+                             "served_requests_per_s": round(overload.served_per_s, 6)}}
 
     def _time_json(self) -> dict:
         """What the cost model says: TTFT, prefill time saved, throughput; and the cache time's parts."""
@@ -287,28 +345,55 @@ class ReplayReport:
         return [memory, hit]
 
 
-def format_summary(reports: Sequence[ReplayReport], title: str) -> str:
+def format_summary(reports: Sequence[ReplayReport], title: str, labels: Sequence[str] | None = None,
+                   fit: tuple[int, str] | None = None, host_labels: dict[int, str] | None = None) -> str:
     """What a person reads after a replay: `title`, then one report as a list of figures, or several (a sweep)
     as a table with a row each. Hit rate by tier, prompt tokens cached, prefill time saved, TTFT percentiles,
-    throughput, memory use, evictions and retractions."""
+    throughput, memory use, evictions and retractions; a warning when arrivals outran the server.
+
+    A sweep's rows are labelled with `labels` (the capacities as typed; default: their token counts). Where a row
+    has a tier whose row without it is in the table, it shows what the tier buys: hit rate and TTFT against that
+    row. `fit` (tokens, what): capacities above `tokens` are marked as more than `what` holds. `host_labels` (host
+    tokens -> the size as typed) names host tiers; default: their token counts."""
     lines = [title, f"clock: {reports[0].cost_model}"]
     if len(reports) == 1:
-        return "\n".join(lines + [f"  {name:<24}{value}" for name, value in _summary_rows(reports[0])])
-    columns = [[name for name, _ in _summary_columns(reports[0])]]
-    columns += [[value for _, value in _summary_columns(r)] for r in reports]
+        lines += [f"  {name:<24}{value}" for name, value in summary_rows(reports[0])]
+        overload = reports[0].overload()
+        if overload is not None:
+            lines.append(f"warning: {overload.message()}")
+        return "\n".join(lines)
+    labels = labels or [format_tokens(r.capacity_tokens) for r in reports]
+    marked = [fit is not None and r.capacity_tokens > fit[0] for r in reports]
+    tiered = any(r.host_capacity_tokens is not None for r in reports)
+    rows = [_summary_columns(r, label + ("*" if mark else ""), _without_tier(r, reports), tiered, host_labels or {})
+            for r, label, mark in zip(reports, labels, marked)]
+    keep = [i for i, (name, _) in enumerate(rows[0]) if name.startswith("+") is False or
+            any(row[i][1] != "" for row in rows)]
+    columns = [[rows[0][i][0].lstrip("+") for i in keep]] + [[row[i][1] for i in keep] for row in rows]
     widths = [max(len(row[i]) for row in columns) for i in range(len(columns[0]))]
     for row in columns:
         lines.append("  " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+    if any(marked):
+        lines.append(f"* more KV than {fit[1]} hold ({format_tokens(fit[0])} tokens)")
+    if any(name.startswith("+vs") for name, _ in (rows[0][i] for i in keep)):
+        lines.append("\u0394: what the row's lowest tier buys, against the row without it (vs)")
+    overloads = [o for o in (r.overload() for r in reports) if o is not None]
+    if overloads:
+        served = sorted(o.served_per_s for o in overloads)
+        lines.append(f"warning: arrivals outrun this server in {len(overloads)} of {len(reports)} replays, from "
+                     f"t={format_seconds(min(o.from_s for o in overloads))} at the earliest: TTFT reflects queueing "
+                     f"(offered {max(o.offered_per_s for o in overloads):,.3g} requests/s, served "
+                     f"{served[0]:,.3g}" + ("" if served[0] == served[-1] else f" to {served[-1]:,.3g}") + ")")
     return "\n".join(lines)
 
 
-def _summary_rows(r: ReplayReport) -> list[tuple[str, str]]:
+def summary_rows(r: ReplayReport) -> list[tuple[str, str]]:
     ttft = r.ttft_percentiles()
     gpu = f" ({r.prefill_seconds_saved * r.num_gpus:,.0f} GPU-s)" if r.num_gpus else ""
-    memory = f"peak {_tokens(r.peak_tokens_used)} of {_tokens(r.capacity_tokens)} tokens, mean " \
-             f"{_tokens(r.mean_tokens_used)}, pinned by requests at most {_tokens(r.peak_pinned_tokens)}"
+    memory = f"peak {format_tokens(r.peak_tokens_used)} of {format_tokens(r.capacity_tokens)} tokens, mean " \
+             f"{format_tokens(r.mean_tokens_used)}, pinned by requests at most {format_tokens(r.peak_pinned_tokens)}"
     rows = [("hit rate", f"{r.hit_rate:.3f}" + _tier_split(r)),
-            ("prompt tokens cached", f"{_tokens(r.cached_tokens)} of {_tokens(r.prompt_tokens)} "
+            ("prompt tokens cached", f"{format_tokens(r.cached_tokens)} of {format_tokens(r.prompt_tokens)} "
                                      f"({r.requests:,} requests, {r.rejected:,} rejected)"),
             ("prefill time saved", f"{r.prefill_seconds_saved:,.1f} s{gpu}"),
             ("TTFT p50 / p90 / p99", " / ".join(format_seconds(ttft.get(p)) for p in ("p50", "p90", "p99"))),
@@ -316,27 +401,62 @@ def _summary_rows(r: ReplayReport) -> list[tuple[str, str]]:
                            f"tokens/s over {format_seconds(r.simulated_seconds)} simulated"),
             ("KV memory", memory)]
     if r.host_capacity_tokens is not None:
-        rows.append(("host tier", f"{_tokens(r.host_capacity_tokens)} tokens; loaded {_tokens(r.loaded_tokens)}, "
-                                  f"backed up {_tokens(r.backed_up_tokens)}, {r.transfer_seconds:,.1f} s of copies"))
-    rows.append(("evicted", f"{_tokens(r.evicted_tokens)} tokens, {r.retractions:,} retractions"))
+        rows.append(("host tier", f"{format_tokens(r.host_capacity_tokens)} tokens; loaded "
+                                  f"{format_tokens(r.loaded_tokens)}, backed up {format_tokens(r.backed_up_tokens)}, "
+                                  f"{r.transfer_seconds:,.1f} s of copies"))
+    rows.append(("evicted", f"{format_tokens(r.evicted_tokens)} tokens, {r.retractions:,} retractions"))
     return rows
 
 
-def _summary_columns(r: ReplayReport) -> list[tuple[str, str]]:
+def _without_tier(r: ReplayReport, reports: Sequence[ReplayReport]) -> ReplayReport | None:
+    """The report of `reports` that is `r` less its lowest tier (storage, else host), if there is one."""
+    if r.host_capacity_tokens is None:
+        return None
+    host = r.host_capacity_tokens if r.storage is not None else None
+    for other in reports:
+        if other.capacity_tokens == r.capacity_tokens and other.host_capacity_tokens == host and other.storage is None:
+            return other
+    return None
+
+
+def _summary_columns(r: ReplayReport, label: str, base: ReplayReport | None, tiered: bool,
+                     host_labels: dict[int, str]) -> list[tuple[str, str]]:
+    """A sweep row's cells by column name; a name that starts with "+" is a column shown only when some row fills
+    it. The host tier's columns are there when some row of the table (`tiered`) has a host tier."""
     ttft = r.ttft_percentiles()
-    columns = [("capacity", _tokens(r.capacity_tokens)),
-               ("host", "-" if r.host_capacity_tokens is None else _tokens(r.host_capacity_tokens)),
+    columns = [("capacity", label),
+               ("host", "-" if r.host_capacity_tokens is None else _host_label(r.host_capacity_tokens, host_labels)),
                ("hit rate", f"{r.hit_rate:.3f}"),
                ("device", f"{r.device_hit_rate:.3f}"),
-               ("host", "-" if r.host_capacity_tokens is None else f"{r.host_hit_rate:.3f}")]
-    if r.storage is not None:
-        columns.append(("storage", f"{r.storage_hit_rate:.3f}"))
+               ("host", "-" if r.host_capacity_tokens is None else f"{r.host_hit_rate:.3f}"),
+               ("+storage", "" if r.storage is None else f"{r.storage_hit_rate:.3f}")]
+    if not tiered:
+        del columns[3:5], columns[1]
     columns += [("TTFT p50", format_seconds(ttft.get("p50"))), ("p90", format_seconds(ttft.get("p90"))),
                 ("p99", format_seconds(ttft.get("p99"))),
                 ("GPU-s saved" if r.num_gpus else "s saved", f"{r.prefill_seconds_saved * (r.num_gpus or 1):,.0f}"),
-                ("peak memory", f"{r.peak_tokens_used / r.capacity_tokens:.0%}" if r.capacity_tokens else "-"),
-                ("evicted", _tokens(r.evicted_tokens)), ("retractions", f"{r.retractions:,}")]
+                ("pinned peak", f"{r.peak_pinned_tokens / r.capacity_tokens:.0%}" if r.capacity_tokens else "-"),
+                ("evicted", format_tokens(r.evicted_tokens)), ("retractions", f"{r.retractions:,}")]
+    columns += _tier_gain(r, base)
+    overload = r.overload()
+    columns.append(("+outrun", "" if overload is None else f"from {format_seconds(overload.from_s)}"))
     return columns
+
+
+def _tier_gain(r: ReplayReport, base: ReplayReport | None) -> list[tuple[str, str]]:
+    """What `r`'s lowest tier buys over `base`, `r` without it: the change in hit rate, TTFT p50 and p90."""
+    if base is None:
+        return [("+vs", ""), ("+\u0394 hit", ""), ("+\u0394 TTFT p50", ""), ("+\u0394 p90", "")]
+    ours, theirs = r.ttft_percentiles(), base.ttft_percentiles()
+    change = {p: _signed_seconds(ours[p] - theirs[p]) if p in ours and p in theirs else "-" for p in ("p50", "p90")}
+    return [("+vs", "host" if r.storage is not None else "none"), ("+\u0394 hit", f"{r.hit_rate - base.hit_rate:+.3f}"),
+            ("+\u0394 TTFT p50", change["p50"]), ("+\u0394 p90", change["p90"])]
+
+
+def _signed_seconds(s: float) -> str:
+    if abs(s) < 1e-6:  # the same clock read two ways, not a change
+        return "0"
+    return ("-" if s < 0 else "+") + format_seconds(abs(s))
 
 
 def _mean(samples: array) -> float:
@@ -350,7 +470,7 @@ def _tier_split(r: ReplayReport) -> str:
     return split + (f", storage {r.storage_hit_rate:.3f})" if r.storage is not None else ")")
 
 
-def _tokens(n: float) -> str:
+def format_tokens(n: float) -> str:
     """Three significant digits in the largest unit that leaves at least 1 (999,999 is "1M", not "1e+03k")."""
     if n < 999.5:
         return f"{n:.0f}"
@@ -372,28 +492,108 @@ def format_seconds(s: float | None) -> str:
     return f"{s:.3g} s" if s >= 0.01 else f"{s * 1e3:.3g} ms"
 
 
-def write_sweep_plot(reports: Sequence[ReplayReport], directory: str | os.PathLike) -> Path:
-    """Writes hit_rate_vs_capacity.png (one point per report; with a host tier, one curve per tier and their
-    total) into `directory`; needs matplotlib."""
+def write_sweep_plots(reports: Sequence[ReplayReport], directory: str | os.PathLike,
+                      labels: Sequence[str] | None = None, ceilings: dict[str, float] | None = None,
+                      answer: int | None = None, host_labels: dict[int, str] | None = None,
+                      fit: tuple[int, str] | None = None) -> list[Path]:
+    """Writes hit_rate_vs_capacity.png and ttft_vs_capacity.png (TTFT p50, and p90 dashed) into `directory`; needs
+    matplotlib. The x axis is the device's KV capacity, ticked with `labels` (the capacities as typed), with a
+    curve per tier configuration (no host tier, each host size, with storage); a sweep of one device capacity puts
+    its tier configurations on the x axis instead. With one host tier, the hit-rate plot also splits it by tier.
+    `ceilings` (name -> hit rate) are drawn as dashed horizontal lines, and `answer` (a capacity) as a dotted
+    vertical one; `fit` (tokens, what), what the chosen GPUs hold, as a dash-dotted vertical line where it falls
+    among the capacities. Host tiers are named by `host_labels` (host tokens -> the size as typed) where it has them.
+    Ticks too close to the one before on the log scale are left unlabelled."""
     figure_cls = require_matplotlib()
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    ordered = sorted(reports, key=lambda r: r.capacity_tokens)
-    fig = figure_cls(figsize=(8, 4.5))
-    ax = fig.subplots()
-    x = [r.capacity_tokens for r in ordered]
-    tiered = ordered[0].host_capacity_tokens is not None
-    ax.plot(x, [r.hit_rate for r in ordered], marker="o", label="any tier" if tiered else None)
-    if tiered:
-        ax.plot(x, [r.device_hit_rate for r in ordered], marker=".", label="device")
-        ax.plot(x, [r.host_hit_rate for r in ordered], marker=".", label=f"host ({ordered[0].host_capacity_tokens:,})")
-        ax.legend(loc="upper left")
-    ax.set_xscale("log", base=2)
-    ax.set(xlabel="device KV capacity (tokens)", ylabel="hit rate", ylim=(0, 1), title="Hit rate vs KV capacity")
-    ax.grid(True, alpha=0.3)
-    path = out / "hit_rate_vs_capacity.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    return path
+    labels = list(labels or [format_tokens(r.capacity_tokens) for r in reports])
+    groups: dict[tuple, list[tuple[ReplayReport, str]]] = {}
+    for r, label in sorted(zip(reports, labels), key=lambda pair: pair[0].capacity_tokens):
+        groups.setdefault((r.host_capacity_tokens or 0, r.storage or ""), []).append((r, label))
+    by_capacity = len({r.capacity_tokens for r in reports}) > 1
+    hit_fig, ttft_fig = figure_cls(figsize=(8, 4.5)), figure_cls(figsize=(8, 4.5))
+    hit_ax, ttft_ax = hit_fig.subplots(), ttft_fig.subplots()
+    if by_capacity:
+        _plot_by_capacity(hit_ax, ttft_ax, groups, host_labels or {})
+    else:
+        _plot_by_tier(hit_ax, ttft_ax, groups, labels[0], host_labels or {})
+    for (name, value), color in zip((ceilings or {}).items(), ("black", "dimgrey", "grey")):
+        hit_ax.axhline(value, linestyle="--", linewidth=1, color=color, label=f"{name} {value:.3f}")
+    capacities = [r.capacity_tokens for r in reports]
+    if by_capacity and fit is not None and min(capacities) <= fit[0] <= max(capacities):
+        for ax in (hit_ax, ttft_ax):
+            ax.axvline(fit[0], linestyle="-.", color="grey", label=f"what {fit[1]} hold: {format_tokens(fit[0])}")
+    if answer is not None:
+        for ax in (hit_ax, ttft_ax):
+            ax.axvline(answer, linestyle=":", color="tab:red", label=f"answer {format_tokens(answer)}")
+    hit_ax.set(ylabel="hit rate", ylim=(0, 1), title="Hit rate vs KV capacity")
+    ttft_ax.set(ylabel="time to first token (s)", title="TTFT vs KV capacity (p50, p90 dashed)")
+    ttft = [v for r in reports for v in r.ttft_percentiles().values()]
+    if ttft and min(ttft) > 0 and max(ttft) / min(ttft) > 100:
+        ttft_ax.set_yscale("log")
+    paths = []
+    for fig, ax, name in ((hit_fig, hit_ax, "hit_rate_vs_capacity.png"), (ttft_fig, ttft_ax, "ttft_vs_capacity.png")):
+        ax.grid(True, alpha=0.3)
+        if any(not line.get_label().startswith("_") for line in ax.get_lines()):
+            ax.legend(loc="upper left", fontsize=8)
+        paths.append(out / name)
+        fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+    return paths
+
+
+def _host_label(host: int, host_labels: dict[int, str]) -> str:
+    return host_labels.get(host) or format_tokens(host)
+
+
+def _tier_name(host: int, storage: str, host_labels: dict[int, str]) -> str:
+    return "no host tier" if not host else f"host {_host_label(host, host_labels)}" + (" + storage" if storage else "")
+
+
+def _plot_by_capacity(hit_ax, ttft_ax, groups: dict, host_labels: dict[int, str]) -> None:
+    tiered = any(host for host, _ in groups)
+    for (host, storage), rows in groups.items():
+        x = [r.capacity_tokens for r, _ in rows]
+        name = _tier_name(host, storage, host_labels) if tiered else None
+        line, = hit_ax.plot(x, [r.hit_rate for r, _ in rows], marker="o", label=name)
+        if len(groups) == 1 and host:  # one host tier: what each tier serves
+            hit_ax.plot(x, [r.device_hit_rate for r, _ in rows], marker=".", label="device")
+            hit_ax.plot(x, [r.host_hit_rate for r, _ in rows], marker=".",
+                        label=f"host ({_host_label(host, host_labels)})")
+        ttft = [r.ttft_percentiles() for r, _ in rows]
+        ttft_ax.plot(x, [t.get("p50", np.nan) for t in ttft], marker="o", color=line.get_color(), label=name)
+        ttft_ax.plot(x, [t.get("p90", np.nan) for t in ttft], marker=".", linestyle="--", color=line.get_color())
+    ticks = _spaced_ticks({r.capacity_tokens: label for rows in groups.values() for r, label in rows})
+    for ax in (hit_ax, ttft_ax):
+        ax.set_xscale("log")
+        ax.set_xticks(list(ticks), list(ticks.values()))
+        ax.minorticks_off()
+        ax.set_xlabel("device KV capacity")
+
+
+def _spaced_ticks(ticks: dict[int, str], parts: int = 12) -> dict[int, str]:
+    """The ticks at least 1/`parts` of the log axis apart (the first, then each far enough from the last kept),
+    so that labels do not overlap."""
+    xs = sorted(ticks)
+    span = np.log(xs[-1] / xs[0]) if xs[0] > 0 else 0.0
+    kept = [xs[0]]
+    for x in xs[1:]:
+        if span == 0 or np.log(x / kept[-1]) >= span / parts:
+            kept.append(x)
+    return {x: ticks[x] for x in kept}
+
+
+def _plot_by_tier(hit_ax, ttft_ax, groups: dict, capacity_label: str, host_labels: dict[int, str]) -> None:
+    names = [_tier_name(host, storage, host_labels) for host, storage in groups]
+    rows = [group[0][0] for group in groups.values()]
+    x = list(range(len(rows)))
+    hit_ax.plot(x, [r.hit_rate for r in rows], marker="o")
+    ttft = [r.ttft_percentiles() for r in rows]
+    line, = ttft_ax.plot(x, [t.get("p50", np.nan) for t in ttft], marker="o")
+    ttft_ax.plot(x, [t.get("p90", np.nan) for t in ttft], marker=".", linestyle="--", color=line.get_color())
+    for ax in (hit_ax, ttft_ax):
+        ax.set_xticks(x, names)
+        ax.set_xlabel(f"tiers under a device KV capacity of {capacity_label}")
 
 
 def require_matplotlib():
@@ -401,5 +601,5 @@ def require_matplotlib():
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise RuntimeError("plots need matplotlib: pip install matplotlib") from None
+        raise RuntimeError("plots need matplotlib: pip install 'kvmem[plot]'") from None
     return Figure

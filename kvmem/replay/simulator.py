@@ -246,6 +246,7 @@ class ReplicaSim:
         for req in reqs:
             if req.output_ids and req.rid in arrival:
                 self.report.ttft_s.append(self.clock - arrival.pop(req.rid))
+                self.report.first_token_s.append(self.clock)
 
     def _finished(self, finished: list[Req]) -> None:
         pin = self.config.pin_prefix_tokens

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
+from kvmem._torch import torch
 from kvmem.events.schema import MEDIUM_CPU_PINNED
 from kvmem.tiers.host_pool import Transfer
 

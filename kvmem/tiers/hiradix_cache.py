@@ -42,9 +42,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from kvmem._checks import check_int, check_number, fail_invariant
+from kvmem._torch import torch
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.events.schema import MEDIUM_CPU_PINNED, AllBlocksCleared, KVCacheEvent
 from kvmem.eviction import EvictionPolicy, EvictionPolicySpec, make_policy

@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from kvmem._checks import check_host_bytes, check_int, check_number
 from kvmem._index import as_index_array
+from kvmem._torch import torch
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.kv_pool import MHAKVPool, MLAKVPool
 

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from kvmem._paging import TOKEN_BYTES
+from kvmem._torch import torch
 from kvmem.events.schema import MEDIUM_CPU_PINNED
 from kvmem.page_hash import DIGEST_BYTES, chain_page_digests, namespace_prefix
 from kvmem.radix_tree import key_bytes

@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "cluster.h"
 #include "driver.h"
 #include "replica.h"
 #include "tokens.h"
@@ -55,6 +56,13 @@ Policy policy_of(const std::string& name) {
   throw py::value_error("the native engine has no eviction policy " + name);
 }
 
+kvmem::WritePolicy write_policy_of(const std::string& name) {
+  if (name == "write_through") return kvmem::WritePolicy::kWriteThrough;
+  if (name == "write_through_selective") return kvmem::WritePolicy::kWriteThroughSelective;
+  if (name == "write_back") return kvmem::WritePolicy::kWriteBack;
+  throw py::value_error("the native engine has no write policy " + name);
+}
+
 ReplicaConfig config_of(const py::dict& d) {
   ReplicaConfig c;
   c.capacity_tokens = d["capacity_tokens"].cast<int64_t>();
@@ -72,6 +80,13 @@ ReplicaConfig config_of(const py::dict& d) {
   c.init_new_token_ratio = d["init_new_token_ratio"].cast<double>();
   c.min_new_token_ratio = d["min_new_token_ratio"].cast<double>();
   c.new_token_ratio_decay = d["new_token_ratio_decay"].cast<double>();
+  c.load_back_threshold = d["load_back_threshold"].cast<int64_t>();
+  if (!d["host_capacity_tokens"].is_none()) {
+    c.host.capacity_tokens = d["host_capacity_tokens"].cast<int64_t>();
+    c.host.write_policy = write_policy_of(d["write_policy"].cast<std::string>());
+    c.storage = d["storage"].cast<bool>();
+    c.storage_capacity_tokens = d["storage_capacity_tokens"].cast<int64_t>();
+  }
   const py::dict cost = d["cost"].cast<py::dict>();
   c.cost.roofline = cost["roofline"].cast<bool>();
   for (auto [name, field] : {std::pair{"decode_step_s", &c.cost.decode_step_s},
@@ -81,7 +96,11 @@ ReplicaConfig config_of(const py::dict& d) {
                              std::pair{"weight_bytes", &c.cost.weight_bytes},
                              std::pair{"pair_flops", &c.cost.pair_flops},
                              std::pair{"token_flops", &c.cost.token_flops},
-                             std::pair{"kv_bytes", &c.cost.kv_bytes}}) {
+                             std::pair{"kv_bytes", &c.cost.kv_bytes},
+                             std::pair{"links", &c.cost.links},
+                             std::pair{"h2d_gbps", &c.cost.h2d_gbps},
+                             std::pair{"storage_gbps", &c.cost.storage_gbps},
+                             std::pair{"storage_latency_us", &c.cost.storage_latency_us}}) {
     if (cost.contains(name)) *field = cost[name].cast<double>();
   }
   return c;
@@ -112,6 +131,17 @@ py::dict report_of(const kvmem::Replica& replica) {
   d["running"] = to_numpy(r.running);
   d["cumulative_hit_rate"] = to_numpy(r.cumulative_hit_rate);
   d["ttft_s"] = to_numpy(r.ttft_s);
+  d["first_token_s"] = to_numpy(r.first_token_s);
+  d["host_cached_tokens"] = r.host_cached_tokens;
+  d["storage_cached_tokens"] = r.storage_cached_tokens;
+  const kvmem::TierStats& tiers = replica.tree().stats();
+  d["loaded_tokens"] = tiers.loaded_tokens;
+  d["backed_up_tokens"] = tiers.backed_up_tokens;
+  d["host_evicted_tokens"] = tiers.host_evicted_tokens;
+  d["prefetched_tokens"] = tiers.prefetched_tokens;
+  d["stored_tokens"] = tiers.stored_tokens;
+  const kvmem::SimStore* store = replica.tree().store();
+  d["storage_failed_ops"] = store == nullptr ? 0 : store->stats.failed_ops;
   d["cache_op_seconds"] = r.cache_op_seconds;
   d["match_seconds"] = r.match_seconds;
   d["evict_seconds"] = r.evict_seconds;
@@ -139,6 +169,25 @@ struct PyReplay {
                std::vector<double>(arrivals.data(), arrivals.data() + arrivals.size())) {}
 };
 
+struct PyCluster {
+  std::shared_ptr<Trace> trace;
+  kvmem::ClusterReplay cluster;
+  PyCluster(const py::dict& config, std::shared_ptr<Trace> t, int32_t replicas, const std::string& policy,
+            Array<int32_t> order, Array<double> arrivals)
+      : trace(std::move(t)),
+        cluster(config_of(config), &trace->tokens, replicas, route_policy_of(policy), kvmem::RouterParams(),
+                std::vector<int32_t>(order.data(), order.data() + order.size()),
+                std::vector<double>(arrivals.data(), arrivals.data() + arrivals.size())) {}
+
+  static kvmem::RoutePolicy route_policy_of(const std::string& name) {
+    if (name == "round-robin") return kvmem::RoutePolicy::kRoundRobin;
+    if (name == "least-load") return kvmem::RoutePolicy::kLeastLoad;
+    if (name == "cache-aware") return kvmem::RoutePolicy::kCacheAware;
+    if (name == "kv-overlap") return kvmem::RoutePolicy::kKvOverlap;
+    throw py::value_error("the native engine has no routing policy " + name);
+  }
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -164,7 +213,10 @@ PYBIND11_MODULE(_native, m) {
         return rejection_name(p.replica.add_request(rid, arrival));
       })
       .def("run_until", [](PyReplica& p, double t) { p.replica.run_until(t); })
-      .def("step", [](PyReplica& p) { p.replica.step(); })
+      .def("step", [](PyReplica& p, double until) {
+        kvmem::StepOutcome out;
+        p.replica.step(until, &out);
+      })
       .def("is_idle", [](const PyReplica& p) { return p.replica.is_idle(); })
       .def_property("clock", [](const PyReplica& p) { return p.replica.clock; },
                     [](PyReplica& p, double t) { p.replica.clock = t; })
@@ -185,6 +237,42 @@ PYBIND11_MODULE(_native, m) {
         return out;
       })
       .def("report", [](const PyReplay& p) { return report_of(p.replay.replica); });
+
+  py::class_<PyCluster>(m, "Cluster")
+      .def(py::init<const py::dict&, std::shared_ptr<Trace>, int32_t, const std::string&, Array<int32_t>,
+                    Array<double>>())
+      .def("advance", [](PyCluster& p, int64_t max_routes) { return p.cluster.advance(max_routes); })
+      .def_property_readonly("finished", [](const PyCluster& p) { return p.cluster.finished(); })
+      .def("rejections", [](const PyCluster& p, size_t from) {
+        py::list out;
+        for (size_t k = from; k < p.cluster.rejections.size(); ++k) {
+          const auto& [rank, what] = p.cluster.rejections[k];
+          out.append(py::make_tuple(rank, what.first, rejection_name(what.second)));
+        }
+        return out;
+      })
+      .def("summary", [](const PyCluster& p) {
+        const kvmem::ClusterReplay& c = p.cluster;
+        py::dict d;
+        d["events"] = py::dict(py::arg("batches") = c.events.batches,
+                               py::arg("stored_blocks") = c.events.stored_blocks,
+                               py::arg("removed_blocks") = c.events.removed_blocks,
+                               py::arg("cleared") = c.events.cleared);
+        d["index_cached_tokens"] = c.index_cached_tokens;
+        d["routing_seconds"] = c.routing_seconds;
+        py::list replicas;
+        for (const kvmem::ClusterReplay::Member& m : c.members) {
+          py::dict r = report_of(*m.replica);
+          r["start_s"] = m.started ? py::cast(m.start_s) : py::none();
+          r["clock"] = m.replica->clock;
+          r["busy_s"] = m.busy_s;
+          r["prefill_s"] = m.prefill_s;
+          r["routed"] = m.routed;
+          replicas.append(r);
+        }
+        d["replicas"] = replicas;
+        return d;
+      });
 
   m.def("draw_outputs", [](uint64_t seed, int64_t n) {
     std::vector<int32_t> out(n);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -29,7 +30,7 @@ class SingleReplay {
       if (next_ < order_.size()) {
         const double arrival = arrivals_[next_];
         if (replica.clock < arrival && !replica.is_idle()) {
-          replica.step();
+          replica.step(arrival, &outcome_);
           ++steps;
           continue;
         }
@@ -44,7 +45,7 @@ class SingleReplay {
         continue;
       }
       if (replica.is_idle()) return true;
-      replica.step();
+      replica.step(std::numeric_limits<double>::infinity(), &outcome_);
       ++steps;
     }
     return next_ >= order_.size() && replica.is_idle();
@@ -54,6 +55,7 @@ class SingleReplay {
   std::vector<int32_t> order_;
   std::vector<double> arrivals_;
   size_t next_ = 0;
+  StepOutcome outcome_;
 };
 
 }  // namespace kvmem

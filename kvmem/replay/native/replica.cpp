@@ -1,7 +1,6 @@
 #include "replica.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <stdexcept>
 
@@ -14,34 +13,32 @@ constexpr int64_t kUnbounded = int64_t{1} << 62;  // a prefill budget without ch
 // Python's max(a, b): a unless b is greater.
 inline double py_max(double a, double b) { return b > a ? b : a; }
 
-class Stopwatch {
- public:
-  explicit Stopwatch(double* total) : total_(total), start_(std::chrono::steady_clock::now()) {}
-  ~Stopwatch() {
-    *total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  }
-
- private:
-  double* total_;
-  std::chrono::steady_clock::time_point start_;
-};
-
 }  // namespace
 
 // ---- CostModel --------------------------------------------------------------------------------------------------
 
-double CostModel::extend_seconds(const std::vector<int64_t>& prefix, const std::vector<int64_t>& seq) const {
+double CostModel::extend_seconds(const std::vector<int64_t>& prefix, const std::vector<int64_t>& seq, int64_t loaded,
+                                 int64_t stored) const {
   int64_t new_tokens = 0, pairs = 0, seq_sum = 0;
   for (size_t i = 0; i < seq.size(); ++i) {
     new_tokens += seq[i] - prefix[i];
     pairs += seq[i] * (seq[i] + 1) - prefix[i] * (prefix[i] + 1);
     seq_sum += seq[i];
   }
-  if (!roofline) return decode_step_s + static_cast<double>(new_tokens) / prefill_tokens_per_s;
+  if (!roofline) {
+    return py_max(decode_step_s + static_cast<double>(new_tokens) / prefill_tokens_per_s, load_seconds(loaded, stored));
+  }
   const double flops = token_flops * static_cast<double>(new_tokens) + pair_flops * static_cast<double>(pairs / 2);
   const double moved = weight_bytes + kv_bytes * static_cast<double>(seq_sum);
   const double compute = py_max(flops / flops_per_s, moved / bytes_per_s);
-  return py_max(compute, kv_bytes * (0.0 + 0.0));  // no tier below the device: nothing loads
+  return py_max(compute, load_seconds(loaded, stored));
+}
+
+double CostModel::load_seconds(int64_t loaded, int64_t stored) const {
+  double load = kv_bytes * (static_cast<double>(loaded) / (links * h2d_gbps * 1e9) +
+                            static_cast<double>(stored) / (storage_gbps * 1e9));
+  if (stored) load += storage_latency_us * 1e-6;
+  return load;
 }
 
 double CostModel::decode_seconds(int64_t batch_size, int64_t kv_tokens) const {
@@ -59,12 +56,18 @@ double CostModel::prefill_seconds_saved(int64_t cached) const {
 
 // ---- Replica ----------------------------------------------------------------------------------------------------
 
-Replica::Replica(const ReplicaConfig& config, TraceTokens* tokens)
+Replica::Replica(const ReplicaConfig& config, TraceTokens* tokens, SimStore* store)
     : config_(config), tokens_(tokens), page_size_(config.page_size),
       slots_{config.capacity_tokens, config.capacity_tokens},
       tree_(tokens, &slots_, config.page_size, config.eviction_policy,
-            static_cast<int64_t>(config.pin_budget * static_cast<double>(config.capacity_tokens))),
-      new_token_ratio_(config.init_new_token_ratio) {}
+            static_cast<int64_t>(config.pin_budget * static_cast<double>(config.capacity_tokens)), config.host),
+      new_token_ratio_(config.init_new_token_ratio) {
+  if (config.storage && store == nullptr) {
+    own_store_ = std::make_unique<SimStore>(config.storage_capacity_tokens, config.page_size);
+    store = own_store_.get();
+  }
+  tree_.set_store(store);
+}
 
 Rejection Replica::add_request(int32_t rid, double arrival) {
   const int64_t input_len = tokens_->input_len(rid), output_len = tokens_->output_len(rid);
@@ -83,16 +86,33 @@ Rejection Replica::add_request(int32_t rid, double arrival) {
   r.input_len = input_len;
   r.max_new_tokens = output_len;
   r.arrival = arrival;
+  // A storage tier starts reading the prompt's pages now, while the request waits to be admitted.
+  r.prefetch = tree_.prefetch(rid, input_len - 1);
   reqs_.push_back(r);
   waiting_.push_back(static_cast<int32_t>(reqs_.size() - 1));
   return Rejection::kNone;
 }
 
 void Replica::run_until(double t) {
-  while (clock < t && !is_idle()) step();
+  StepOutcome out;
+  while (clock < t && !is_idle()) step(t, &out);
 }
 
-void Replica::step() {
+void Replica::step(double until, StepOutcome* out) {
+  out->clear();
+  int64_t steps;
+  {
+    Stopwatch watch(&report.cache_op_seconds);  // it may rank the waiting window: cache time, as a step's ranking
+    steps = pure_decode_steps();
+  }
+  if (steps) {
+    decode_run(steps, until, out);
+  } else {
+    one_step(out);
+  }
+}
+
+void Replica::one_step(StepOutcome* out) {
   Batch b;
   std::vector<int32_t> finished;
   {
@@ -104,19 +124,28 @@ void Replica::step() {
   }
   const CostModel& cost = config_.cost;
   if (b.extend) {
+    int64_t loaded = 0, stored = 0;
     for (int32_t i : b.reqs) {
       Request& r = reqs_[i];
       if (r.live) continue;  // a chunked prompt going on
       r.live = true;
+      loaded += r.host_hit_len;
+      stored += r.storage_hit_len;
       if (!r.admitted) {
         r.admitted = true;
         ++report.requests;
         report.prompt_tokens += r.input_len;
         report.cached_tokens += r.prefix_len;
+        report.host_cached_tokens += r.host_hit_len - r.storage_hit_len;
+        report.storage_cached_tokens += r.storage_hit_len;
         report.prefill_seconds_saved += cost.prefill_seconds_saved(r.prefix_len);
       }
     }
-    clock += cost.extend_seconds(b.prefix, b.seq);
+    clock += cost.extend_seconds(b.prefix, b.seq, loaded, stored);
+    // Read before the results: a request's sampled token makes it look partly prefilled again.
+    for (int32_t i : b.reqs) {
+      if (reqs_[i].extend_end >= reqs_[i].fill_len()) out->prefilled.push_back(reqs_[i].rid);
+    }
   } else {
     for (int32_t i : b.retracted) reqs_[i].live = false;
     int64_t kv_tokens = 0;
@@ -133,21 +162,36 @@ void Replica::step() {
       if (r.num_output > 0 && r.waiting_first_token) {
         r.waiting_first_token = false;
         report.ttft_s.push_back(clock - r.arrival);
+        report.first_token_s.push_back(clock);
       }
     }
   }
+  finished_requests(finished, out);
+  record_step();
+}
+
+// ReplicaSim._finished: their outputs counted, their prompts' heads pinned.
+void Replica::finished_requests(const std::vector<int32_t>& finished, StepOutcome* out) {
   for (int32_t i : finished) {
     Request& r = reqs_[i];
     r.live = false;
     report.output_tokens += r.num_output;
     ++report.finished;
+    out->finished.push_back(r.rid);
     if (config_.pin_prefix_tokens) tree_.pin(r.rid, std::min(config_.pin_prefix_tokens, r.input_len));
   }
+}
+
+void Replica::record_step() {
   report.time_s.push_back(clock);
   report.tokens_used.push_back(slots_.used());
   report.evictable_tokens.push_back(tree_.evictable_size());
   report.running.push_back(static_cast<int64_t>(running_.size()));
   report.cumulative_hit_rate.push_back(report.hit_rate());
+}
+
+void Replica::decay_new_token_ratio() {
+  new_token_ratio_ = py_max(config_.min_new_token_ratio, new_token_ratio_ - config_.new_token_ratio_decay);
 }
 
 // ---- the scheduler's step ---------------------------------------------------------------------------------------
@@ -197,14 +241,14 @@ bool Replica::extend_batch(Batch& b) {
   };
   if (can_admit() && config_.lpm) {
     Stopwatch watch(&report.match_seconds);
-    sort_waiting_by_prefix();
+    sort_waiting_by_prefix(true);
   }
   while (!waiting_.empty() && can_admit()) {
     const int32_t i = waiting_.front();
     Request& r = reqs_[i];
     {
       Stopwatch watch(&report.match_seconds);
-      match(i);
+      match(i, slots_.available() - reserved + tree_.evictable_size());
       tree_.lock_below(r.last_node, RadixTree::kRoot);
     }
     if (config_.in_batch_prefix_caching && next_page_in_batch(i, reqs)) {
@@ -287,7 +331,7 @@ void Replica::decode_batch(Batch& b) {
     for (auto it = b.retracted.rbegin(); it != b.retracted.rend(); ++it) waiting_.push_front(*it);
     new_token_ratio_ = config_.init_new_token_ratio;
   } else {
-    new_token_ratio_ = py_max(config_.min_new_token_ratio, new_token_ratio_ - config_.new_token_ratio_decay);
+    decay_new_token_ratio();
   }
 }
 
@@ -385,8 +429,8 @@ void Replica::cache_req(int32_t i, bool finished) {
   int64_t cached = protected_len;
   int32_t node = r.last_node;
   if (aligned > protected_len) {
-    const auto [matched, last] = tree_.insert(r.rid, r.last_node, protected_len, aligned);
-    cached = matched;
+    const auto [on_device, last] = tree_.insert(r.rid, r.last_node, protected_len, aligned);
+    cached = on_device;
     node = last;
   }
   if (finished) {
@@ -427,46 +471,55 @@ void Replica::keep_walk(Request& r, int64_t key_len, const Walk& w) {
   r.walk_version = tree_.node(w.node).child_version;
 }
 
-// Scheduler._sort_waiting_by_prefix: the first lpm_window waiting requests, longest cached prefix first (stable),
-// each ranked by its kept walk while that is still where a walk would stop.
-void Replica::sort_waiting_by_prefix() {
+// PrefixRanker.sort: the first lpm_window waiting requests, longest cached prefix first (stable), each ranked by
+// its kept walk while that is still where a walk would stop. Without `take_decode_pages` (a decode run's ranking)
+// it returns false, reordering nothing, where a walk ends at a running request's tail.
+bool Replica::sort_waiting_by_prefix(bool take_decode_pages) {
   const int64_t n = std::min<int64_t>(config_.lpm_window, static_cast<int64_t>(waiting_.size()));
   std::vector<int64_t> ranks(n);
   bool sorted = true;
   for (int64_t k = 0; k < n; ++k) {
     const int32_t i = waiting_[k];
     Request& r = reqs_[i];
-    bool current = false;
-    if (r.has_walk) {
-      const Walk& w = r.walk;
-      if (w.child < 0) {
-        const Node& node = tree_.node(w.node);
-        if (tree_.alive(w.node, w.node_gen) && node.parent >= 0 && !in_tails(w.node)) {
-          if (!r.next_page || node.child_version == r.walk_version) {
-            current = true;
-          } else if (!tree_.has_child_page(w.node, r.rid, w.matched)) {
-            r.walk_version = node.child_version;  // still no child there: remember since when
-            current = true;
-          }
-        }
-      } else {
-        current = tree_.alive(w.child, w.child_gen) && tree_.alive(w.node, w.node_gen) &&
-                  tree_.node(w.child).parent == w.node;
-      }
+    if (r.has_walk && kept_walk_is_current(r)) {
+      ranks[k] = r.rank;
+    } else if (take_decode_pages) {
+      ranks[k] = rank(i);
+    } else {
+      if (!rank_without_decode_pages(i)) return false;
+      ranks[k] = r.rank;
     }
-    ranks[k] = current ? r.rank : rank(i);
     if (k && ranks[k] < ranks[k - 1]) sorted = false;
   }
-  if (sorted) return;
+  if (sorted) return true;
   std::vector<int64_t> order(n);
   for (int64_t k = 0; k < n; ++k) order[k] = k;
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return ranks[x] < ranks[y]; });
   std::vector<int32_t> window(n);
   for (int64_t k = 0; k < n; ++k) window[k] = waiting_[order[k]];
   for (int64_t k = 0; k < n; ++k) waiting_[k] = window[k];
+  return true;
 }
 
-// Scheduler._rank (taking decode pages): walks again where the kept walk is stale, and goes on through a running
+// PrefixRanker.sort's inline check of a kept walk: still where a walk stops (a node in the tree without a child for
+// the key's next page, or a child it went into partway still under that node), and no running request's output
+// pages continue it.
+bool Replica::kept_walk_is_current(Request& r) {
+  const Walk& w = r.walk;
+  if (w.child >= 0) {
+    return tree_.alive(w.child, w.child_gen) && tree_.alive(w.node, w.node_gen) &&
+           tree_.node(w.child).parent == w.node;
+  }
+  const Node& node = tree_.node(w.node);
+  if (!tree_.alive(w.node, w.node_gen) || node.parent < 0) return false;
+  if (r.next_page && node.child_version != r.walk_version) {
+    if (tree_.has_child_page(w.node, r.rid, w.matched)) return false;
+    r.walk_version = node.child_version;  // still no child there: remember since when
+  }
+  return !in_tails(w.node) || !continues(r, w.node, w.matched);
+}
+
+// PrefixRanker._rank (taking decode pages): walks again where the kept walk is stale, and goes on through a running
 // request's output pages where the walk ends at its tail.
 int64_t Replica::rank(int32_t i) {
   Request& r = reqs_[i];
@@ -488,6 +541,33 @@ int64_t Replica::rank(int32_t i) {
   return r.rank;
 }
 
+// PrefixRanker._rank without taking decode pages: false where the (kept or new) walk ends at a running request's
+// tail, which only a match can go past.
+bool Replica::rank_without_decode_pages(int32_t i) {
+  Request& r = reqs_[i];
+  const int64_t key_len = r.has_walk ? r.walk_key_len : r.fill_len() - 1;
+  if (!r.has_walk || !tree_.walk_is_current(r.walk, r.rid, r.next_page)) {
+    keep_walk(r, key_len, tree_.prefix_walk(r.rid, key_len));
+  }
+  return !(r.walk.child < 0 && in_tails(r.walk.node));
+}
+
+// DecodePageTails.continues: whether a running request whose cached prefix ends at `node` (`matched` tokens) has
+// written request r's next page as its next full page.
+bool Replica::continues(const Request& q, int32_t node, int64_t matched) const {
+  if (!q.next_page) return false;
+  const int32_t first = tokens_->token(q.rid, matched);  // a page that starts otherwise is not q's next one
+  for (int32_t c : tails_[node]) {
+    const Request& r = reqs_[c];
+    if (r.kv_len - r.kv_len % page_size_ - r.cache_protected_len >= page_size_ &&
+        tokens_->token(r.rid, matched) == first &&
+        tokens_->first_mismatch(r.rid, q.rid, matched, matched + page_size_) == matched + page_size_) {
+      return true;
+    }
+  }
+  return false;
+}
+
 // Scheduler._take_decode_pages: when the key of request q (key_len tokens) goes on, after `matched` tokens at
 // `node`, with the next full page of output of a running request whose cached prefix ends there, that request's
 // full pages enter the tree.
@@ -495,9 +575,11 @@ bool Replica::take_decode_pages(int32_t q, int64_t key_len, int32_t node, int64_
   if (!in_tails(node)) return false;
   if (key_len < matched + page_size_) return false;
   const int32_t qrid = reqs_[q].rid;
+  const int32_t first = tokens_->token(qrid, matched);
   for (int32_t c : tails_[node]) {
     const Request& r = reqs_[c];
     if (r.kv_len - r.kv_len % page_size_ - r.cache_protected_len >= page_size_ &&
+        tokens_->token(r.rid, matched) == first &&
         tokens_->first_mismatch(r.rid, qrid, matched, matched + page_size_) == matched + page_size_) {
       untrack_tail(c);
       cache_req(c, false);  // its full pages up to kv_len; the rest are not written yet
@@ -508,11 +590,37 @@ bool Replica::take_decode_pages(int32_t q, int64_t key_len, int32_t node, int64_
   return false;
 }
 
-void Replica::match(int32_t i) {
+// Scheduler._match: the request's cached prefix (taking decode pages where a running request's output continues it);
+// a host-only part of at least load_back_threshold tokens is loaded back when the request then fits in `room`.
+void Replica::match(int32_t i, int64_t room) {
   Request& r = reqs_[i];
+  int64_t from_storage = 0;
+  if (r.prefetch.active) {
+    from_storage = tree_.finish_prefetch(r.prefetch, r.rid);
+    r.prefetch.active = false;
+  }
   const int64_t key_len = r.fill_len() - 1;
-  int32_t node = tree_.match_prefix(r.rid, key_len);
-  while (take_decode_pages(i, key_len, node, tree_.path_len(node))) node = tree_.match_prefix(r.rid, key_len);
+  Match m = tree_.match_prefix(r.rid, key_len);
+  while (m.host_tokens == 0 && take_decode_pages(i, key_len, m.node, tree_.path_len(m.node))) {
+    m = tree_.match_prefix(r.rid, key_len);
+  }
+  int32_t node = m.node;
+  r.host_hit_len = r.storage_hit_len = 0;
+  const int64_t host = m.host_tokens;
+  if (host >= config_.load_back_threshold && host + charge(r, tree_.path_len(m.node) + host) <= room) {
+    // Scheduler._evict_for_load_back: what the load is short of, with the matched path locked.
+    const int64_t short_by = host - slots_.available();
+    if (short_by > 0) {
+      tree_.lock_below(m.host_node, RadixTree::kRoot);
+      report.evicted_tokens += evict(short_by);
+      tree_.unlock(m.host_node);
+    }
+    if (tree_.load_back(m.host_node, host)) {
+      node = m.host_node;
+      r.host_hit_len = host;
+      r.storage_hit_len = std::min(from_storage, host);
+    }
+  }
   r.last_node = node;
   r.prefix_len = r.cache_protected_len = tree_.path_len(node);
 }

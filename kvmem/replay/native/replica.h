@@ -8,27 +8,51 @@
 // requests entering the tree as they prefill, retract and finish. Every double is computed in the order Python
 // computes it, so clocks and ratios are bit-identical.
 //
-// A replica is stepped on its own clock (`run_until`), so that a driver can interleave several replicas and a
-// router, as kvmem/replay/cluster.py does with ReplicaSims.
+// A step is ReplicaSim.step's: one scheduler step, or a run of pure decode steps taken at once
+// (kvmem/replay/decode_runs.py's ReplayScheduler.run_decode, decode_run.cpp), with the same ranking, match and
+// eviction calls at the same steps; a cluster's router sees a run's events when it ends, so its bounds are the
+// Python engine's. A replica is stepped on its own clock (`run_until`), so that a driver can interleave several
+// replicas and a router, as kvmem/replay/cluster.py does with ReplicaSims.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "store.h"
 #include "tokens.h"
 #include "tree.h"
 
 namespace kvmem {
 
+// Adds the wall seconds of its scope to `*total` (the report's timings).
+class Stopwatch {
+ public:
+  explicit Stopwatch(double* total) : total_(total), start_(std::chrono::steady_clock::now()) {}
+  ~Stopwatch() { *total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
+
+ private:
+  double* total_;
+  std::chrono::steady_clock::time_point start_;
+};
+
 // kvmem.replay.cost's StepCost (fixed) or RooflineCost (roofline), by their constants.
 struct CostModel {
   bool roofline = false;
   double decode_step_s = 0.03, prefill_tokens_per_s = 50000.0;
-  double flops_per_s = 0, bytes_per_s = 0, weight_bytes = 0, pair_flops = 0, token_flops = 0, kv_bytes = 0;
+  double flops_per_s = 0, bytes_per_s = 0, weight_bytes = 0, pair_flops = 0, token_flops = 0;
+  // Loads from lower tiers, on either clock (cost.load_seconds): a token's KV on all the GPUs, the host links
+  // it crosses (one per GPU), their bandwidth and the storage tier's, GB/s, and a storage read's latency.
+  double kv_bytes = 0, links = 1, h2d_gbps = 50.0, storage_gbps = 10.0, storage_latency_us = 100.0;
 
-  double extend_seconds(const std::vector<int64_t>& prefix, const std::vector<int64_t>& seq) const;
+  // A prefill step; `loaded` tokens of its cached prefixes came back from the host tier, `stored` of them read
+  // from the storage tier first.
+  double extend_seconds(const std::vector<int64_t>& prefix, const std::vector<int64_t>& seq, int64_t loaded = 0,
+                        int64_t stored = 0) const;
+  double load_seconds(int64_t loaded, int64_t stored) const;
   double decode_seconds(int64_t batch_size, int64_t kv_tokens) const;
   double prefill_seconds_saved(int64_t cached) const;
 };
@@ -48,6 +72,10 @@ struct ReplicaConfig {
   // SchedulerConfig's admission constants
   int64_t lpm_window = 128;
   double init_new_token_ratio = 0.7, min_new_token_ratio = 0.1, new_token_ratio_decay = 0.001;
+  int64_t load_back_threshold = 16;
+  HostTier host;
+  bool storage = false;               // a simulated store under the host tier
+  int64_t storage_capacity_tokens = 0;  // whole pages; 0: unbounded
   CostModel cost;
 };
 
@@ -68,6 +96,9 @@ struct Request {
   int64_t walk_key_len = 0, rank = 0;
   uint32_t walk_version = 0;
   double arrival = 0;
+  int64_t host_hit_len = 0;     // of its last match, the tokens loaded back from the host tier
+  int64_t storage_hit_len = 0;  // of those, the tokens read from storage for it
+  Prefetch prefetch;
   bool waiting_first_token = true, live = false, admitted = false;
 
   int64_t fill_len() const { return input_len + num_output; }
@@ -78,9 +109,11 @@ enum class Rejection : uint8_t { kNone, kCapacity, kContext };
 // What ReplayReport records, kept as the simulator appends it.
 struct ReplicaReport {
   int64_t requests = 0, prompt_tokens = 0, cached_tokens = 0, evicted_tokens = 0, retractions = 0, rejected = 0;
+  int64_t host_cached_tokens = 0, storage_cached_tokens = 0;
   int64_t output_tokens = 0, finished = 0;
   double prefill_seconds_saved = 0;
   std::vector<double> time_s, cumulative_hit_rate, ttft_s;
+  std::vector<double> first_token_s;  // the clock at each first token, ttft_s's companion
   std::vector<int64_t> tokens_used, evictable_tokens, running;
   // wall seconds inside the scheduler and the tree, and the parts of it (see ReplayReport.record_cache_phases)
   double cache_op_seconds = 0, match_seconds = 0, evict_seconds = 0, insert_release_seconds = 0;
@@ -90,9 +123,20 @@ struct ReplicaReport {
   }
 };
 
+// What a step ended (simulator.StepOutcome): the trace requests it finished, and those whose prompt it finished
+// prefilling.
+struct StepOutcome {
+  std::vector<int32_t> finished, prefilled;
+  void clear() {
+    finished.clear();
+    prefilled.clear();
+  }
+};
+
 class Replica {
  public:
-  Replica(const ReplicaConfig& config, TraceTokens* tokens);
+  // `store`: a storage tier shared with other replicas (else the replica opens its own where `config` has one).
+  Replica(const ReplicaConfig& config, TraceTokens* tokens, SimStore* store = nullptr);
 
   double clock = 0.0;
   ReplicaReport report;
@@ -102,9 +146,15 @@ class Replica {
   Rejection add_request(int32_t rid, double arrival);
   // Steps while the clock is before `t` and there is work.
   void run_until(double t);
-  // One scheduler step: an extend batch if anything can be admitted, else a decode step.
-  void step();
+  // ReplicaSim.step: the next scheduler step, or a run of pure decode steps (those after the first ending by
+  // `until`); what it ended goes to `out` (cleared first).
+  void step(double until, StepOutcome* out);
   int64_t capacity_tokens() const { return slots_.size; }
+  int64_t tokens_used() const { return slots_.used(); }
+  int64_t page_size() const { return page_size_; }
+  const RadixTree& tree() const { return tree_; }
+  // Where the tree reports its KV events (a cluster's router reads them).
+  void set_event_log(EventLog* log) { tree_.set_event_log(log); }
 
  private:
   struct Batch {
@@ -115,6 +165,7 @@ class Replica {
   };
 
   // Scheduler
+  void one_step(StepOutcome* out);
   bool schedule(Batch& b);
   bool extend_batch(Batch& b);
   void decode_batch(Batch& b);
@@ -122,11 +173,16 @@ class Replica {
   void release(int32_t i);
   void process(const Batch& b, std::vector<int32_t>& finished);
   void finish(int32_t i, std::vector<int32_t>& finished);
-  void sort_waiting_by_prefix();
+  void finished_requests(const std::vector<int32_t>& finished, StepOutcome* out);
+  void record_step();
+  bool sort_waiting_by_prefix(bool take_decode_pages);
+  bool kept_walk_is_current(Request& r);
   int64_t rank(int32_t i);
+  bool rank_without_decode_pages(int32_t i);
   void keep_walk(Request& r, int64_t key_len, const Walk& w);
   bool take_decode_pages(int32_t q, int64_t key_len, int32_t node, int64_t matched);
-  void match(int32_t i);
+  bool continues(const Request& q, int32_t node, int64_t matched) const;
+  void match(int32_t i, int64_t room);
   bool next_page_in_batch(int32_t i, const std::vector<int32_t>& batch) const;
   int64_t charge(const Request& r, int64_t start) const;
   int64_t reserved_tokens() const;
@@ -137,11 +193,22 @@ class Replica {
   bool in_tails(int32_t node) const { return node < static_cast<int32_t>(tails_.size()) && !tails_[node].empty(); }
   int64_t decode_need(const std::vector<int32_t>& reqs) const;
   int64_t evict(int64_t tokens);
+  void decay_new_token_ratio();
+  // decode runs (decode_run.cpp)
+  int64_t pure_decode_steps();
+  int64_t fewest_left() const;
+  bool may_admit() const { return !waiting_.empty() && static_cast<int64_t>(running_.size()) < config_.max_running; }
+  int64_t fitting_decode_steps(int64_t steps) const;
+  bool head_waits(int64_t available, int64_t reserved, bool attempt, bool ranked);
+  void decode_run(int64_t steps, double until, StepOutcome* out);
+  int64_t run_decode(int64_t num_steps, std::vector<int64_t>& used, std::vector<int64_t>& evictable);
+  void advance_run(int64_t steps, std::vector<int32_t>& finished);
   int64_t pages_for(int64_t tokens) const { return (tokens + page_size_ - 1) / page_size_; }
   int64_t round_up(int64_t tokens) const { return pages_for(tokens) * page_size_; }
 
   ReplicaConfig config_;
   TraceTokens* tokens_;  // a request's output is taken when it is queued
+  std::unique_ptr<SimStore> own_store_;  // the store it opened itself (none when a cluster shares one)
   int64_t page_size_;
   SlotCount slots_;
   RadixTree tree_;

@@ -8,7 +8,7 @@ namespace kvmem {
 
 void LeafHeap::place(int64_t i, const Entry& e) {
   heap_[i] = e;
-  (*nodes_)[e.node].heap_pos = static_cast<int32_t>(i);
+  pos(e.node) = static_cast<int32_t>(i);
 }
 
 void LeafHeap::sift_up(int64_t i, Entry e) {
@@ -40,8 +40,8 @@ void LeafHeap::push(const Entry& e) {
 }
 
 void LeafHeap::remove(int32_t node) {
-  const int64_t i = (*nodes_)[node].heap_pos;
-  (*nodes_)[node].heap_pos = -1;
+  const int64_t i = pos(node);
+  pos(node) = -1;
   const Entry last = heap_.back();
   heap_.pop_back();
   if (i == size()) return;
@@ -53,7 +53,7 @@ void LeafHeap::remove(int32_t node) {
 }
 
 void LeafHeap::update(int32_t node, int64_t k1, int64_t k2) {
-  const int64_t i = (*nodes_)[node].heap_pos;
+  const int64_t i = pos(node);
   Entry e = heap_[i];
   e.k1 = k1;
   e.k2 = k2;
@@ -71,13 +71,13 @@ int32_t LeafHeap::pop() {
   return top;
 }
 
-// ---- ChildMap ---------------------------------------------------------------------------------------------------
+// ---- IndexMap ---------------------------------------------------------------------------------------------------
 
 namespace {
 constexpr uint64_t kEmptyKey = ~0ULL;
 }
 
-void ChildMap::rehash(int64_t capacity) {
+void IndexMap::rehash(int64_t capacity) {
   std::vector<uint64_t> keys(capacity, kEmptyKey);
   std::vector<int32_t> values(capacity, -1);
   keys_.swap(keys);
@@ -94,26 +94,23 @@ void ChildMap::rehash(int64_t capacity) {
   }
 }
 
-int32_t ChildMap::find(int32_t parent, int32_t token) const {
-  const uint64_t key = key_of(parent, token);
+int32_t IndexMap::find(uint64_t key) const {
   for (int64_t i = slot_of(key);; i = (i + 1) & mask_) {
     if (keys_[i] == key) return values_[i];
     if (keys_[i] == kEmptyKey) return -1;
   }
 }
 
-void ChildMap::put(int32_t parent, int32_t token, int32_t node) {
+void IndexMap::put(uint64_t key, int32_t value) {
   if (2 * (used_ + 1) > static_cast<int64_t>(keys_.size())) rehash(2 * static_cast<int64_t>(keys_.size()));
-  const uint64_t key = key_of(parent, token);
   int64_t i = slot_of(key);
   while (keys_[i] != kEmptyKey && keys_[i] != key) i = (i + 1) & mask_;
   if (keys_[i] == kEmptyKey) ++used_;
   keys_[i] = key;
-  values_[i] = node;
+  values_[i] = value;
 }
 
-void ChildMap::erase(int32_t parent, int32_t token) {
-  const uint64_t key = key_of(parent, token);
+void IndexMap::erase(uint64_t key) {
   int64_t i = slot_of(key);
   while (keys_[i] != key) {
     if (keys_[i] == kEmptyKey) return;
@@ -138,9 +135,10 @@ void ChildMap::erase(int32_t parent, int32_t token) {
 // ---- RadixTree --------------------------------------------------------------------------------------------------
 
 RadixTree::RadixTree(const TraceTokens* tokens, SlotCount* slots, int64_t page_size, Policy policy,
-                     int64_t pin_budget)
-    : tokens_(tokens), slots_(slots), page_size_(page_size), policy_(policy), leaves_(&nodes_),
-      pinned_(&nodes_), pin_budget_(pin_budget) {
+                     int64_t pin_budget, const HostTier& host)
+    : tokens_(tokens), slots_(slots), page_size_(page_size), policy_(policy), leaves_(&nodes_, &Node::heap_pos),
+      pinned_(&nodes_, &Node::heap_pos), host_(host), host_leaves_(&nodes_, &Node::host_heap_pos),
+      host_free_(host.capacity_tokens), pin_budget_(pin_budget) {
   nodes_.reserve(1024);
   new_node(-1, -1, 0, 0, 0);  // the root, id 0
 }
@@ -167,6 +165,15 @@ int32_t RadixTree::new_node(int32_t parent, int32_t src, int64_t depth, int64_t 
   x.last_access = created;
   x.id = next_id_++;
   return n;
+}
+
+// A node that left the tree: its slot is reused, and a kept walk through it sees that by its generation.
+void RadixTree::free_node(int32_t n) {
+  Node& x = nodes_[n];
+  x.parent = -1;
+  x.alive = false;
+  ++x.gen;
+  free_nodes_.push_back(n);
 }
 
 int32_t RadixTree::find_child(int32_t parent, int32_t q, int64_t pos) const {
@@ -245,13 +252,23 @@ int32_t RadixTree::split(int32_t child, int64_t into_child) {
   h.lock_ref = c.lock_ref;
   h.last_access = c.last_access;
   h.hit_count = c.hit_count;
+  h.on_device = c.on_device;
+  h.host = c.host;
+  h.stored = c.stored;
+  h.device_children = c.on_device ? 1 : 0;
   unlink_child(parent, child);
   link_child(parent, head);
   c.depth += into_child;
   c.len -= into_child;
   c.parent = head;
   link_child(head, child);
-  if (c.heap_pos >= 0) rekey(child);  // the key functions read no length: its place stays
+  if (store_ != nullptr) name_node(head);
+  // The key functions read no length: their places stay.
+  if (c.heap_pos >= 0) rekey(child);
+  if (c.host_heap_pos >= 0) {
+    const LeafHeap::Entry e = entry_of(child);
+    host_leaves_.update(child, e.k1, e.k2);
+  }
   return head;
 }
 
@@ -259,7 +276,9 @@ int32_t RadixTree::add_leaf(int32_t parent, int32_t src, int64_t depth, int64_t 
   const int32_t leaf = new_node(parent, src, depth, len, clock_);
   if (nodes_[parent].heap_pos >= 0) remove_evictable(parent);
   link_child(parent, leaf);
+  ++nodes_[parent].device_children;
   ++nodes_[parent].child_version;
+  if (store_ != nullptr) name_node(leaf);
   evictable_size_ += len;
   add_evictable(leaf);
   return leaf;
@@ -273,25 +292,36 @@ void RadixTree::touch(int32_t last, bool hit) {
   }
 }
 
-int32_t RadixTree::match_prefix(int32_t q, int64_t key_len) {
+Match RadixTree::match_prefix(int32_t q, int64_t key_len) {
   const int32_t n = walk_to_node(prefix_walk(q, key_len));
-  if (n == kRoot) return n;
+  if (n == kRoot) return {n, 0, -1};
   touch(n, true);
-  if (nodes_[n].heap_pos >= 0) rekey(n);
-  return n;
+  if (!has_host()) {
+    if (nodes_[n].heap_pos >= 0) rekey(n);
+    return {n, 0, -1};
+  }
+  const auto [device_node, host_tokens] = device_ancestor(n);
+  matched(n, device_node);
+  return {device_node, host_tokens, host_tokens ? n : -1};
 }
 
 std::pair<int64_t, int32_t> RadixTree::insert(int32_t q, int32_t below, int64_t start, int64_t end) {
   const Walk w = descend(q, below, start, end);
   const int64_t matched = w.num_tokens();
+  const int64_t on_device = has_host() ? matched - device_gap(w) : matched;
   int32_t last = walk_to_node(w);
+  if (on_device < matched) revive_path(last);
   touch(last, false);
   if (matched < end) {
     last = add_leaf(last, q, matched, end - matched);
+    report_stored(last);
   } else if (nodes_[last].heap_pos >= 0) {
     rekey(last);
   }
-  return {matched, last};
+  if ((matched < end || on_device < matched) && has_host() && host_.write_policy == WritePolicy::kWriteThrough) {
+    backup_path(last);
+  }
+  return {on_device, last};
 }
 
 void RadixTree::lock_below(int32_t n, int32_t ancestor) {
@@ -308,15 +338,29 @@ void RadixTree::unlock(int32_t n) {
 }
 
 void RadixTree::protect(int32_t n) {
-  evictable_size_ -= nodes_[n].len;
-  protected_size_ += nodes_[n].len;
-  if (nodes_[n].heap_pos >= 0) remove_evictable(n);
+  Node& x = nodes_[n];
+  if (!x.on_device) {  // a host-only node: its host copy cannot be host-evicted now
+    host_evictable_size_ -= x.len;
+    host_protected_size_ += x.len;
+    if (x.host_heap_pos >= 0) remove_host_evictable(n);
+    return;
+  }
+  evictable_size_ -= x.len;
+  protected_size_ += x.len;
+  if (x.heap_pos >= 0) remove_evictable(n);
 }
 
 void RadixTree::unprotect(int32_t n) {
-  protected_size_ -= nodes_[n].len;
-  evictable_size_ += nodes_[n].len;
-  if (nodes_[n].num_children == 0) add_evictable(n);
+  Node& x = nodes_[n];
+  if (!x.on_device) {
+    host_protected_size_ -= x.len;
+    host_evictable_size_ += x.len;
+    if (x.num_children == 0) add_host_evictable(n);
+    return;
+  }
+  protected_size_ -= x.len;
+  evictable_size_ += x.len;
+  if (x.device_children == 0) add_evictable(n);
 }
 
 LeafHeap::Entry RadixTree::entry_of(int32_t n) const {
@@ -367,27 +411,37 @@ int32_t RadixTree::next_victim() {
 
 int64_t RadixTree::evict(int64_t num_tokens) {
   int64_t freed = 0;
+  bool removed = false;
   while (freed < num_tokens) {
     const int32_t n = next_victim();
     if (n < 0) break;
     freed += nodes_[n].len;
+    if (events_ != nullptr) events_->device_removed_run(nodes_[n].src, nodes_[n].depth, path_len(n), page_size_);
+    removed = true;
     leave_device(n);
   }
   evictable_size_ -= freed;
   slots_->free += freed;
+  if (removed && events_ != nullptr) events_->removal();
   return freed;
 }
 
+// An evicted device leaf: with a host copy it stays as host-only (write_back makes one now if it can), else it
+// leaves the tree; its parent may become a device leaf.
 void RadixTree::leave_device(int32_t n) {
+  if (has_host()) {
+    if (!nodes_[n].host && host_.write_policy == WritePolicy::kWriteBack) backup_path(n);
+    if (nodes_[n].host) {
+      demote(n);
+      return;
+    }
+  }
   const int32_t parent = nodes_[n].parent;
   unlink_child(parent, n);
-  Node& x = nodes_[n];
-  x.parent = -1;
-  x.alive = false;
-  ++x.gen;
-  free_nodes_.push_back(n);
-  const Node& p = nodes_[parent];
-  if (p.num_children == 0 && p.lock_ref == 0 && p.parent >= 0) add_evictable(parent);
+  free_node(n);
+  Node& p = nodes_[parent];
+  --p.device_children;
+  if (p.device_children == 0 && p.lock_ref == 0 && p.parent >= 0 && p.heap_pos < 0) add_evictable(parent);
 }
 
 // ---- pins -------------------------------------------------------------------------------------------------------
@@ -410,7 +464,8 @@ void RadixTree::unlink_pin(int32_t record) {
 int64_t RadixTree::pin(int32_t q, int64_t len) {
   const int64_t ntok = len - len % page_size_;
   const uint64_t hash = tokens_->content_hash(q, 0, ntok);
-  const int32_t n = walk_to_node(descend(q, kRoot, 0, ntok));
+  int32_t n = walk_to_node(descend(q, kRoot, 0, ntok));
+  if (has_host()) n = device_ancestor(n).first;  // a pin marks what the device holds
   const int32_t old = find_pin(q, ntok, hash);
   if (old >= 0) {
     const PinRecord p = pins_[old];
