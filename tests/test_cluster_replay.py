@@ -133,7 +133,7 @@ def test_prefix_aware_policies_find_more_hits_than_round_robin_on_shared_prompts
 def test_the_router_sees_each_request_prefilled_and_each_replica_its_prefill_time():
     sim = ClusterReplay(CHAT, config_for(CHAT, capacity=1024, chunked_prefill_size=48), 3, "kv-overlap")
     report = sim.run()
-    assert sim._prefill_tokens == [0, 0, 0] and not sim._queued_prefill  # every routed prompt was prefilled
+    assert sim.fleet._prefill_tokens == [0, 0, 0] and not sim.fleet._queued_prefill  # every routed prompt was prefilled
     for busy, prefill, routed in zip(report.busy_seconds, report.prefill_seconds, report.routed):
         assert 0 < prefill < busy and routed > 0
 

@@ -50,6 +50,7 @@ from kvmem.replay.config import (
 )
 from kvmem.replay.cost import DEFAULT_MODEL, DEFAULT_STORAGE_LATENCY_US, GPUS, RooflineCost
 from kvmem.replay.engine import ENGINES, engine_for, fallback_note, fallback_reason, requested_engine
+from kvmem.replay.pd_cli import add_pd_arguments, pd_runs, run_pd, slo_of
 from kvmem.replay.report import format_summary, format_tokens, require_matplotlib, write_sweep_plots
 from kvmem.replay.reuse import reuse_ceiling
 from kvmem.replay.traces import Trace, TraceError, default_trace_path, read_trace
@@ -195,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=non_negative_int_arg, default=0,
                    help="seed for synthetic workloads and the simulator")
     add_cluster_arguments(p)
+    add_pd_arguments(p)
     return p
 
 
@@ -240,10 +242,15 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
         engine = requested_engine(args.engine)
         trace = _load_trace(args)
         config = _replay_config(args, trace)
-        runs = None if tour else cluster_runs(args, config)
+        slo = slo_of(args)
+        splits = None if tour else pd_runs(args, config, trace)
+        runs = None if tour or splits is not None else cluster_runs(args, config)
+        if slo is not None and runs is None and splits is None:
+            raise ValueError("--slo-ttft-s and --slo-tbt-s price a fleet's goodput: give --replicas, "
+                             "--prefill-replicas or --pd-sweep")
         _check_plan(args)
         labels, host_labels = None, {}
-        if runs is not None or args.target_hit_fraction is not None:
+        if runs is not None or splits is not None or args.target_hit_fraction is not None:
             points = None
         elif tour:
             points = _tour_points(config)
@@ -254,7 +261,7 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
             points = _native_tour(points, engine)
         for point in points or [config]:
             point.check_host_memory()
-        _check_torch(args, engine, config, points, runs)
+        _check_torch(args, engine, config, points, runs, splits)
         _check_combinations(args, config, points)
         _check_storage(config)
         if args.plot:
@@ -275,13 +282,23 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
         return _compare(args, trace, config, [p.capacity_tokens for p in points] if points else None, out, engine)
     if args.target_hit_fraction is not None:
         return _plan(args, trace, config, out, engine, title)
-    if runs is not None:  # a cluster replay
+    if splits is not None:  # a disaggregated replay
+        if engine == "native":
+            reason = fallback_reason(engine, config) or "the native engine does not cover P:D fleets yet"
+            print(f"{PROG}: {reason}: the Python engine replays the P:D fleet", file=sys.stderr)
+        try:
+            out = run_pd(args, trace, config, splits, out)
+        except (ValueError, RuntimeError) as e:
+            return _error(str(e))
+    elif runs is not None:  # a cluster replay
         reason = fallback_reason(engine, config)
+        if reason is None and slo is not None and engine == "native":
+            reason = "the native engine does not time requests (--slo-ttft-s) yet"
         if reason is not None:
             print(f"{PROG}: {reason}: the Python engine replays the cluster{'s' if len(runs) > 1 else ''}",
                   file=sys.stderr)
         try:
-            out = run_cluster(args, trace, config, runs, out, title, engine)
+            out = run_cluster(args, trace, config, runs, out, title, engine if slo is None else "python", slo)
         except RuntimeError as e:
             return _error(str(e))
     else:
@@ -591,11 +608,15 @@ def _check_plan(args: argparse.Namespace) -> None:
 
 
 def _check_torch(args: argparse.Namespace, engine: str, config: ReplayConfig, points: list | None,
-                 runs: list | None) -> None:
+                 runs: list | None, splits: list | None = None) -> None:
     """RuntimeError (one line) when a replay of this command needs the Python engine and torch is missing."""
     if torch_available():
         return
-    if args.compare_policies:
+    if splits is not None:
+        what = "a P:D replay (--prefill-replicas, --pd-sweep)"
+    elif runs is not None and slo_of(args) is not None:
+        what = "a cluster replay with SLOs (--slo-ttft-s, --slo-tbt-s: the native engine does not time requests)"
+    elif args.compare_policies:
         what = "--compare-policies (belady, the ceiling, always)"
     else:
         python = [c for c in points or [config] if engine_for(engine, c) == "python"]

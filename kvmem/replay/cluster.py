@@ -44,8 +44,10 @@ from kvmem.page_hash import chain_page_digests, event_hashes, namespace_prefix
 from kvmem.replay.cluster_report import ClusterReport, EventCounts
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.cost import RooflineCost, StepCost, cost_model
+from kvmem.replay.latency import SLO, RequestTimes
 from kvmem.replay.simulator import (
     ReplicaSim,
+    StepOutcome,
     _arrival_order,
     _progress_bar,
     is_simulated,
@@ -70,12 +72,14 @@ class _StepResult:
     pinned_pages: int
 
 
-class _Replica:
+class Replica:
     """One simulated engine (a `ReplicaSim`: scheduler, cache, tiers, clock, report), its events, and the step
     results the router has not seen yet."""
 
-    def __init__(self, rank: int, config: ReplayConfig, cost: StepCost | RooflineCost, storage=None) -> None:
+    def __init__(self, rank: int, config: ReplayConfig, cost: StepCost | RooflineCost, storage=None,
+                 times: RequestTimes | None = None) -> None:
         self.rank = rank
+        self.times = times  # where the first and last tokens of its requests are noted
         self.collector = EventCollector(clock=lambda: self.sim.clock)
         self.sim = ReplicaSim(config, cost, event_sink=self.collector, name=f"replica {rank}", storage=storage)
         self.busy_s = 0.0
@@ -99,18 +103,33 @@ class _Replica:
     def step(self, until: float) -> int:
         """Runs the replica's next step (or a run of decode steps: see ReplicaSim.step) from its clock,
         queues the results for the router; returns the requests it finished."""
+        outcome = self.run_step(until)
+        times = self.times
+        if times is not None:
+            for req in outcome.prefilled:
+                times.first_token(req.rid, self.sim.clock)
+            for req in outcome.finished:
+                times.finished(req.rid, self.sim.clock, len(req.output_ids))
+        self.publish([r.rid for r in outcome.finished], [r.rid for r in outcome.prefilled])
+        return len(outcome.finished)
+
+    def run_step(self, until: float) -> StepOutcome:
+        """ReplicaSim.step, its time counted as busy (and as prefill when it prefilled a prompt)."""
         sim = self.sim
         start = sim.clock
         outcome = sim.step(until)
         if outcome.prefilled:
             self.prefill_s += sim.clock - start
         self.busy_s += sim.clock - start
-        sched = sim.sched
+        return outcome
+
+    def publish(self, finished: list, prefilled: list) -> None:
+        """Queues for the router what ended by the replica's clock: its KV events since the last, the requests that
+        `finished` (ids) and those whose prompt was `prefilled`, and the pages its running requests pin."""
+        sched = self.sim.sched
         used = sched.token_allocator.size - sched.token_allocator.available_size()
         pinned = (used - sched.tree_cache.evictable_size()) // sched.page_size
-        self.results.append(_StepResult(sim.clock, self.collector.take_batch(), [r.rid for r in outcome.finished],
-                                        [r.rid for r in outcome.prefilled], pinned))
-        return len(outcome.finished)
+        self.results.append(_StepResult(self.sim.clock, self.collector.take_batch(), finished, prefilled, pinned))
 
     def drain_storage_writes(self) -> None:
         link = getattr(self.sim.sched.tree_cache, "storage_link", None)
@@ -118,12 +137,88 @@ class _Replica:
             link.drain_writes()
 
 
+class Fleet:
+    """Replicas behind one `policy` router (see the module docstring): the loads the router keeps of them, the step
+    results it has read, and the routing itself. A cluster replay has one; a disaggregated one, one per side."""
+
+    def __init__(self, replicas: list[Replica], policy: str, page_size: int, **router_params) -> None:
+        self.replicas = replicas
+        self.router = Router(policy, len(replicas), block_size=page_size, **router_params)
+        self.page_size = page_size
+        self.events = EventCounts()
+        self.reads_index = policy in INDEX_POLICIES
+        self.index_cached_tokens = 0
+        self.routing_s = 0.0
+        n = len(replicas)
+        self._running = [0] * n
+        self._prefill_tokens = [0] * n
+        self._active_blocks = [0] * n
+        self._queued_prefill: dict[int, int] = {}  # rid -> the prefill tokens its routing added
+        self._key_prefix = namespace_prefix(None)
+
+    def deliver(self, now: float) -> None:
+        """Hands the router every step result that has ended by `now`."""
+        index = self.router.index
+        for replica in self.replicas:
+            results, rank = replica.results, replica.rank
+            while results and results[0].ts <= now:
+                result = results.popleft()
+                if result.batch is not None:
+                    index.apply(rank, result.batch)
+                    self.events.count(result.batch)
+                for rid in result.prefilled:
+                    self._prefill_tokens[rank] -= self._queued_prefill.pop(rid, 0)
+                self._running[rank] -= len(result.finished)
+                self._active_blocks[rank] = result.pinned_pages
+
+    def choose(self, prompt: np.ndarray) -> tuple[int, int]:
+        """The replica for `prompt` ([input_len] int64), and the prompt tokens the index shows cached there."""
+        t0 = time.perf_counter()
+        hashes = self._prompt_hashes(prompt) if self.reads_index else []
+        loads = [ReplicaLoad(*load) for load in zip(self._running, self._active_blocks, self._prefill_tokens)]
+        rank = self.router.route(hashes, loads, len(prompt))
+        cached = self.router.index.prefix_overlaps(hashes)[rank] * self.page_size if hashes else 0
+        self.routing_s += time.perf_counter() - t0
+        return rank, cached
+
+    def routed(self, rank: int, rid: int, prefill_tokens: int, cached: int) -> None:
+        """Counts a request queued on `rank`: running there, with `prefill_tokens` to prefill there until a result
+        names it prefilled; `cached` tokens the index showed."""
+        self.index_cached_tokens += cached
+        self._running[rank] += 1
+        self._queued_prefill[rid] = prefill_tokens
+        self._prefill_tokens[rank] += prefill_tokens
+
+    def _prompt_hashes(self, prompt: np.ndarray) -> list[int]:
+        """The event hashes of the whole pages of the prompt before its last token (what a replica can hit)."""
+        page_bytes = self.page_size * TOKEN_BYTES
+        key = memoryview(prompt).cast("B")[:(len(prompt) - 1) * TOKEN_BYTES]
+        key = key[:len(key) - len(key) % page_bytes]
+        if not key:
+            return []
+        return event_hashes(chain_page_digests(self._key_prefix, None, key, page_bytes))
+
+    def report(self, makespan_s: float, replay_s: float, times: RequestTimes | None = None,
+               slo: SLO | None = None) -> ClusterReport:
+        """The replicas' reports (closing them) and the routing, as a ClusterReport; with `slo`, the requests' latency
+        and goodput (`times`) too."""
+        replicas = self.replicas
+        return ClusterReport(
+            policy=self.router.policy, reports=[r.sim.close() for r in replicas],
+            routed=[r.routed for r in replicas], busy_seconds=[r.busy_s for r in replicas],
+            prefill_seconds=[r.prefill_s for r in replicas], makespan_seconds=makespan_s, events=self.events,
+            index_cached_tokens=self.index_cached_tokens if self.reads_index else None,
+            routing_seconds=self.routing_s, replay_seconds=replay_s,
+            latency=None if times is None or slo is None else times.to_json(slo))
+
+
 class ClusterReplay:
     """A replay of `requests` on `replicas` engines, each configured by `config`, behind a `policy` router
     (one of `kvmem.router.POLICIES`); `run()` returns a `ClusterReport`. See the module docstring.
 
     Raises ValueError (before building anything) for a replica count below 1 or an unknown policy.
-    `router_params` are the policy's parameters (see `kvmem.router.Router`).
+    `router_params` are the policy's parameters (see `kvmem.router.Router`); `slo`: the objectives its report's
+    goodput counts (see `kvmem.replay.latency`).
 
     >>> from kvmem.replay.synthetic import shared_system_prompts
     >>> trace = shared_system_prompts(40, num_prompts=4, prompt_len=512, arrival_rate=5.0)
@@ -134,33 +229,29 @@ class ClusterReplay:
     """
 
     def __init__(self, requests: Sequence[TraceRequest], config: ReplayConfig, replicas: int, policy: str, *,
-                 cost: StepCost | RooflineCost | None = None, progress: bool = False, **router_params) -> None:
+                 cost: StepCost | RooflineCost | None = None, progress: bool = False, slo: SLO | None = None,
+                 **router_params) -> None:
         replicas = check_int("replicas", replicas, minimum=1)
-        if policy not in POLICIES:
-            raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        check_policy("policy", policy)
         if not isinstance(config, ReplayConfig):
             raise TypeError(f"config must be a ReplayConfig, got {type(config).__name__}")
+        if slo is not None and not isinstance(slo, SLO):
+            raise TypeError(f"slo must be a kvmem.replay.latency.SLO, got {type(slo).__name__}")
         config.check_host_memory(replicas)
         self.requests = requests
         self.config = config
         self.progress = progress
-        self.router = Router(policy, replicas, block_size=config.page_size, **router_params)
+        self.slo = slo
         cost = cost_model(config) if cost is None else cost
         # A simulated store lives in this process: the replicas share one, as they would a real store's pages.
         shared = open_storage(config) if is_simulated(config) else None
-        self.replicas = [_Replica(r, config, cost, shared) for r in range(replicas)]
-        self.events = EventCounts()
-        self._reads_index = policy in INDEX_POLICIES
-        self._running = [0] * replicas
-        self._prefill_tokens = [0] * replicas
-        self._active_blocks = [0] * replicas
-        self._queued_prefill: dict[int, int] = {}  # rid -> the prefill tokens its routing added
+        self.times = RequestTimes()
+        self.replicas = [Replica(r, config, cost, shared, self.times) for r in range(replicas)]
+        self.fleet = Fleet(self.replicas, policy, config.page_size, **router_params)
+        self.router = self.fleet.router
         self._clocks: list[tuple[float, int]] = []  # (clock, rank) of the replicas with work, a heap
-        self._index_cached_tokens = 0
-        self._routing_s = 0.0
         self._bar = None
         self._ran = False
-        self._key_prefix = namespace_prefix(None)
 
     def run(self) -> ClusterReport:
         """Replays every request; returns the cluster's report. A ClusterReplay runs once (its replicas keep
@@ -180,14 +271,8 @@ class ClusterReplay:
         self._deliver(float("inf"))
         if self._bar is not None:
             self._bar.close()
-        reports = [replica.sim.close() for replica in self.replicas]
-        return ClusterReport(
-            policy=self.router.policy, reports=reports,
-            routed=[r.routed for r in self.replicas], busy_seconds=[r.busy_s for r in self.replicas],
-            prefill_seconds=[r.prefill_s for r in self.replicas],
-            makespan_seconds=max(r.clock for r in self.replicas), events=self.events,
-            index_cached_tokens=self._index_cached_tokens if self._reads_index else None,
-            routing_seconds=self._routing_s, replay_seconds=time.perf_counter() - t_start)
+        return self.fleet.report(max(r.clock for r in self.replicas), time.perf_counter() - t_start, self.times,
+                                 self.slo)
 
     # ---- time ---------------------------------------------------------------------------------------
     def _advance(self, until: float) -> None:
@@ -203,58 +288,38 @@ class ClusterReplay:
                 heapq.heappush(clocks, (replica.clock, rank))
 
     def _deliver(self, now: float) -> None:
-        """Hands the router every step result that has ended by `now`."""
-        index = self.router.index
-        for replica in self.replicas:
-            results, rank = replica.results, replica.rank
-            while results and results[0].ts <= now:
-                result = results.popleft()
-                if result.batch is not None:
-                    index.apply(rank, result.batch)
-                    self.events.count(result.batch)
-                for rid in result.prefilled:
-                    self._prefill_tokens[rank] -= self._queued_prefill.pop(rid, 0)
-                self._running[rank] -= len(result.finished)
-                self._active_blocks[rank] = result.pinned_pages
+        self.fleet.deliver(now)
 
     # ---- routing ------------------------------------------------------------------------------------
     def _route(self, i: int, arrival: float) -> None:
-        t0 = time.perf_counter()
         trace_req = self.requests[i]
         prompt = trace_req.input_ids.astype(np.int64)
-        hashes = self._prompt_hashes(prompt) if self._reads_index else []
-        loads = [ReplicaLoad(*load) for load in zip(self._running, self._active_blocks, self._prefill_tokens)]
-        rank = self.router.route(hashes, loads, len(prompt))
-        cached = self.router.index.prefix_overlaps(hashes)[rank] * self.config.page_size if hashes else 0
-        self._routing_s += time.perf_counter() - t0
+        rank, cached = self.fleet.choose(prompt)
         for replica in self.replicas:  # the shared store holds every write of the steps run so far
             replica.drain_storage_writes()
         replica = self.replicas[rank]
         was_idle = replica.sim.is_idle()
+        self.times.arrived(i, arrival)
         if not replica.add(i, trace_req, arrival):
             if self._bar is not None:
                 self._bar.update(1)
             return
-        self._index_cached_tokens += cached
-        self._running[rank] += 1
-        self._queued_prefill[i] = len(prompt) - cached
-        self._prefill_tokens[rank] += len(prompt) - cached
+        self.fleet.routed(rank, i, len(prompt) - cached, cached)
         if was_idle:
             heapq.heappush(self._clocks, (replica.clock, rank))
 
-    def _prompt_hashes(self, prompt: np.ndarray) -> list[int]:
-        """The event hashes of the whole pages of the prompt before its last token (what a replica can hit)."""
-        page_bytes = self.config.page_size * TOKEN_BYTES
-        key = memoryview(prompt).cast("B")[:(len(prompt) - 1) * TOKEN_BYTES]
-        key = key[:len(key) - len(key) % page_bytes]
-        if not key:
-            return []
-        return event_hashes(chain_page_digests(self._key_prefix, None, key, page_bytes))
+
+def check_policy(name: str, policy: str) -> str:
+    """ValueError naming `name` unless `policy` is one of kvmem.router.POLICIES."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown routing policy {policy!r} ({name}); choose one of {', '.join(POLICIES)}")
+    return policy
 
 
 def replay_cluster(requests: Sequence[TraceRequest], config: ReplayConfig, replicas: int, policy: str, *,
-                   progress: bool = False, cost: StepCost | RooflineCost | None = None,
+                   progress: bool = False, cost: StepCost | RooflineCost | None = None, slo: SLO | None = None,
                    **router_params) -> ClusterReport:
     """Replays `requests` on `replicas` engines configured by `config` behind a `policy` router (see
     `ClusterReplay`) and returns what it measured."""
-    return ClusterReplay(requests, config, replicas, policy, cost=cost, progress=progress, **router_params).run()
+    return ClusterReplay(requests, config, replicas, policy, cost=cost, progress=progress, slo=slo,
+                         **router_params).run()

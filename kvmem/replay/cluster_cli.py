@@ -55,10 +55,11 @@ def cluster_runs(args: argparse.Namespace, config: ReplayConfig) -> list[tuple[i
 
 
 def run_cluster(args: argparse.Namespace, trace, config: ReplayConfig, runs: list[tuple[int, str]],
-                out: dict, title: str, engine: str = "native") -> dict:
+                out: dict, title: str, engine: str = "native", slo=None) -> dict:
     """Replays `runs` on `engine` (see kvmem.replay.engine), prints their summary under `title` on stderr (unless
-    --json-only) and adds their reports (and plots, with --plot) to `out`; RuntimeError (one line) when the plots
-    cannot be written."""
+    --json-only) and adds their reports (and plots, with --plot) to `out`, with goodput under `slo` (a
+    kvmem.replay.latency.SLO; the Python engine's) when given; RuntimeError (one line) when the plots cannot be
+    written."""
     from kvmem.replay.cluster_report import format_cluster_summary, write_cluster_sweep_plots
     from kvmem.replay.engine import replay_cluster  # the Python engine imports torch: only once the arguments are good
 
@@ -67,7 +68,7 @@ def run_cluster(args: argparse.Namespace, trace, config: ReplayConfig, runs: lis
     for replicas, policy in runs:
         if len(runs) > 1 and progress:
             print(f"kvmem-replay: {replicas} replicas, {policy}", file=sys.stderr)
-        reports.append(replay_cluster(trace, config, replicas, policy, progress, engine))
+        reports.append(replay_cluster(trace, config, replicas, policy, progress, engine, slo))
     if len(runs) == 1:
         out.update(reports[0].to_json())
     else:

@@ -54,7 +54,8 @@ class ClusterReport:
     makespan_seconds: the latest replica clock at the end; events: what the router's index was fed;
     index_cached_tokens: the prompt tokens the index showed cached on the chosen replica when each request was
     routed (None for policies that do not read it); routing_seconds: wall time spent routing (prompt hashing
-    included); replay_seconds: wall time of the whole replay.
+    included); replay_seconds: wall time of the whole replay; latency: TTFT and TBT percentiles and goodput under
+    SLOs (`kvmem.replay.latency.RequestTimes.to_json`), None where not measured.
     """
 
     policy: str
@@ -67,6 +68,7 @@ class ClusterReport:
     index_cached_tokens: int | None = None
     routing_seconds: float = 0.0
     replay_seconds: float = 0.0
+    latency: dict | None = None
 
     @property
     def num_replicas(self) -> int:
@@ -127,6 +129,8 @@ class ClusterReport:
         if self.index_cached_tokens is not None:
             out["index_hit_rate"] = round(self.index_cached_tokens / total.prompt_tokens if total.prompt_tokens
                                           else 0.0, 6)
+        if self.latency is not None:
+            out.update(self.latency)
         out["per_replica"] = [self._replica_json(r) for r in range(self.num_replicas)]
         return out
 

@@ -86,13 +86,15 @@ def replay(requests, config, progress: bool = False, engine: str = "native"):
     return python_replay(requests, config, progress)
 
 
-def replay_cluster(requests, config, replicas: int, policy: str, progress: bool = False, engine: str = "native"):
+def replay_cluster(requests, config, replicas: int, policy: str, progress: bool = False, engine: str = "native",
+                   slo=None):
     """The ClusterReport of `replicas` replicas of `config` behind a `policy` router, from `engine`, or from the
-    Python engine where the native one cannot run it (say so with `fallback_reason`)."""
-    if engine_for(engine, config) == "native":
+    Python engine where the native one cannot run it (say so with `fallback_reason`); with `slo` (a
+    kvmem.replay.latency.SLO), from the Python engine, which times each request."""
+    if slo is None and engine_for(engine, config) == "native":
         from kvmem.replay import native_cluster
 
         return native_cluster.replay_cluster(requests, config, replicas, policy, progress=progress)
     from kvmem.replay.cluster import replay_cluster as python_replay_cluster  # imports torch
 
-    return python_replay_cluster(requests, config, replicas, policy, progress=progress)
+    return python_replay_cluster(requests, config, replicas, policy, progress=progress, slo=slo)

@@ -27,6 +27,7 @@ import numpy as np
 from kvmem._checks import check_number
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.batch import ForwardMode, Req
+from kvmem.disagg.request_memory import held_tokens, preallocate, release
 from kvmem.events.schema import KVCacheEvent
 from kvmem.radix_cache import RadixCache
 from kvmem.replay.belady import oracle_policies
@@ -145,6 +146,9 @@ class ReplicaSim:
         self._arrival: dict = {}     # rid -> arrival time, until its first token
         self._admitted: set = set()  # rids admitted at least once (the hit rate counts first admissions)
         self._live: set = set()      # rids holding memory now (admitted, not finished nor retracted)
+        # rid -> a request holding memory outside the scheduler's loop: on a prefill side from its hand-off until
+        # its KV has left, on a decode side from its pre-allocation until its KV has arrived (disaggregation).
+        self.outside: dict = {}
         self._cache_s = 0.0
         self._t_start = time.perf_counter()
 
@@ -194,7 +198,7 @@ class ReplicaSim:
         batch = sched.step()
         self._cache_s += time.perf_counter() - t0
         if batch is None:
-            if not sched.is_idle():
+            if not sched.is_idle() and not self.outside:  # memory held outside comes back: then the replica waits
                 raise RuntimeError("scheduler stalled: requests wait but none can be admitted")
             return StepOutcome([], [])
         extend = batch.forward_mode is ForwardMode.EXTEND
@@ -282,6 +286,60 @@ class ReplicaSim:
         self.report.record_steps(times[:run.steps], run.tokens_used, run.evictable_tokens, running_after)
         self._finished(run.finished)
         return StepOutcome(run.finished, [])
+
+    # ---- disaggregation: requests that hold memory outside the loop (see kvmem.disagg.request_memory) ----------
+    def hand_off(self, req: Req) -> None:
+        """Takes a request whose prompt this replica prefilled (it has its first token) out of the loop with its
+        memory, for its KV to be sent; `release` frees it once sent."""
+        self.sched.hand_off(req)
+        del self._outputs[req.rid]
+        self._live.discard(req.rid)
+        self.outside[req.rid] = req
+
+    def preallocate(self, rid, request: TraceRequest, namespace: str | None = None) -> Req | None:
+        """Matches `request`'s prompt in this replica's tree and gives it a row and pages for the rest, for its KV to
+        arrive from a prefill side (`kvmem.disagg.preallocate`); None, nothing changed, when memory is short.
+        `namespace`: the request's KV-sharing domain (a namespace of its own matches nothing).
+
+        Room stays free or evictable for every output token the running requests, those waiting for their KV and this
+        one may still write: a decode step cannot retract its way out of pages held outside the loop.
+        """
+        sched = self.sched
+        ps = sched.page_size
+        reserve = sum(r.max_new_tokens - len(r.output_ids) + ps - 1 for r in sched.running)
+        reserve += sum(r.max_new_tokens + ps - 1 for r in self.outside.values()) + request.output_len + ps - 1
+        req = Req(rid, request.input_ids, request.output_len, namespace=namespace)
+        if preallocate(req, sched.req_to_token_pool, sched.token_allocator, sched.tree_cache,
+                       reserve_tokens=reserve) is None:
+            return None
+        self.outside[rid] = req
+        return req
+
+    def release(self, rid, *, cache: bool) -> None:
+        """Frees the memory of a request held outside the loop (`cache`: its whole pages enter the tree first)."""
+        release(self.outside.pop(rid), self.sched.tree_cache, cache=cache)
+
+    def add_prefilled(self, rid, request: TraceRequest) -> list[Req]:
+        """Admits a pre-allocated request whose KV has arrived to decoding, with its first token (sampled by the
+        prefill side); returns it when that token finished it."""
+        req = self.outside.pop(rid)
+        outputs = request.output_tokens().tolist()
+        req.output_ids.append(outputs[0])
+        if self.report.start_s is None:
+            self.report.start_s = self.clock
+        self.report.record_admission(len(req.input_ids), req.cache_protected_len, 0, 0)
+        self._admitted.add(rid)
+        self._outputs[rid] = outputs
+        self._live.add(rid)
+        if not self.sched.add_prefilled_request(req):
+            return []
+        self._finished([req])
+        return [req]
+
+    def check_invariants(self) -> None:
+        """The scheduler's invariants, counting the memory that requests outside the loop hold."""
+        ps = self.sched.page_size
+        self.sched.check_invariants(held_outside=sum(held_tokens(r, ps) for r in self.outside.values()))
 
     def close(self) -> ReplayReport:
         """Finishes the report (counters, tier statistics, timings) and closes the storage tier, if any."""
