@@ -15,8 +15,10 @@ from kvmem._paging import round_up
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.batch import ForwardMode, Req
 from kvmem.engine.attention import make_attention_backend
+from kvmem.engine.hybrid import HybridAdapter
+from kvmem.engine.hybrid_memory import NoPrefixReuse
 from kvmem.engine.models import adapter_for
-from kvmem.engine.runner import ModelRunner
+from kvmem.engine.runner import HybridModelRunner, ModelRunner
 from kvmem.radix_cache import RadixCache
 from kvmem.req_to_token import ReqToTokenPool
 from kvmem.scheduler import Scheduler, SchedulerConfig
@@ -102,18 +104,29 @@ class Engine:
         self.device = device
         self.model = model
         self.context_len = self.adapter.context_len()
-        self.pool = self.adapter.make_pool(capacity_tokens, page_size, kv_cache_dtype, device)
+        hybrid = isinstance(self.adapter, HybridAdapter)
+        if hybrid and attention_backend not in ("auto", "torch"):
+            raise ValueError(f"attention_backend {attention_backend!r}: hybrid models ({type(model).__name__}) run "
+                             f"the torch attention ('auto' or 'torch')")
         self.req_to_token_pool = ReqToTokenPool(rows, min(self.context_len, capacity_tokens), device=device)
         if page_size == 1:
             self.token_allocator = TokenAllocator(capacity_tokens, device=device)
         else:
             self.token_allocator = PagedTokenAllocator(capacity_tokens, page_size, device=device)
-        self.tree_cache = RadixCache(self.req_to_token_pool, self.token_allocator, page_size=page_size)
+        if hybrid:
+            self.memory = self.adapter.make_memory(capacity_tokens, page_size, kv_cache_dtype, device, rows)
+            tree = NoPrefixReuse if self.memory.states is not None else RadixCache
+            self.tree_cache = tree(self.req_to_token_pool, self.token_allocator, page_size=page_size)
+            self.runner = HybridModelRunner(self.adapter, self.memory, self.req_to_token_pool, device)
+        else:
+            self.memory = None
+            self.pool = self.adapter.make_pool(capacity_tokens, page_size, kv_cache_dtype, device)
+            self.tree_cache = RadixCache(self.req_to_token_pool, self.token_allocator, page_size=page_size)
+            attention = make_attention_backend(attention_backend, self.pool, self.adapter.num_heads, device)
+            self.runner = ModelRunner(self.adapter, self.pool, attention, device)
         config = SchedulerConfig(schedule_policy=schedule_policy, max_running_requests=rows,
                                  chunked_prefill_size=chunked_prefill_size)
         self.scheduler = Scheduler(self.req_to_token_pool, self.token_allocator, self.tree_cache, config)
-        attention = make_attention_backend(attention_backend, self.pool, self.adapter.num_heads, device)
-        self.runner = ModelRunner(self.adapter, self.pool, attention, device)
         self.stats = EngineStats()
         self.default_stop_token_ids = _model_stop_tokens(model)
         self._next_rid = 0
@@ -189,6 +202,9 @@ class Engine:
             if not sched.is_idle():
                 raise RuntimeError("the scheduler returned no batch while requests are pending")
             return []
+        if self.memory is not None:
+            for req in batch.retracted:  # it starts again from its first token
+                self.memory.release(req)
         extend = batch.forward_mode is ForwardMode.EXTEND
         if extend:
             self._count_admissions(batch)
@@ -204,6 +220,9 @@ class Engine:
             if tok in self._stop[req.rid]:
                 stopped.append(i)
         finished = sched.process_batch_result(batch, tokens, stopped)
+        if self.memory is not None:
+            for req in finished:
+                self.memory.release(req)
         stats = self.stats
         stats.prefill_batches += extend
         stats.decode_batches += not extend

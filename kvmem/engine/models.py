@@ -19,7 +19,8 @@ from kvmem.kv_pool import MHAKVPool, MLAKVPool
 
 MHA_ARCHITECTURES = ("llama", "mistral", "qwen2")
 MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
-SUPPORTED_ARCHITECTURES = MHA_ARCHITECTURES + MLA_ARCHITECTURES
+HYBRID_ARCHITECTURES = ("gemma3_text", "gpt_oss", "qwen3_next")  # kvmem.engine.hybrid
+SUPPORTED_ARCHITECTURES = MHA_ARCHITECTURES + MLA_ARCHITECTURES + HYBRID_ARCHITECTURES
 
 
 @dataclass(frozen=True)
@@ -174,10 +175,14 @@ class MLAAdapter(_Adapter):
         return attn.o_proj(out.reshape(n, -1))
 
 
-def adapter_for(model) -> MHAAdapter | MLAAdapter:
+def adapter_for(model) -> _Adapter:
     """The adapter for `model`'s architecture; ValueError naming it when it is not supported."""
+    from kvmem.engine.hybrid import HYBRID_ADAPTERS  # built on this module's adapters
+
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
+    if model_type in HYBRID_ADAPTERS:
+        return HYBRID_ADAPTERS[model_type](model)
     if model_type in MHA_ARCHITECTURES:
         return MHAAdapter(model)
     if model_type in MLA_ARCHITECTURES:
