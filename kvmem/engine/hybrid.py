@@ -61,7 +61,7 @@ class HybridForwardBatch:
 
 def layer_kinds(config) -> tuple[str, ...]:
     """The kind of each layer (`config.layer_types`), checked: one per layer, each of LAYER_KINDS, and a window
-    of at least 1 token when some layer slides."""
+    of 1 .. max_position_embeddings tokens when some layer slides."""
     kinds = tuple(getattr(config, "layer_types", None) or ())
     if len(kinds) != config.num_hidden_layers:
         raise ValueError(f"config.layer_types lists {len(kinds)} kinds for {config.num_hidden_layers} layers")
@@ -72,6 +72,9 @@ def layer_kinds(config) -> tuple[str, ...]:
         window = getattr(config, "sliding_window", None)
         if not isinstance(window, int) or window < 1:
             raise ValueError(f"config.sliding_window must be a positive int for sliding layers, got {window!r}")
+        if window > config.max_position_embeddings:
+            raise ValueError(f"config.sliding_window {window} exceeds the model's context of "
+                             f"{config.max_position_embeddings} tokens")
     return kinds
 
 
