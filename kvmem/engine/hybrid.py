@@ -214,7 +214,7 @@ class Qwen3NextAdapter(HybridAdapter):
         x = layer.input_layernorm(h)
         if self.kinds[layer_id] == LINEAR:
             index = self.pool_layer[layer_id]
-            conv, ssm = memory.states.conv[index], memory.states.ssm[index]
+            conv, ssm = memory.states.conv_states[index], memory.states.ssm_states[index]
             mixed = torch.cat([gated_delta_net(layer.linear_attn, x[s.start:s.end], conv[s.state_slot],
                                                ssm[s.state_slot], fresh=s.fresh) for s in batch.spans])
         else:

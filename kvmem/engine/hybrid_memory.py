@@ -21,15 +21,17 @@ from kvmem.radix_tree import key_bytes
 
 
 class StatePool:
-    """Per-request states of linear-attention layers: conv[l] [size + 1, *conv_shape] in the model dtype and ssm[l]
-    [size + 1, *ssm_shape] float32 (transformers keeps the recurrent state in float32 at any model dtype); slot 0
-    is padding, slots 1..size are handed out by `alloc`."""
+    """Per-request states of linear-attention layers: conv_states[l] [size + 1, *conv_shape] in the model dtype and
+    ssm_states[l] [size + 1, *ssm_shape] float32 (transformers keeps the recurrent state in float32 at any model
+    dtype); slot 0 is padding, slots 1..size are handed out by `alloc`."""
 
     def __init__(self, size: int, layer_num: int, conv_shape: tuple[int, ...], ssm_shape: tuple[int, ...],
                  dtype: torch.dtype, device: torch.device) -> None:
         self.size = check_int("size", size, minimum=1)
-        self.conv = [torch.zeros((size + 1, *conv_shape), dtype=dtype, device=device) for _ in range(layer_num)]
-        self.ssm = [torch.zeros((size + 1, *ssm_shape), dtype=torch.float32, device=device) for _ in range(layer_num)]
+        self.conv_states = [torch.zeros((size + 1, *conv_shape), dtype=dtype, device=device)
+                            for _ in range(layer_num)]
+        self.ssm_states = [torch.zeros((size + 1, *ssm_shape), dtype=torch.float32, device=device)
+                           for _ in range(layer_num)]
         self._free = list(range(size, 0, -1))
 
     def available_size(self) -> int:
