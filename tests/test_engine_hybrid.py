@@ -22,22 +22,32 @@ from kvmem.engine.window_attention import window_attention  # noqa: E402
 WINDOWED = ["gemma3-tiny", "gpt-oss-tiny"]
 HYBRID = WINDOWED + ["qwen3-next-tiny"]
 MAX_NEW = 8
-# Prompts of 14..89 tokens sharing up to 40: 2 to 11 windows of 8. With these, 112 slots, chunks of 32 and 6
-# running requests evict (and retract) at page sizes 1 and 4.
-WINDOW_WORKLOAD = dict(shared=40, head=(8, 40), tail=(1, 50), capacity=112, chunk=32, running=6)
-# Qwen3-Next: prompts of 65..179 tokens (shared heads of 64..139), chunks of 64 (the state grid).
-LINEAR_WORKLOAD = dict(shared=140, head=(64, 140), tail=(1, 40), capacity=256, chunk=64, running=4)
+GRID = 64  # Qwen3-Next's states are kept at multiples of lcm(64, page_size): 64 at page sizes 1 and 4
+# Windowed models: 8 prompts of 9..89 tokens sharing heads of up to 40 (1 to 11 windows of 8). 112 full slots, 40
+# window slots, chunks of 32 and 6 running requests evict full KV and window KV at page sizes 1 and 4.
+WINDOW_WORKLOAD = dict(groups=1, shared=40, head=(8, 40), tail=(1, 50), n=8,
+                       engine=dict(capacity_tokens=112, window_tokens=40, chunked_prefill_size=32,
+                                   max_running_requests=6))
+# Qwen3-Next: 9 prompts of 65..189 tokens in 3 groups sharing heads of 64..159 (one to two grid steps), chunks of 64.
+# 256 full slots and 3 states evict full KV and states.
+LINEAR_WORKLOAD = dict(groups=3, shared=160, head=(64, 160), tail=(1, 30), n=9,
+                       engine=dict(capacity_tokens=256, state_slots=3, chunked_prefill_size=GRID,
+                                   max_running_requests=4))
+
+
+def linear(preset):
+    return preset.startswith("qwen3-next")
 
 
 def workload_of(preset):
-    return LINEAR_WORKLOAD if preset.startswith("qwen3-next") else WINDOW_WORKLOAD
+    return LINEAR_WORKLOAD if linear(preset) else WINDOW_WORKLOAD
 
 
-def workload(preset, seed=0, n=8, vocab=256):
+def workload(preset, seed=0, vocab=256):
     w, rng = workload_of(preset), random.Random(seed)
-    shared = [rng.randrange(vocab) for _ in range(w["shared"])]
-    return [shared[:rng.randrange(*w["head"])] + [rng.randrange(vocab) for _ in range(rng.randrange(*w["tail"]))]
-            for _ in range(n)]
+    heads = [[rng.randrange(vocab) for _ in range(w["shared"])] for _ in range(w["groups"])]
+    return [heads[i % w["groups"]][:rng.randrange(*w["head"])] +
+            [rng.randrange(vocab) for _ in range(rng.randrange(*w["tail"]))] for i in range(w["n"])]
 
 
 _MODELS, _REFERENCE = {}, {}
@@ -61,7 +71,7 @@ def reference(preset):
 
 
 def run_all(engine, prompts, max_new_tokens=MAX_NEW):
-    """Drives add_request/step, checking the scheduler's memory invariants after every step."""
+    """Drives add_request/step, checking the scheduler's memory invariants (each component's) after every step."""
     rids = [engine.add_request(p, max_new_tokens) for p in prompts]
     done = {}
     while not engine.is_idle():
@@ -71,45 +81,97 @@ def run_all(engine, prompts, max_new_tokens=MAX_NEW):
     return [done[r] for r in rids]
 
 
+def common_prefix(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def resumable(preset, prompt, served, page_size):
+    """Where the cache can resume `prompt` after the requests `served` ((prompt, outputs), one at a time, nothing
+    evicted): a windowed model from the longest cached prefix of all but its last token, in whole pages; Qwen3-Next
+    only from a position where a request left a state: its prefill chunk ends on the grid, and its own end when on
+    the grid."""
+    key, best = prompt[:-1], 0
+    for q, out in served:
+        kv_len = len(q) + len(out) - 1  # the last output's KV is never computed
+        common = common_prefix(key, (q + out)[:kv_len])
+        if linear(preset):
+            ends = set(range(GRID, len(q), GRID)) | {n for n in (len(q), kv_len) if n % GRID == 0}
+            best = max([best] + [g for g in ends if g <= common])
+        else:
+            best = max(best, min(common, kv_len) // page_size * page_size)
+    return best
+
+
 # ---- the three families against transformers ----------------------------------------------------------
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("preset", HYBRID)
 def test_greedy_tokens_equal_transformers_generate_under_eviction(preset, page_size):
     w = workload_of(preset)
-    engine = Engine(model_of(preset), capacity_tokens=w["capacity"], page_size=page_size,
-                    chunked_prefill_size=w["chunk"], max_running_requests=w["running"])
+    engine = Engine(model_of(preset), page_size=page_size, **w["engine"])
     outputs = run_all(engine, workload(preset))
     assert [o.output_ids for o in outputs] == reference(preset)
-    assert engine.stats.evicted_tokens > 0, engine.stats
-    assert max(map(len, workload(preset))) > w["chunk"]  # some prompts were prefilled in chunks
+    tree, stats = engine.tree_cache, engine.stats
+    assert stats.evicted_tokens > 0 and stats.cached_tokens > 0, stats
+    if linear(preset):
+        assert tree.state_evicted > 0 and tree.state_copies > 0
+    else:
+        assert tree.window_evicted_tokens > 0
+    assert max(map(len, workload(preset))) > w["engine"]["chunked_prefill_size"]  # some prefilled in chunks
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("preset", WINDOWED)
-def test_windowed_models_reuse_shared_prefixes_several_windows_long(preset, page_size):
-    w = workload_of(preset)
-    engine = Engine(model_of(preset), capacity_tokens=512, page_size=page_size, chunked_prefill_size=w["chunk"])
-    outputs = run_all(engine, workload(preset))
-    assert [o.output_ids for o in outputs] == reference(preset)
-    assert engine.stats.cached_tokens >= 100, engine.stats  # the shared heads: 8..40 tokens, 5 windows at most
+@pytest.mark.parametrize("preset", HYBRID)
+def test_each_prompt_resumes_from_the_longest_prefix_the_cache_can_continue(preset, page_size):
+    engine = Engine(model_of(preset), capacity_tokens=1024, page_size=page_size,
+                    chunked_prefill_size=workload_of(preset)["engine"]["chunked_prefill_size"])
+    served = []
+    for prompt, want in zip(workload(preset), reference(preset)):
+        expected = resumable(preset, prompt, served, page_size)
+        (out,) = run_all(engine, [prompt])
+        assert (out.output_ids, out.cached_tokens) == (want, expected)
+        served.append((prompt, out.output_ids))
+    assert engine.stats.cached_tokens > 0 and engine.stats.evicted_tokens == 0
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("preset", WINDOWED)
+@pytest.mark.parametrize("preset", HYBRID)
 def test_an_exact_repeat_and_a_prefix_of_a_cached_prompt_are_served_from_cache(preset, page_size):
     model = model_of(preset)
-    prompt = workload(preset)[1]
-    short = prompt[:len(prompt) // 2 + 1]
-    engine = Engine(model, capacity_tokens=256, page_size=page_size, chunked_prefill_size=16)
+    prompt = max(workload(preset), key=len)  # 89 tokens (windowed), 189 (Qwen3-Next)
+    short = prompt[:len(prompt) // 2 + 9]
+    engine = Engine(model, capacity_tokens=512, page_size=page_size, chunked_prefill_size=GRID)
     (cold,) = run_all(engine, [prompt])
     (warm,) = run_all(engine, [prompt])
     (head,) = run_all(engine, [short])
-    assert cold.cached_tokens == 0
-    # Everything but the last prompt token (the prefill must produce logits), whole pages only.
-    assert warm.cached_tokens == (len(prompt) - 1) // page_size * page_size
-    assert head.cached_tokens == (len(short) - 1) // page_size * page_size
+    # All but the last prompt token (the prefill must produce logits): whole pages, or for Qwen3-Next down to the
+    # last state on the grid (its chunk ends).
+    unit = GRID if linear(preset) else page_size
+    assert (cold.cached_tokens, warm.cached_tokens, head.cached_tokens) == \
+        (0, (len(prompt) - 1) // unit * unit, (len(short) - 1) // unit * unit)
     assert warm.output_ids == cold.output_ids == hf_generate(model, [prompt])[0]
     assert head.output_ids == hf_generate(model, [short])[0]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("preset", WINDOWED)
+def test_a_long_decode_frees_the_window_it_left_and_its_next_turn_still_resumes(preset, page_size):
+    model = model_of(preset)
+    prompt = workload(preset)[0]
+    engine = Engine(model, capacity_tokens=256, window_tokens=64, page_size=page_size)
+    (first,) = run_all(engine, [prompt], max_new_tokens=40)
+    assert first.output_ids == hf_generate(model, [prompt], 40)[0]
+    assert engine.tree_cache.window_slots_freed > 0  # decode gave back the window slots its window had left
+    turn = prompt + first.output_ids + [3, 4]
+    (second,) = run_all(engine, [turn])
+    # The outputs whose window KV went are a tombstone, but the window before the new tokens is there.
+    kv_len = len(prompt) + 40 - 1
+    assert second.cached_tokens == kv_len // page_size * page_size
+    assert second.output_ids == hf_generate(model, [turn])[0]
 
 
 # ---- the pieces --------------------------------------------------------------------------------------

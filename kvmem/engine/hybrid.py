@@ -1,12 +1,13 @@
 """Hybrid models' adapters: Gemma 3 (local sliding-window and global layers), gpt-oss (alternating sliding-window
 and full layers, attention sinks, MoE) and Qwen3-Next (gated DeltaNet linear attention and gated full attention,
-MoE), running transformers' own modules token-major over kvmem's memory.
+MoE), running transformers' own modules token-major over kvmem's pools.
 
 Each layer has a kind, from `config.layer_types`: "full_attention" layers keep K/V of every token in the full
 pool; "sliding_attention" layers keep K/V in the window pool and a query at position p reads keys p - W + 1 .. p
 (W = config.sliding_window); "linear_attention" layers keep one fixed-size state per request in the state pool.
-What the layers read for each request of a step is a `RequestSpan`, built by the runner from the request's
-req_to_token row (full slots, translated to window slots for window layers) and its state slot.
+The pools are kvmem.hybrid's (`HybridKVPool`); what the layers read for each request of a step is a `RequestSpan`,
+built by the runner from the request's req_to_token row (full slots, translated to window slots through the
+`HybridTokenAllocator`'s pairing) and the state slot the `HybridRadixCache` gave it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from typing import NamedTuple
 import torch
 
 from kvmem.engine.gated_delta import gated_delta_net
-from kvmem.engine.hybrid_memory import OwnHybridMemory, StatePool
 from kvmem.engine.models import _Adapter, rope_neox
 from kvmem.engine.window_attention import window_attention
+from kvmem.hybrid import HybridKVPool, StatePool
 from kvmem.kv_pool import MHAKVPool
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
@@ -60,14 +61,17 @@ class HybridForwardBatch:
 
 
 def layer_kinds(config) -> tuple[str, ...]:
-    """The kind of each layer (`config.layer_types`), checked: one per layer, each of LAYER_KINDS, and a window
-    of 1 .. max_position_embeddings tokens when some layer slides."""
+    """The kind of each layer (`config.layer_types`), checked: one per layer, each of LAYER_KINDS, at least one full
+    layer (the full pool holds a request's tokens), and a window of 1 .. max_position_embeddings tokens when some
+    layer slides."""
     kinds = tuple(getattr(config, "layer_types", None) or ())
     if len(kinds) != config.num_hidden_layers:
         raise ValueError(f"config.layer_types lists {len(kinds)} kinds for {config.num_hidden_layers} layers")
     unknown = sorted(set(kinds) - set(LAYER_KINDS))
     if unknown:
         raise ValueError(f"config.layer_types holds {unknown[0]!r}; kvmem.engine runs {', '.join(LAYER_KINDS)}")
+    if FULL not in kinds:
+        raise ValueError("config.layer_types has no full_attention layer: kvmem.engine needs one")
     if SLIDING in kinds:
         window = getattr(config, "sliding_window", None)
         if not isinstance(window, int) or window < 1:
@@ -87,8 +91,6 @@ class HybridAdapter(_Adapter):
         cfg = self.config
         self.kinds = layer_kinds(cfg)
         self.window = cfg.sliding_window if SLIDING in self.kinds else None
-        # A layer's index among the layers of its kind: its layer id in that kind's pool.
-        self.pool_layer = [self.kinds[:i].count(kind) for i, kind in enumerate(self.kinds)]
         attn_layer = next((layer.self_attn for layer in self.layers if hasattr(layer, "self_attn")), None)
         self.head_dim = attn_layer.head_dim if attn_layer is not None else None
         self.num_kv_heads = cfg.num_key_value_heads
@@ -97,27 +99,29 @@ class HybridAdapter(_Adapter):
     def num_layers_of(self, kind: str) -> int:
         return self.kinds.count(kind)
 
-    def make_memory(self, size: int, page_size: int, kv_cache_dtype: str, device: torch.device,
-                    state_slots: int) -> OwnHybridMemory:
-        """Pools for `size` tokens (a window pool as large, indexed alike) and `state_slots` request states."""
-        def kv_pool(kind):
-            n = self.num_layers_of(kind)
-            return MHAKVPool(size, page_size, self.dtype, self.num_kv_heads, self.head_dim, n, device=device,
-                             kv_cache_dtype=kv_cache_dtype) if n else None
+    def make_pools(self, size: int, window_size: int | None, state_slots: int | None, page_size: int,
+                   kv_cache_dtype: str, device: torch.device) -> HybridKVPool:
+        """The model's pools: full KV for `size` tokens, window KV for `window_size` tokens (sliding layers) and
+        `state_slots` request states (linear layers)."""
+        def kv_pool(tokens, kind):
+            return MHAKVPool(tokens, page_size, self.dtype, self.num_kv_heads, self.head_dim, self.num_layers_of(kind),
+                             device=device, kv_cache_dtype=kv_cache_dtype)
 
-        return OwnHybridMemory(kv_pool(FULL), kv_pool(SLIDING), self._state_pool(state_slots, device))
+        window = kv_pool(window_size, SLIDING) if self.window is not None else None
+        states = self._state_pool(state_slots, device) if LINEAR in self.kinds else None
+        return HybridKVPool(self.kinds, kv_pool(size, FULL), window, states)
 
-    def _state_pool(self, slots: int, device: torch.device) -> StatePool | None:
-        return None
+    def _state_pool(self, slots: int, device: torch.device) -> StatePool:
+        raise NotImplementedError
 
     @torch.no_grad()
-    def forward(self, batch: HybridForwardBatch, memory) -> torch.Tensor:
-        """Runs every layer over `memory` (see kvmem.engine.hybrid_memory) and returns the next-token logits
+    def forward(self, batch: HybridForwardBatch, pools) -> torch.Tensor:
+        """Runs every layer over `pools` (a kvmem.hybrid.HybridKVPool) and returns the next-token logits
         [bs, vocab_size] float32 of the batch's logit_rows."""
         h = self.embed_tokens(batch.input_ids)
         tables = self._rope(h, batch.positions)
         for layer_id, layer in enumerate(self.layers):
-            h = self._layer(layer_id, layer, h, tables, batch, memory)
+            h = self._layer(layer_id, layer, h, tables, batch, pools)
         logits = self.lm_head(self.norm(h[batch.logit_rows])).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
@@ -128,7 +132,7 @@ class HybridAdapter(_Adapter):
         table = self._rope_tables(h, positions)
         return {FULL: table, SLIDING: table}
 
-    def _layer(self, layer_id, layer, h, tables, batch, memory) -> torch.Tensor:
+    def _layer(self, layer_id, layer, h, tables, batch, pools) -> torch.Tensor:
         raise NotImplementedError
 
     def _mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
@@ -138,12 +142,12 @@ class HybridAdapter(_Adapter):
         return (out[0] if isinstance(out, tuple) else out)[0]
 
     def _attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: HybridForwardBatch,
-                memory, scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                pools, scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Writes the new tokens' k/v [num_tokens, Hkv, D] into the layer's pool and attends each request's queries
         q [num_tokens, Hq, D] over its keys there: all of them for a full layer, the window for a sliding one.
         Returns [num_tokens, Hq * Dv]."""
         sliding = self.kinds[layer_id] == SLIDING
-        pool, index = (memory.window if sliding else memory.full), self.pool_layer[layer_id]
+        _, pool, index = pools.layer(layer_id)
         pool.set_kv_buffer(index, batch.window_loc if sliding else batch.full_loc, k, v)
         out = []
         for s in batch.spans:
@@ -164,13 +168,13 @@ class GptOssAdapter(HybridAdapter):
         table = (torch.cat((cos[0], cos[0]), -1), torch.cat((sin[0], sin[0]), -1))
         return {FULL: table, SLIDING: table}
 
-    def _layer(self, layer_id, layer, h, tables, batch, memory):
+    def _layer(self, layer_id, layer, h, tables, batch, pools):
         attn, n, d = layer.self_attn, h.shape[0], self.head_dim
         x = layer.input_layernorm(h)
         cos, sin = tables[self.kinds[layer_id]]
         q = rope_neox(attn.q_proj(x).view(n, -1, d), cos, sin)
         k = rope_neox(attn.k_proj(x).view(n, -1, d), cos, sin)
-        out = self._attend(layer_id, q, k, attn.v_proj(x).view(n, -1, d), batch, memory, attn.scaling,
+        out = self._attend(layer_id, q, k, attn.v_proj(x).view(n, -1, d), batch, pools, attn.scaling,
                            sinks=attn.sinks)
         h = h + attn.o_proj(out)
         return h + self._mlp(layer, layer.post_attention_layernorm(h))
@@ -188,13 +192,13 @@ class Gemma3Adapter(HybridAdapter):
             tables[kind] = (cos[0], sin[0])
         return tables
 
-    def _layer(self, layer_id, layer, h, tables, batch, memory):
+    def _layer(self, layer_id, layer, h, tables, batch, pools):
         attn, n, d = layer.self_attn, h.shape[0], self.head_dim
         x = layer.input_layernorm(h)
         cos, sin = tables[self.kinds[layer_id]]
         q = rope_neox(attn.q_norm(attn.q_proj(x).view(n, -1, d)), cos, sin)
         k = rope_neox(attn.k_norm(attn.k_proj(x).view(n, -1, d)), cos, sin)
-        out = self._attend(layer_id, q, k, attn.v_proj(x).view(n, -1, d), batch, memory, attn.scaling,
+        out = self._attend(layer_id, q, k, attn.v_proj(x).view(n, -1, d), batch, pools, attn.scaling,
                            softcap=attn.attn_logit_softcapping)
         h = h + layer.post_attention_layernorm(attn.o_proj(out))
         return h + layer.post_feedforward_layernorm(self._mlp(layer, layer.pre_feedforward_layernorm(h)))
@@ -206,29 +210,30 @@ class Qwen3NextAdapter(HybridAdapter):
     expert."""
 
     def _state_pool(self, slots, device):
+        # transformers' shapes: the conv's last K inputs in the model dtype, the recurrent state in float32.
         gdn = self.layers[self.kinds.index(LINEAR)].linear_attn
         return StatePool(slots, self.num_layers_of(LINEAR), (gdn.conv_dim, gdn.conv_kernel_size),
-                         (gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim), self.dtype, device)
+                         (gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim), self.dtype, torch.float32, device)
 
-    def _layer(self, layer_id, layer, h, tables, batch, memory):
+    def _layer(self, layer_id, layer, h, tables, batch, pools):
         x = layer.input_layernorm(h)
         if self.kinds[layer_id] == LINEAR:
-            index = self.pool_layer[layer_id]
-            conv, ssm = memory.states.conv_states[index], memory.states.ssm_states[index]
+            _, states, index = pools.layer(layer_id)
+            conv, ssm = states.conv_states[index], states.ssm_states[index]
             mixed = torch.cat([gated_delta_net(layer.linear_attn, x[s.start:s.end], conv[s.state_slot],
                                                ssm[s.state_slot], fresh=s.fresh) for s in batch.spans])
         else:
-            mixed = self._gated_attention(layer_id, layer.self_attn, x, tables[FULL], batch, memory)
+            mixed = self._gated_attention(layer_id, layer.self_attn, x, tables[FULL], batch, pools)
         h = h + mixed
         return h + self._mlp(layer, layer.post_attention_layernorm(h))
 
-    def _gated_attention(self, layer_id, attn, x, table, batch, memory):
+    def _gated_attention(self, layer_id, attn, x, table, batch, pools):
         n, d = x.shape[0], self.head_dim
         q, gate = torch.chunk(attn.q_proj(x).view(n, -1, 2 * d), 2, dim=-1)
         cos, sin = table
         q = _partial_rope(attn.q_norm(q), cos, sin)
         k = _partial_rope(attn.k_norm(attn.k_proj(x).view(n, -1, d)), cos, sin)
-        out = self._attend(layer_id, q, k, attn.v_proj(x).view(n, -1, d), batch, memory, attn.scaling)
+        out = self._attend(layer_id, q, k, attn.v_proj(x).view(n, -1, d), batch, pools, attn.scaling)
         return attn.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))
 
 
