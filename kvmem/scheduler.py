@@ -208,6 +208,50 @@ class Scheduler:
     def is_idle(self) -> bool:
         return not self.waiting and not self.running and self.chunked_req is None
 
+    # ---- disaggregation (kvmem.disagg) ---------------------------------------------------------------
+    def hand_off(self, req: Req) -> None:
+        """Takes a running request out of the loop with its memory, for a prefill side to send its KV: it runs no more
+        batches here and no longer counts in held_by_requests; its new owner releases it with
+        `tree_cache.release_req(req, cache=True)`. Raises ValueError for a request that is not decoding here and
+        RuntimeError while the pending batch holds it."""
+        if not isinstance(req, Req):
+            raise TypeError(f"req must be a Req, got {type(req).__name__}")
+        if self._batch is not None and req in self._batch.reqs:
+            raise RuntimeError(f"request {req.rid!r} is in the pending batch: call process_batch_result first")
+        if req.status is not ReqStatus.RUNNING or req not in self.running:
+            raise ValueError(f"request {req.rid!r} is not decoding here ({req.status.value})")
+        self.running.remove(req)
+        self._tokens_left -= req.max_new_tokens - len(req.output_ids)
+        self.tails.untrack(req)
+
+    def add_prefilled_request(self, req: Req, stopped: bool = False) -> bool:
+        """Admits a request whose prompt another instance prefilled straight to decoding, as the step that prefills a
+        prompt here would: its row holds the KV of its whole prompt (kv_len == extend_end == len(input_ids)), its
+        first cache_protected_len slots are the tree's (locked through last_node), and output_ids holds the one
+        token the other instance sampled. Its prompt's whole pages enter the tree now. `stopped`: that token ends it.
+        Returns True when it finished at once (then cached and released). Raises, changing nothing, for a request
+        that is not so."""
+        if not isinstance(req, Req):
+            raise TypeError(f"req must be a Req, got {type(req).__name__}")
+        if req.status is not ReqStatus.RUNNING or req in self.running or req is self.chunked_req:
+            raise ValueError(f"request {req.rid!r} must hold memory outside this scheduler (status RUNNING, not "
+                             f"running here), got {req.status.value}")
+        prompt = len(req.input_ids)
+        if len(req.output_ids) != 1 or req.kv_len != prompt or req.extend_end != prompt:
+            raise ValueError(f"request {req.rid!r}: need one output token and kv_len == extend_end == {prompt} "
+                             f"(its prompt), got {len(req.output_ids)}, {req.kv_len} and {req.extend_end}")
+        self.tree_cache.cache_unfinished_req(req)  # checks its row, lock and slots before it changes anything
+        if stopped:
+            req.max_new_tokens = 1
+        if req.finished():
+            self._finish(req, [])
+            return True
+        self.running.append(req)
+        self._tokens_left += req.max_new_tokens - len(req.output_ids)
+        if self.config.cache_decode_pages:
+            self.tails.track(req)
+        return False
+
     # ---- the loop -----------------------------------------------------------------------------------
     def step(self) -> ScheduleBatch | None:
         """The next batch to run (extend if anything can be admitted, else decode), or None when idle.
@@ -464,15 +508,16 @@ class Scheduler:
             holders.update(self._batch.reqs)
         return [r for r in holders if r.status is ReqStatus.RUNNING]
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, held_outside: int = 0) -> None:
         """Raises AssertionError unless free + evictable + protected + held by requests == total (in the token
         pool, and in each of a hybrid tree's other components), the output tokens the running requests still owe
-        are counted right, and the tree's own invariants hold."""
+        are counted right, and the tree's own invariants hold. held_outside: slots held by requests outside the
+        loop (a disaggregated side's transfers)."""
         self.tree_cache.check_invariants()
         free = self.token_allocator.available_size()
         evictable = self.tree_cache.evictable_size()
         protected = self.tree_cache.protected_size()
-        held = self.held_by_requests()
+        held = self.held_by_requests() + held_outside
         total = self.token_allocator.size
         if free + evictable + protected + held != total:
             raise AssertionError(f"memory leak or double count: free {free} + evictable {evictable} + protected "

@@ -48,9 +48,9 @@ def prefill(reqs, pool, alloc, tree):
     (np.array([True]), TypeError, "request 'r': input_ids must be a 1-D sequence of ints, got bool of shape (1,)"),
     (np.array([1, 2**63], dtype=np.uint64), ValueError, "request 'r': input_ids holds a token id outside int64"),
     (np.array([], dtype=np.float64), ValueError, "request 'r': input_ids is empty"),
-    (b"\x01\x02", TypeError, "request 'r': input_ids must hold ints, got bytes"),
-    ("ab", TypeError, "request 'r': input_ids must hold ints, got str"),
-    ([1, 2.5], TypeError, "request 'r': input_ids must hold ints, got list"),
+    (b"\x01\x02", TypeError, "request 'r': input_ids must be a sequence of ints, got bytes"),
+    ("ab", TypeError, "request 'r': input_ids must be a sequence of ints, got str"),
+    ([1, 2.5], TypeError, "request 'r': input_ids must hold ints, got float"),
     ([2**63], ValueError, "request 'r': input_ids holds a token id outside int64"),
     ([], ValueError, "request 'r': input_ids is empty"),
 ])

@@ -383,3 +383,29 @@ def test_run_decode_refuses_outputs_that_are_not_int_tokens_and_changes_nothing(
             sched.run_decode(3, {})
         sched.check_invariants()
         assert sched.run_decode(3, {"a": [5, 6, 7, 8]}).steps == 3
+
+
+def test_a_handed_off_request_leaves_the_run_arrays_and_a_prefilled_one_joins_them():
+    sched = make_scheduler(64, page_size=4, rows=8)
+    a, b = Req("a", list(range(1, 7)), max_new_tokens=6), Req("b", list(range(20, 27)), max_new_tokens=6)
+    for req in (a, b):
+        sched.add_request(req)
+    batch = sched.step()
+    sched.process_batch_result(batch, [9] * len(batch.reqs))
+    assert sched.running_kv_tokens() == 13  # the arrays are built for both
+    sched.hand_off(a)
+    assert sched.running_kv_tokens() == 7
+    outside = 4  # a's partial last page: its whole first page is the tree's
+    sched.check_invariants(held_outside=outside)
+    from kvmem.disagg import preallocate
+    c = Req("c", list(range(40, 45)), max_new_tokens=3)
+    preallocate(c, sched.req_to_token_pool, sched.token_allocator, sched.tree_cache)
+    c.output_ids.append(5)
+    assert sched.add_prefilled_request(c) is False
+    assert sched.running_kv_tokens() == 12
+    sched.check_invariants(held_outside=outside)
+    steps = sched.pure_decode_steps()
+    assert steps > 0
+    run = sched.run_decode(steps, {"b": [9, 1, 2, 3, 4, 5], "c": [5, 6, 7]})
+    assert run.finished and sched.running_kv_tokens() == sum(r.kv_len for r in sched.running)
+    sched.check_invariants(held_outside=outside)

@@ -13,7 +13,7 @@ from kvmem._checks import check_int
 from kvmem._device import check_device
 from kvmem._paging import round_up
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
-from kvmem.batch import ForwardMode, Req
+from kvmem.batch import ForwardMode, Req, ReqStatus
 from kvmem.engine.attention import ATTENTION_BACKENDS, make_attention_backend
 from kvmem.engine.hybrid import LINEAR, HybridAdapter
 from kvmem.engine.models import adapter_for
@@ -137,6 +137,7 @@ class Engine:
         self._stop: dict[int, frozenset[int]] = {}
         self._logits: dict[int, list[torch.Tensor] | None] = {}
         self._cached: dict[int, int] = {}
+        self._handed_off: set[Req] = set()  # taken out with their memory (hand_off), not released yet
 
     def _build_hybrid(self, capacity_tokens, page_size, kv_cache_dtype, window_tokens, state_slots, rows,
                       attention_backend, device) -> None:
@@ -195,6 +196,46 @@ class Engine:
         self._logits[req.rid] = [] if return_logits else None
         return req.rid
 
+    # ---- disaggregation (kvmem.disagg) ---------------------------------------------------------------
+    def new_req(self, input_ids: Sequence[int], max_new_tokens: int) -> Req:
+        """A request with this engine's next id, checked as add_request checks it but not queued: a disaggregated
+        decode side gives it memory and the KV of its prompt, then admits it with add_prefilled_request."""
+        req = self._new_req(self._next_rid, input_ids, max_new_tokens)
+        self._next_rid += 1
+        return req
+
+    def add_prefilled_request(self, req: Req, *, stop_token_ids: Sequence[int] | None = None) -> RequestOutput | None:
+        """Admits a request whose prompt's KV is in this engine's pool and whose first token another engine sampled
+        (`Scheduler.add_prefilled_request`); stop_token_ids as add_request. Returns its output when that token
+        finished it, else None (it decodes in the next steps). Raises as the scheduler does, changing nothing."""
+        stops = self._stop_ids(stop_token_ids)
+        cached = req.cache_protected_len  # the admission moves it to the prompt's whole pages
+        finished = self.scheduler.add_prefilled_request(req, stopped=bool(req.output_ids) and
+                                                        req.output_ids[-1] in stops)
+        self._stop[req.rid] = stops
+        self._logits[req.rid] = None  # the first token's logits stayed with the engine that sampled it
+        self._cached[req.rid] = cached
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(req.input_ids)
+        self.stats.cached_tokens += cached
+        return self._output(req) if finished else None
+
+    def hand_off(self, req: Req) -> RequestOutput:
+        """Takes a request whose prompt this engine prefilled (it has sampled one token) out of the loop with its
+        memory (`Scheduler.hand_off`), for a prefill side to send its KV, then `release_handed_off` it. Returns its
+        output so far. While it holds memory, a step that can admit nothing is no error: it waits for that memory."""
+        self.scheduler.hand_off(req)
+        self._handed_off.add(req)
+        return self._output(req)
+
+    def release_handed_off(self, req: Req) -> None:
+        """Frees a request taken out with hand_off (its whole pages stay cached); ValueError for any other."""
+        if req not in self._handed_off:
+            raise ValueError(f"request {req.rid!r} was not handed off by this engine (or is released already)")
+        self._handed_off.remove(req)
+        self.tree_cache.release_req(req, cache=True)
+        req.status = ReqStatus.FINISHED
+
     def _stop_ids(self, stop_token_ids: Sequence[int] | None) -> frozenset[int]:
         """add_request's stop tokens, checked: ids of the vocabulary (the model's EOS ids for None)."""
         if stop_token_ids is None:
@@ -238,7 +279,7 @@ class Engine:
         retractions, evicted = sched.stats.retractions, sched.stats.evicted_tokens
         batch = sched.step()
         if batch is None:
-            if not sched.is_idle():
+            if not sched.is_idle() and not self._handed_off:
                 raise RuntimeError("the scheduler returned no batch while requests are pending")
             return []
         extend = batch.forward_mode is ForwardMode.EXTEND

@@ -89,13 +89,24 @@ class ReplayScheduler(Scheduler):
         self._outputs.pop(req, None)
         super().abort(req)
 
+    # A request leaving or joining the running batch from outside the loop (disaggregation) rebuilds the arrays.
+    def hand_off(self, req: Req) -> None:
+        super().hand_off(req)
+        self._arrays = None
+        self._outputs.pop(req, None)
+
+    def add_prefilled_request(self, req: Req, stopped: bool = False) -> bool:
+        finished = super().add_prefilled_request(req, stopped)
+        self._arrays = None
+        return finished
+
     def _finish(self, req: Req, finished: list[Req]) -> None:
         self._outputs.pop(req, None)
         super()._finish(req, finished)
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, held_outside: int = 0) -> None:
         """The Scheduler's invariants, and the run arrays equal to what the running requests hold."""
-        super().check_invariants()
+        super().check_invariants(held_outside)
         if self._arrays is not None:
             for name, have, want in zip(("kv_len", "rows", "output tokens left"), self._arrays, _arrays(self.running)):
                 if not np.array_equal(have, want):
