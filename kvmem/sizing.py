@@ -109,11 +109,16 @@ MODEL_CONFIGS: MappingProxyType[str, ModelConfig] = MappingProxyType({
 
 
 def get_model_config(name: str) -> ModelConfig:
-    """The preset called `name` (see MODEL_CONFIGS); raises ValueError listing the known names."""
+    """The preset called `name`: one of MODEL_CONFIGS, or a hybrid one (HYBRID_MODEL_CONFIGS) sized as if every layer
+    were full attention (`full_attention_config`, what pools that ignore layer kinds reserve); raises ValueError
+    listing the known names."""
+    if isinstance(name, str) and name in HYBRID_MODEL_CONFIGS:
+        return full_attention_config(HYBRID_MODEL_CONFIGS[name])
     try:
         return MODEL_CONFIGS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"name {name!r} is not a known model; known: {', '.join(MODEL_CONFIGS)}") from None
+        raise ValueError(f"name {name!r} is not a known model; known: "
+                         f"{', '.join([*MODEL_CONFIGS, *HYBRID_MODEL_CONFIGS])}") from None
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
@@ -122,6 +127,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "line
 STATE_GRID = 64
 # A decoding request frees the window slots its window left in runs of at least this many tokens.
 WINDOW_FREE_INTERVAL = 64
+# Window-aware pools keep room for the window tail of one cached prefix per this many windows of full-pool tokens
+# (a cached prefix is matchable only while its tail has window KV): tails then cost 1/32 of the full pool's window
+# KV, and a replay of the Mooncake conversation trace on gpt-oss-120b hits as often as with full-attention pools.
+CACHED_WINDOW_SPACING = 32
 WINDOW_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 
 
@@ -321,17 +330,21 @@ def hybrid_capacity(config: HybridConfig, mem_bytes: int | None = None, *, gpu_m
                     state_slots: int | None = None) -> HybridCapacity:
     """Window-aware pools for a budget: the window pool from `window_pool_tokens`, `state_slots` states (default: two
     per running request, its own and a cached one it matched), and the rest to the full pool (whole pages; a window
-    pool never larger than it). All zero when the window pool and the states alone exceed the budget. Give exactly
-    one of mem_bytes or gpu_mem_gb (GiB), as for `tokens_for_budget`.
+    pool never larger than it). cached_windows: the cached prefixes' window tails the window pool keeps room for
+    (default: one per CACHED_WINDOW_SPACING windows of the full pool's tokens, at least max_running_requests). All
+    zero when the window pool and the states alone exceed the budget. Give exactly one of mem_bytes or gpu_mem_gb
+    (GiB), as for `tokens_for_budget`.
 
     >>> cap = hybrid_capacity(HYBRID_MODEL_CONFIGS["gpt-oss-120b"], gpu_mem_gb=40, page_size=16,
     ...                       max_running_requests=64)
     >>> cap.full_tokens, cap.window_tokens, tokens_for_budget(full_attention_config(
     ...     HYBRID_MODEL_CONFIGS["gpt-oss-120b"]), gpu_mem_gb=40, page_size=16)
-    (1133296, 31744, 582512)
+    (1103712, 61264, 582512)
     """
     mem_bytes = _budget_bytes(mem_bytes, gpu_mem_gb)
-    window = window_pool_tokens(config, page_size, max_running_requests, chunked_prefill_size, cached_windows)
+    running = check_int("max_running_requests", max_running_requests, minimum=1)
+    window = window_pool_tokens(config, page_size, running, chunked_prefill_size,
+                                running if cached_windows is None else cached_windows)
     states = 0
     if config.linear_layers:
         states = 2 * max_running_requests if state_slots is None else check_int("state_slots", state_slots, minimum=1)
@@ -340,6 +353,15 @@ def hybrid_capacity(config: HybridConfig, mem_bytes: int | None = None, *, gpu_m
     fixed = (window + page_size) * window_b if window else 0
     fixed += (states + 1) * state_b if states else 0
     full = max((mem_bytes - fixed) // (full_b * page_size) - 1, 0) * page_size
+    if window and cached_windows is None:  # more tails for a larger full pool: its tokens pay for them
+        tail = -(-max(config.sliding_window - 1, page_size) // page_size) * page_size + page_size
+        spacing = CACHED_WINDOW_SPACING * config.sliding_window
+        extra = tail * window_b / spacing  # window bytes a full token adds for the tails beyond the first `running`
+        grown = max(int((mem_bytes - fixed + running * spacing * extra) // ((full_b + extra) * page_size)) - 1, 0)
+        grown *= page_size
+        if grown // spacing > running:
+            full = grown
+            window = window_pool_tokens(config, page_size, running, chunked_prefill_size, full // spacing)
     if window > full:  # a window pool larger than the full one holds nothing more: share what is left evenly
         left = mem_bytes - ((states + 1) * state_b if states else 0)
         full = window = max(left // ((full_b + window_b) * page_size) - 1, 0) * page_size

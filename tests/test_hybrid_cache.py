@@ -123,9 +123,21 @@ def test_window_eviction_frees_least_recently_matched_tails_last():
     cache.insert(other, alloc.alloc(8))
     cache.match_prefix(KEY)  # KEY's tail is used now; other is older
     cache.inc_lock_ref(cache.match_prefix(KEY).last_node)
-    cache.evict_window(2)
-    assert len(cache.match_prefix(other).indices) == 0  # other went first
+    assert cache.evict_window(2) == 6  # other went first: all but its last window tail (W - 1 = 2 tokens)
+    assert len(cache.match_prefix(other).indices) == 8  # a match still ends at its end
     assert len(cache.match_prefix(KEY).indices) == 16
+    assert cache.window_evictable_size() == 14 + 2 and cache.window_protected_size() == 2
+    cache.check_invariants()
+
+
+def test_window_eviction_cuts_a_long_node_before_its_tail_and_takes_the_tail_last():
+    cache, alloc = window_cache(window=5)  # keep 4
+    cache.insert(KEY, alloc.alloc(16))
+    assert cache.evict_window(1) == 12 and cache.window_evictable_size() == 4
+    assert len(cache.match_prefix(KEY).indices) == 16 and len(cache.match_prefix(KEY[:8]).indices) == 0
+    assert cache.evict_window(1) == 4  # the tail, a leaf nobody locks, goes whole: full KV too
+    assert cache.total_size() == 0 and alloc.available_size() == 64 and alloc.window_available_size() == 48
+    cache.check_invariants()
 
 
 # ---- window: inserts with freed window KV -----------------------------------------------------------------
@@ -149,8 +161,7 @@ def test_an_insert_revives_a_tombstone_with_the_window_kv_it_still_holds():
     assert cache.insert(KEY, fresh) == 16  # all cached: the caller frees its duplicates...
     alloc.free(fresh)  # ...whose window slots the tombstone took
     assert cache.window_evictable_size() == 16
-    node = cache.match_prefix(KEY[:12]).last_node
-    assert torch.equal(alloc.window_slots(torch.from_numpy(node.value)), window_of_fresh)
+    assert torch.equal(alloc.window_slots(cache.match_prefix(KEY[:12]).indices), window_of_fresh)
     assert len(cache.match_prefix(KEY[:6]).indices) == 6
     cache.check_invariants()
 

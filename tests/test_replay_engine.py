@@ -115,7 +115,7 @@ trace = read_trace(default_trace_path(), limit=40)
 config = types.SimpleNamespace(capacity_tokens=300000, max_context_len=trace.max_context_len, page_size=16,
     eviction_policy="lru", schedule_policy="lpm", max_running=256, chunked_prefill_size=8192, honour_arrivals=True,
     host_capacity_tokens=None, cache_decode_pages=True, in_batch_prefix_caching=False, pin_prefix_tokens=0,
-    pin_budget=0.2, gpu=None, context_len=trace.max_context_len)
+    pin_budget=0.2, gpu=None, context_len=trace.max_context_len, hybrid=None)
 report = native_replay.replay(trace, config)
 assert "torch" not in sys.modules and report.requests == 40, report
 print("ok", report.hit_rate)

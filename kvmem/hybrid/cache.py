@@ -53,8 +53,10 @@ class HybridRadixCache(WindowComponent, StateComponent, RadixCache):
     >>> slots = alloc.alloc(12)
     >>> cache.insert(list(range(12)), slots)
     0
-    >>> cache.evict_window(4), cache.window_evictable_size()    # the LRU node goes whole: its window KV and full KV
-    (12, 0)
+    >>> cache.evict_window(4), cache.window_evictable_size()    # all but its last window tail (W - 1 tokens)
+    (9, 3)
+    >>> cache.match_prefix(list(range(12))).indices.numel()     # a match still ends there
+    12
     """
 
     node_class = HybridTreeNode

@@ -37,7 +37,7 @@ class WindowComponent:
     window: int | None  # W; None: the cache has no window component
 
     def _window_clear(self) -> None:
-        self._window_lru = SortedList()  # (window_tick, id, node) of live nodes no window tail covers
+        self._window_lru = SortedList()  # _window_entry of live nodes no window tail covers
         self._window_evictable = 0
         self._window_protected = 0
 
@@ -84,6 +84,7 @@ class WindowComponent:
     def _make_live(self, node: HybridTreeNode) -> None:
         """`node`'s tokens have their window KV now (a new node, or a tombstone revived)."""
         node.window_live = True
+        node.window_tail = False
         n = len(node.value)
         if node.window_lock:
             self._window_protected += n
@@ -100,8 +101,13 @@ class WindowComponent:
         self._window_evictable -= n
         return n
 
+    def _window_entry(self, node: HybridTreeNode) -> tuple:
+        """Its window LRU record: the tails window eviction kept live rank after every other node, so that eviction
+        takes the older parts of paths before the tails that matches end on."""
+        return node.window_tail, node.window_tick, node.id, node
+
     def _window_add(self, node: HybridTreeNode) -> None:
-        node.window_entry = (node.window_tick, node.id, node)
+        node.window_entry = self._window_entry(node)
         self._window_lru.add(node.window_entry)
 
     def _window_remove(self, node: HybridTreeNode) -> None:
@@ -112,6 +118,7 @@ class WindowComponent:
         head.window_live = child.window_live
         head.window_lock = child.window_lock
         head.window_tick = child.window_tick
+        head.window_tail = child.window_tail
         if child.window_entry is not None:
             self._window_add(head)
 
@@ -206,9 +213,11 @@ class WindowComponent:
 
     # ---- eviction -----------------------------------------------------------------------------------
     def evict_window(self, num_tokens: int) -> int:
-        """Frees at least `num_tokens` window tokens (whole nodes), LRU first, from live nodes no request's window
-        tail covers, or all there are if that is less; returns the window tokens freed. A node nobody locks and
-        with no child goes whole (full KV too); any other becomes a tombstone (its full KV stays)."""
+        """Frees at least `num_tokens` window tokens, LRU first, from live nodes no request's window tail covers, or
+        all there are if that is less; returns the window tokens freed. A node longer than a window tail
+        (ceil_page(max(W - 1, page)) tokens) is cut before its last tail: the head becomes a tombstone, the tail
+        stays live and ranks after every node that is not such a tail. A shorter node goes whole (full KV too) when
+        nobody locks it and it has no child; else it becomes a tombstone (its full KV stays)."""
         return self._evict_window(check_int("num_tokens", num_tokens, minimum=0))[0]
 
     def _evict_window(self, num_tokens: int) -> tuple[int, int]:
@@ -217,10 +226,12 @@ class WindowComponent:
         values: list[np.ndarray] = []
         lru = self._window_lru
         while freed < num_tokens and lru:
-            node = lru.pop(0)[2]
+            node = lru.pop(0)[-1]
             node.window_entry = None
-            if node.lock_ref == 0 and not node.children:
-                n = len(node.value)
+            n = len(node.value)
+            if n > self._tail:
+                freed += self._trim(node)
+            elif node.lock_ref == 0 and not node.children:
                 self._window_evictable -= n
                 node.window_live = False  # counted out here: _forget must not count it again
                 full += self._delete_leaf(node, values)
@@ -232,6 +243,15 @@ class WindowComponent:
             self._release(values)
         self.window_evicted_tokens += freed
         return freed, full
+
+    def _trim(self, node: HybridTreeNode) -> int:
+        """Cuts a live node longer than a window tail, out of the LRU, before its last tail: the head becomes a
+        tombstone, the tail stays live (a match may still end there: a conversation's next turn resumes at it) and
+        ranks with the tails. Returns the window tokens freed."""
+        freed = self._tombstone(self._split(node, (len(node.value) - self._tail) * TOKEN_BYTES))
+        node.window_tail = True
+        self._window_add(node)
+        return freed
 
     # ---- requests -----------------------------------------------------------------------------------
     def _free_window_tails(self, reqs: list[CachedRequest], kv_lens: np.ndarray) -> None:
@@ -295,7 +315,7 @@ class WindowComponent:
                                f"{'' if node.window_entry is not None else 'not '}in the window LRU")
             if should:
                 entries += 1
-                if node.window_entry != (node.window_tick, node.id, node) or node.window_entry not in self._window_lru:
+                if node.window_entry != self._window_entry(node) or node.window_entry not in self._window_lru:
                     fail_invariant(f"node {node.id}: its window LRU entry is stale or missing")
         if entries != len(self._window_lru):
             fail_invariant(f"the window LRU holds {len(self._window_lru)} entries for {entries} nodes")

@@ -8,7 +8,7 @@ from kvmem._checks import check_host_bytes, check_int, check_number
 from kvmem.eviction import EVICTION_POLICIES as _POLICY_KEYS
 from kvmem.replay.cost import DEFAULT_MODEL, DEFAULT_STORAGE_LATENCY_US, GPUS, MODEL_COMPUTE, kv_copies
 from kvmem.scheduler import SCHEDULE_POLICIES
-from kvmem.sizing import bytes_per_token, get_model_config
+from kvmem.sizing import HYBRID_MODEL_CONFIGS, HybridConfig, bytes_per_token, get_model_config, window_pool_tokens
 from kvmem.storage import parse_store_spec
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # kvmem.tiers.WRITE_POLICIES
@@ -67,6 +67,10 @@ class ReplayConfig:
         kvmem.replay.cost). `model` names the preset kv_bytes_per_token was taken from, if any.
     pin_prefix_tokens: pin the first N tokens of each finished request's prompt (`RadixCache.pin`; 0: no
         pins), as a server would pin its system prompts. pin_budget: the share of the capacity pins may hold.
+    full_attention_pools: for a hybrid `model` (kvmem.sizing.HYBRID_MODEL_CONFIGS), one pool sized as if every
+        layer were full attention (the comparison); False: window-aware pools (kvmem.hybrid), capacity_tokens being
+        the full-attention pool's, beside a window pool of window_tokens (None: `sizing.window_pool_tokens` of
+        max_running and chunked_prefill_size) and state_slots recurrent states (None: two per running request).
     """
 
     capacity_tokens: int
@@ -95,6 +99,9 @@ class ReplayConfig:
     tp: int = 1
     pin_prefix_tokens: int = 0
     pin_budget: float = 0.2
+    full_attention_pools: bool = False
+    window_tokens: int | None = None
+    state_slots: int | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and self.model not in MODEL_COMPUTE:
@@ -148,6 +155,66 @@ class ReplayConfig:
         check_int("pin_prefix_tokens", self.pin_prefix_tokens, minimum=0)
         if not 0 <= check_number("pin_budget", self.pin_budget, 0) <= 1:
             raise ValueError(f"pin_budget must lie in [0, 1], got {self.pin_budget!r}")
+        self._check_hybrid()
+
+    def _check_hybrid(self) -> None:
+        if not isinstance(self.full_attention_pools, bool):
+            raise ValueError(f"full_attention_pools must be a bool, got {self.full_attention_pools!r}")
+        hybrid = self.hybrid
+        for name in ("window_tokens", "state_slots"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if hybrid is None:
+                raise ValueError(f"{name} is for the window-aware pools of a hybrid model (model one of "
+                                 f"{', '.join(HYBRID_MODEL_CONFIGS)}, full_attention_pools False)")
+            check_int(name, value, minimum=2 if name == "state_slots" else 1)
+        if hybrid is None:
+            return
+        if self.host_capacity_tokens is not None:
+            raise ValueError("a host tier with a hybrid model's window-aware pools: kvmem.hybrid's components are "
+                             "device-only (full_attention_pools=True replays it with one pool)")
+        if self.eviction_policy == "belady":
+            raise ValueError("belady eviction with a hybrid model's window-aware pools: the oracle ranks the full "
+                             "pool alone")
+        if hybrid.window_layers:
+            need = self.hybrid_window_tokens
+            if self.window_tokens is not None and self.window_tokens % self.page_size:
+                raise ValueError(f"window_tokens {self.window_tokens} must be a multiple of page_size "
+                                 f"{self.page_size}")
+            if need > self.capacity_tokens // self.page_size * self.page_size:
+                raise ValueError(f"window_tokens {need} exceeds capacity_tokens {self.capacity_tokens}")
+        elif self.window_tokens is not None:
+            raise ValueError(f"window_tokens: {self.model} has no sliding-window layer")
+        if not hybrid.linear_layers and self.state_slots is not None:
+            raise ValueError(f"state_slots: {self.model} has no linear-attention layer")
+
+    @property
+    def hybrid(self) -> HybridConfig | None:
+        """The hybrid model whose window-aware pools this replay runs on; None for one pool (a model of one layer
+        kind, or full_attention_pools)."""
+        if self.full_attention_pools or self.model not in HYBRID_MODEL_CONFIGS:
+            return None
+        return HYBRID_MODEL_CONFIGS[self.model]
+
+    @property
+    def hybrid_window_tokens(self) -> int:
+        """The window pool's tokens (0 without window layers): window_tokens, or what `sizing.window_pool_tokens`
+        gives the replay's concurrency."""
+        hybrid = self.hybrid
+        if hybrid is None or not hybrid.window_layers:
+            return 0
+        if self.window_tokens is not None:
+            return self.window_tokens
+        return window_pool_tokens(hybrid, self.page_size, self.max_running, self.chunked_prefill_size or 8192)
+
+    @property
+    def hybrid_state_slots(self) -> int:
+        """The state slots (0 without linear layers): state_slots, or two per running request."""
+        hybrid = self.hybrid
+        if hybrid is None or not hybrid.linear_layers:
+            return 0
+        return self.state_slots if self.state_slots is not None else 2 * self.max_running
 
     @property
     def token_kv_bytes(self) -> int:

@@ -285,8 +285,12 @@ class ReplayScheduler(Scheduler):
         steps = evicted = 0
         for j in range(num_steps):
             tree.writing_check()  # as step() does first thing
+            # What a component frees as requests advance (a hybrid tree's window slots), which a decode step frees
+            # after its admission attempt: here before it, the only order in which a step that must retract for the
+            # window is left whole to step().
+            tree.decode_step(reqs, kv + j)
             need = bs if per_residue is None else int(per_residue[-j % ps])
-            if need > available + tree.evictable_size():
+            if not tree.can_fit(need):
                 break  # this step retracts: step() takes it
             if may_admit:
                 # The output tokens of the steps before this one count as generated, as a step's results count them.
@@ -296,11 +300,10 @@ class ReplayScheduler(Scheduler):
                 # Within a run only an eviction changes a waiting request's cached prefix (a split by that
                 # match keeps every path's tokens): until one, ranking again would give the same order.
                 ranked = lpm
-            short = need - available
-            if short > 0:
+            if not tree.fits(need):
                 ranked = False
                 with self.timer.phase("evict"):
-                    evicted += tree.evict(short)
+                    evicted += tree.evict_for(need)
             with self.timer.phase("alloc"):
                 out = alloc_decode_slots(self.req_to_token_pool, alloc, kv + j, rows)
             if out is None:  # cannot happen: the shortfall was just evicted
