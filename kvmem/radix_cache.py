@@ -460,6 +460,7 @@ class RadixCache(RadixTree):
     # ---- the pools' room, as a scheduler asks for it ------------------------------------------------------
     # One pool here: a hybrid cache (kvmem.hybrid) adds its window and state components to each answer.
     chunk_grid = 1  # a prefill chunk that stops short of its prompt's end ends on a multiple of this
+    match_is_walk = True  # match_prefix returns what prefix_walk walks (a hybrid cache's may end higher)
 
     def admission_budget(self, reserved: int, new_token_ratio: float):
         """Trusted: what one extend step's admission charges beyond the token pool (None: nothing); see

@@ -60,6 +60,7 @@ class HybridRadixCache(WindowComponent, StateComponent, RadixCache):
     """
 
     node_class = HybridTreeNode
+    match_is_walk = False  # a match ends where every component can resume, which a walk does not check
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_allocator, page_size: int = 1,
                  eviction_policy: EvictionPolicySpec = "lru", *, window: int | None = None,

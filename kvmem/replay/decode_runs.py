@@ -45,8 +45,8 @@ class ReplayScheduler(Scheduler):
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._outputs: dict[Req, list] = {}  # each running request's whole output, checked once
         # Whether a walk tells what a failed admission's match returns: not with a host tier, whose match may
-        # load pages back.
-        self._walk_tells_match = getattr(self.tree_cache, "host_pool", None) is None
+        # load pages back, nor with a hybrid tree, whose match may end above the walk's end.
+        self._walk_tells_match = getattr(self.tree_cache, "host_pool", None) is None and self.tree_cache.match_is_walk
 
     # The arrays follow every change to the running batch, so that a run starts from them with no pass over the
     # requests: a decode step adds a token to each (or retracts some), its results finish some, an extend step's
