@@ -8,7 +8,14 @@ from kvmem._checks import check_host_bytes, check_int, check_number
 from kvmem.eviction import EVICTION_POLICIES as _POLICY_KEYS
 from kvmem.replay.cost import DEFAULT_MODEL, DEFAULT_STORAGE_LATENCY_US, GPUS, MODEL_COMPUTE, kv_copies
 from kvmem.scheduler import SCHEDULE_POLICIES
-from kvmem.sizing import HYBRID_MODEL_CONFIGS, HybridConfig, bytes_per_token, get_model_config, window_pool_tokens
+from kvmem.sizing import (
+    HYBRID_MODEL_CONFIGS,
+    WINDOW_FREE_INTERVAL,
+    HybridConfig,
+    bytes_per_token,
+    get_model_config,
+    window_pool_tokens,
+)
 from kvmem.storage import parse_store_spec
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # kvmem.tiers.WRITE_POLICIES
@@ -182,8 +189,13 @@ class ReplayConfig:
             if self.window_tokens is not None and self.window_tokens % self.page_size:
                 raise ValueError(f"window_tokens {self.window_tokens} must be a multiple of page_size "
                                  f"{self.page_size}")
-            if need > self.capacity_tokens // self.page_size * self.page_size:
+            if self.window_tokens is not None and need > self.capacity_tokens // self.page_size * self.page_size:
                 raise ValueError(f"window_tokens {need} exceeds capacity_tokens {self.capacity_tokens}")
+            ps, window = self.page_size, min(hybrid.sliding_window, self.context_len)
+            least = _pages(max(window - 1, ps), ps) + _pages(WINDOW_FREE_INTERVAL, ps) + 3 * ps
+            if need < least:
+                raise ValueError(f"window_tokens {need} is too small for {self.model}'s window of {window} at page "
+                                 f"size {ps}: a request takes up to {least} window slots")
         elif self.window_tokens is not None:
             raise ValueError(f"window_tokens: {self.model} has no sliding-window layer")
         if not hybrid.linear_layers and self.state_slots is not None:
@@ -206,7 +218,8 @@ class ReplayConfig:
             return 0
         if self.window_tokens is not None:
             return self.window_tokens
-        return window_pool_tokens(hybrid, self.page_size, self.max_running, self.chunked_prefill_size or 8192)
+        pool = window_pool_tokens(hybrid, self.page_size, self.max_running, self.chunked_prefill_size or 8192)
+        return min(pool, self.capacity_tokens // self.page_size * self.page_size)  # never more than the full pool
 
     @property
     def hybrid_state_slots(self) -> int:
@@ -261,3 +274,8 @@ class ReplayConfig:
         check_host_bytes(what if replicas == 1 else f"{replicas} replicas of {what}",
                          replicas * ((self.capacity_tokens // self.page_size + self.host_pages) * 33
                                      + self.capacity_tokens + table))
+
+
+def _pages(tokens: int, page_size: int) -> int:
+    """`tokens` rounded up to whole pages."""
+    return -(-tokens // page_size) * page_size
