@@ -242,3 +242,13 @@ def test_a_sliding_window_of_no_tokens_or_beyond_the_context_is_refused(window, 
 def test_hybrid_models_refuse_the_flashinfer_backend_by_name():
     with pytest.raises(ValueError, match="hybrid models .* run the torch attention"):
         Engine(model_of("gpt-oss-tiny"), capacity_tokens=64, attention_backend="flashinfer")
+
+
+@pytest.mark.parametrize("preset, kwargs, match", [
+    ("qwen3-next-tiny", dict(state_slots=1), "state_slots must be an int >= 2"),
+    ("gpt-oss-tiny", dict(window_tokens=4), "token_allocator.window_size 4 is too small for window 8"),
+    ("gpt-oss-tiny", dict(state_slots=4), "state_slots is for a model with linear-attention layers"),
+    ("qwen3-next-tiny", dict(window_tokens=64), "window_tokens is for a model with sliding-window layers")])
+def test_a_state_pool_or_window_pool_too_small_for_one_request_is_refused_by_name(preset, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Engine(model_of(preset), capacity_tokens=64, **kwargs)
