@@ -53,6 +53,16 @@ def test_peer_benchmark_without_sglang_reports_kvmem_alone(name, quick_reports):
     assert not any("sglang_us" in row or "ratio" in row for row in report["rows"])
 
 
+@pytest.mark.parametrize("name", ["bench_allocator.py", "bench_radix_cache.py"])
+def test_the_hybrid_rows_time_every_full_attention_row_on_the_same_work(name, quick_reports):
+    report = quick_reports[name]["hybrid"]
+    rows = [r["row"] for r in report["rows"]]
+    assert rows and all(r["hybrid_us"] > 0 and "ratio" in r for r in report["rows"]), report["rows"]
+    assert any(row.startswith("evict/" if name == "bench_radix_cache.py" else "paged/") for row in rows)
+    goal = next(iter(report["goal"]))
+    assert report["goal"][goal] == (not report["goal"]["rows_over"])
+
+
 def test_radix_benchmark_records_the_work_each_row_did(quick_reports):
     rows = quick_reports["bench_radix_cache.py"]["raw"]["kvmem"]
     for n in (1024, 32768):
