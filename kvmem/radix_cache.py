@@ -39,6 +39,7 @@ from kvmem.events.schema import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, Bloc
 from kvmem.eviction import EvictionPolicy, EvictionPolicySpec
 from kvmem.eviction.turns import TurnTable
 from kvmem.page_hash import DIGEST_BYTES, chain_page_digests, event_hash, event_hashes, namespace_prefix
+from kvmem.pool_room import PoolRoom
 from kvmem.radix_tree import TOKEN_BYTES, RadixTree, TreeNode, Walk, key_bytes
 from kvmem.req_to_token import ReqToTokenPool
 
@@ -82,7 +83,7 @@ class CachedRequest(Protocol):
     namespace: str | None
 
 
-class RadixCache(RadixTree):
+class RadixCache(PoolRoom, RadixTree):
     """A radix tree of cached token prefixes over a slot allocator.
 
     Args:
@@ -456,41 +457,6 @@ class RadixCache(RadixTree):
         if req.last_node is not None:
             self.unlock(req.last_node)
         req.req_pool_idx = None
-
-    # ---- the pools' room, as a scheduler asks for it ------------------------------------------------------
-    # One pool here: a hybrid cache (kvmem.hybrid) adds its window and state components to each answer.
-    chunk_grid = 1  # a prefill chunk that stops short of its prompt's end ends on a multiple of this
-    match_is_walk = True  # match_prefix returns what prefix_walk walks (a hybrid cache's may end higher)
-
-    def admission_budget(self, reserved: int, new_token_ratio: float):
-        """Trusted: what one extend step's admission charges beyond the token pool (None: nothing); see
-        `kvmem.prefill_adder`."""
-        return None
-
-    def fits(self, num_tokens: int, num_reqs: int = 0) -> bool:
-        """Trusted: whether `num_tokens` new slots (whole pages), for `num_reqs` requests given rows now, are free."""
-        return num_tokens <= self.token_allocator.available_size()
-
-    def can_fit(self, num_tokens: int) -> bool:
-        """Trusted: whether `num_tokens` new slots (whole pages) fit in what is free and evictable."""
-        return num_tokens <= self.token_allocator.available_size() + self._evictable_size
-
-    def evict_for(self, num_tokens: int, num_reqs: int = 0) -> int:
-        """Trusted: evicts what `fits(num_tokens, num_reqs)` is short of; returns the tokens evicted."""
-        short = num_tokens - self.token_allocator.available_size()
-        return self.evict(short) if short > 0 else 0
-
-    def start_reqs(self, reqs: list[CachedRequest]) -> None:
-        """Trusted: requests were just given rows (after `fits(..., len(reqs))`): a hook for what a component
-        holds per request."""
-
-    def decode_step(self, reqs: list[CachedRequest], kv_lens: np.ndarray) -> None:
-        """Trusted: running requests `reqs`, holding kv_lens[i] tokens each, are about to decode one more: a hook
-        for memory a component frees as requests advance."""
-
-    def check_held(self, reqs: list[CachedRequest]) -> None:
-        """Raises AssertionError unless what requests `reqs` (all that hold memory) hold adds up, per component
-        beyond the token pool (the Scheduler checks the token pool itself)."""
 
     def _request_turn(self, req: CachedRequest, aligned: int) -> int:
         """The conversation turn of `req`, as the policy that tracks turns infers it from the prefix the request
