@@ -64,7 +64,7 @@ def unsupported(config, cost=None, policies=None) -> str | None:
     cover, in a few words; None when it covers all of it."""
     if config.host_capacity_tokens is not None:
         return "a host tier"
-    if config.hybrid is not None:
+    if getattr(config, "hybrid", None) is not None:  # a torch-free caller's namespace may leave it out
         return "a hybrid model's window-aware pools"
     if config.eviction_policy not in NATIVE_POLICIES:
         return f"{config.eviction_policy} eviction"
