@@ -470,12 +470,14 @@ def _element_bits(config: ModelConfig, kv_cache_dtype: str) -> int:
 def main(argv: list[str] | None = None) -> None:
     """`kvmem-sizing MODEL [--kv-cache-dtype D] [--gpu-mem-gb G] [--page-size P]`: prints JSON."""
     parser = argparse.ArgumentParser(prog="kvmem-sizing", description=main.__doc__)
-    parser.add_argument("model", choices=list(MODEL_CONFIGS))
+    parser.add_argument("model", choices=[*MODEL_CONFIGS, *HYBRID_MODEL_CONFIGS])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--quant-group", type=positive_int_arg, default=None)
     parser.add_argument("--gpu-mem-gb", type=positive_float_arg, default=None)
     parser.add_argument("--page-size", type=positive_int_arg, default=None,
                         help="rounds --gpu-mem-gb's tokens down to whole pages (default 1)")
+    parser.add_argument("--max-running", type=positive_int_arg, default=256,
+                        help="a hybrid model's running requests, which size its window pool and states (default 256)")
     args = parser.parse_args(argv)
     if args.page_size is not None and args.gpu_mem_gb is None:
         parser.error("argument --page-size: it rounds --gpu-mem-gb's tokens to whole pages; give --gpu-mem-gb")
@@ -493,9 +495,24 @@ def main(argv: list[str] | None = None) -> None:
             report["tokens"] = tokens_for_budget(config, gpu_mem_gb=args.gpu_mem_gb,
                                                  kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size or 1,
                                                  quant_group=args.quant_group)
+        hybrid = HYBRID_MODEL_CONFIGS.get(args.model)
+        if hybrid is not None:  # the figures above size every layer as full attention
+            report["window_aware"] = _window_aware_report(hybrid, args)
     except (ValueError, TypeError) as e:  # a combination the model or dtype cannot take: the library says why
         parser.error(str(e))
     print(json.dumps(report))
+
+
+def _window_aware_report(config: HybridConfig, args: argparse.Namespace) -> dict:
+    """kvmem-sizing's figures for a hybrid model's window-aware pools."""
+    dtype = args.kv_cache_dtype
+    out = {"full_bytes_per_token": full_bytes_per_token(config, dtype, args.quant_group),
+           "window_bytes_per_token": window_bytes_per_token(config, dtype, args.quant_group),
+           "state_bytes": state_bytes(config)}
+    if args.gpu_mem_gb is not None:
+        out.update(hybrid_capacity(config, gpu_mem_gb=args.gpu_mem_gb, kv_cache_dtype=dtype,
+                                   page_size=args.page_size or 1, max_running_requests=args.max_running)._asdict())
+    return out
 
 
 if __name__ == "__main__":
