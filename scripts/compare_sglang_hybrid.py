@@ -10,11 +10,13 @@ operations drawn from one seed, the same in both processes:
   match KEY           the matched length
   evict N             full-KV eviction of N tokens
   evict_window N      window eviction of N tokens
+  lock KEY            a match, whose node a request then locks (nothing at the root): the matched length
+  unlock I            the I-th held lock (modulo their number) released (-1 when none is held)
 After every operation each side records what it returned and its sizes: full and window free slots, full and window
 evictable tokens. The report lists, per sequence, the first operation where the two differ and how many differ, and
 splits them at the first eviction: before it both trees hold every inserted token, so a difference there is in
 matching or inserting (a convention, or a bug); after it the two evict differently by design (docs/hybrid.md,
-"Differences from SGLang"). Locks and linear-attention states are not driven here.
+"Differences from SGLang"). Linear-attention states are not driven here.
 
 SGLang's window is W' = W - 1 kept tokens (`sliding_window_size`), kvmem's the model's W: both run with W' = W - 1.
 
@@ -42,8 +44,10 @@ def operations(seed: int) -> list[tuple]:
     rng = random.Random(seed)
     ops = []
     for _ in range(OPS):
-        kind = rng.choices(("insert", "match", "evict", "evict_window"), (4, 4, 1, 1))[0]
-        if kind in ("insert", "match"):
+        kind = rng.choices(("insert", "match", "evict", "evict_window", "lock", "unlock"), (4, 4, 1, 1, 1, 1))[0]
+        if kind == "unlock":
+            ops.append((kind, rng.randrange(8)))
+        elif kind in ("insert", "match", "lock"):
             key = [rng.randrange(3) + 10 for _ in range(rng.randint(1, 12))]
             ops.append((kind, key, rng.randint(0, len(key)) if kind == "insert" and rng.random() < 0.5 else 0))
         else:
@@ -58,6 +62,10 @@ def run(side, ops: list[tuple]) -> list[list[int]]:
             got = side.insert(op[1], op[2])
         elif op[0] == "match":
             got = side.match(op[1])
+        elif op[0] == "lock":
+            got = side.lock(op[1])
+        elif op[0] == "unlock":
+            got = side.unlock(op[1])
         elif op[0] == "evict":
             got = side.evict(op[1])
         else:
@@ -74,6 +82,20 @@ class KvmemSide:
 
         self.alloc = HybridTokenAllocator(POOL, WINDOW_POOL)
         self.cache = HybridRadixCache(ReqToTokenPool(1, 64), self.alloc, window=WINDOW, window_free_interval=1)
+        self.held = []
+
+    def lock(self, key):
+        m = self.cache.match_prefix(key)
+        if m.indices.numel():
+            self.cache.inc_lock_ref(m.last_node)
+            self.held.append(m.last_node)
+        return int(m.indices.numel())
+
+    def unlock(self, i):
+        if not self.held:
+            return -1
+        self.cache.dec_lock_ref(self.held.pop(i % len(self.held)))
+        return 0
 
     def insert(self, key, cursor):
         slots = self.alloc.alloc(len(key))
@@ -122,6 +144,19 @@ class SglangSide:
         self.key = lambda tokens: RadixKey(array("q", tokens))
         self.swa = sg["ComponentType"].SWA
         self.EvictParams, self.InsertParams, self.MatchPrefixParams = EvictParams, InsertParams, MatchPrefixParams
+        self.held = []
+
+    def lock(self, key):
+        m = self.cache.match_prefix(self.MatchPrefixParams(key=self.key(key)))
+        if m.device_prefix_len:
+            self.held.append(self.cache.lock(m.last_device_node))
+        return int(m.device_prefix_len)
+
+    def unlock(self, i):
+        if not self.held:
+            return -1
+        self.cache.unlock(self.held.pop(i % len(self.held)))
+        return 0
 
     def insert(self, key, cursor):
         value = self.alloc.alloc(len(key))
