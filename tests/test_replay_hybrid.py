@@ -139,6 +139,11 @@ def test_full_attention_pools_without_a_hybrid_model_is_a_one_line_error(capsys)
     assert "--full-attention-pools compares a hybrid --model's pools" in err
 
 
+def test_a_cluster_replay_of_window_aware_pools_is_a_one_line_error(capsys):
+    code, out, err = run(capsys, "--model", "gpt-oss-20b", "--gpu-mem-gb", "8", "--replicas", "2", "--limit", "3")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "give --full-attention-pools" in err
+
+
 def test_a_budget_too_small_for_the_window_aware_pools_is_a_one_line_error(capsys):
     code, out, err = run(capsys, "--model", "qwen3-next-80b", "--gpu-mem-gb", "1", "--limit", "2")
     assert code == 2 and out == "" and err.count("\n") == 1

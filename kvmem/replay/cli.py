@@ -222,6 +222,9 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
         trace = _load_trace(args)
         config = _replay_config(args, trace)
         runs = None if tour else cluster_runs(args, config)
+        if runs is not None and config.hybrid is not None:
+            raise ValueError("a cluster replay routes on KV events, which window-aware pools do not publish: give "
+                             "--full-attention-pools")
         points = None if runs is not None else _tour_points(config) if tour else _sweep_points(args, config)
         for point in points or [config]:
             point.check_host_memory()
