@@ -144,6 +144,21 @@ def test_a_cluster_replay_of_window_aware_pools_is_a_one_line_error(capsys):
     assert code == 2 and out == "" and err.count("\n") == 1 and "give --full-attention-pools" in err
 
 
+def test_a_policy_comparison_of_window_aware_pools_is_a_one_line_error(capsys):
+    code, out, err = run(capsys, "--model", "gpt-oss-20b", "--gpu-mem-gb", "8", "--compare-policies", "lru,lfu")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "its ceiling, belady" in err
+
+
+def test_a_sweep_of_window_aware_pools_shrinks_the_window_pool_with_the_full_one(capsys):
+    code, out, _ = run(capsys, "--model", "gpt-oss-20b", "--gpu-mem-gb", "8", "--sweep", "--limit", "3", "--jobs",
+                       "1", "--no-progress", "--json-only", "--engine", "python")
+    assert code == 0
+    sweep = json.loads(out)["sweep"]
+    assert len(sweep) == 6
+    assert all(r["hybrid"]["window_capacity_tokens"] <= r["capacity_tokens"] for r in sweep)
+    assert sweep[-1]["hybrid"]["window_capacity_tokens"] < sweep[-1]["capacity_tokens"]
+
+
 def test_a_budget_too_small_for_the_window_aware_pools_is_a_one_line_error(capsys):
     code, out, err = run(capsys, "--model", "qwen3-next-80b", "--gpu-mem-gb", "1", "--limit", "2")
     assert code == 2 and out == "" and err.count("\n") == 1

@@ -488,6 +488,9 @@ def _check_tier_options(args: argparse.Namespace) -> None:
 
 def _check_combinations(args: argparse.Namespace, config: ReplayConfig, points: list | None) -> None:
     """Options another one overrides, and replays that would depend on each other."""
+    if args.compare_policies and config.hybrid is not None:
+        raise ValueError("--compare-policies with a hybrid --model's window-aware pools: its ceiling, belady, ranks "
+                         "the full pool alone (give --full-attention-pools)")
     if args.compare_policies and args.eviction_policy is not None:
         raise ValueError("--eviction-policy with --compare-policies: name the policies in --compare-policies' list")
     if args.sweep and args.capacity_tokens is not None:
@@ -560,7 +563,7 @@ def _sweep_points(args: argparse.Namespace, config: ReplayConfig) -> list[Replay
     for c in capacities:
         if c < args.page_size:
             raise ValueError(f"--sweep capacity {c} is less than one page (--page-size {args.page_size})")
-    return [dataclasses.replace(config, capacity_tokens=c) for c in sorted(set(capacities))]
+    return [config.at_capacity(c) for c in sorted(set(capacities))]
 
 
 def _tour_points(config: ReplayConfig) -> list[ReplayConfig]:
@@ -568,7 +571,7 @@ def _tour_points(config: ReplayConfig) -> list[ReplayConfig]:
     for factor in TOUR_FACTORS:
         capacity = max(int(config.capacity_tokens * factor) // config.page_size * config.page_size, config.page_size)
         for host in (None, TOUR_HOST_FACTOR * capacity):
-            points.append(dataclasses.replace(config, capacity_tokens=capacity, host_capacity_tokens=host))
+            points.append(config.at_capacity(capacity, host_capacity_tokens=host))
     return points
 
 

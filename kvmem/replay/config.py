@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvmem._checks import check_host_bytes, check_int, check_number
@@ -200,6 +201,14 @@ class ReplayConfig:
             raise ValueError(f"window_tokens: {self.model} has no sliding-window layer")
         if not hybrid.linear_layers and self.state_slots is not None:
             raise ValueError(f"state_slots: {self.model} has no linear-attention layer")
+
+    def at_capacity(self, capacity_tokens: int, **changes) -> ReplayConfig:
+        """This configuration at another capacity (and `changes`, as dataclasses.replace takes them): a window pool
+        set by hand shrinks to the new full pool if it was larger (a sweep's smaller points)."""
+        window = self.window_tokens
+        if window is not None and window > capacity_tokens:
+            window = max(capacity_tokens // self.page_size * self.page_size, self.page_size)
+        return dataclasses.replace(self, capacity_tokens=capacity_tokens, window_tokens=window, **changes)
 
     @property
     def hybrid(self) -> HybridConfig | None:
