@@ -260,7 +260,7 @@ class ScheduleBatch:
             return False
         last_loc = self._last_loc(prefix)
         out = self._alloc_with_eviction(lambda: self._alloc_extend(prefix, seq, last_loc),
-                                        self._extend_need(prefix, seq))
+                                        self._extend_need(prefix, seq), len(new))
         if out is None:
             if rows:
                 self.req_to_token_pool.free(rows)
@@ -269,6 +269,8 @@ class ScheduleBatch:
             r.req_pool_idx = row
             r.cache_protected_len = r.prefix_indices.numel()
             r.status = ReqStatus.RUNNING
+        if new:
+            self.tree_cache.start_reqs(new)
         self._set_lens(prefix, seq, out)
         self.req_to_token_pool.write_extend(self.req_pool_indices.tolist(), prefix.tolist(), seq.tolist(), out,
                                             [r.prefix_indices if n else None for r, n in zip(reqs, is_new)])
@@ -299,14 +301,15 @@ class ScheduleBatch:
         if prefix is None:
             prefix = self._kv_lens()
         self.forward_mode = ForwardMode.DECODE
+        tree = self.tree_cache
+        tree.decode_step(self.reqs, prefix)
         need = self._decode_need(prefix)
-        if need > self.token_allocator.available_size() + self.tree_cache.evictable_size():
+        if not tree.can_fit(need):
             self.retracted = self.retract_decode()
             prefix = self._kv_lens()
             need = self._decode_need(prefix)
-        short = need - self.token_allocator.available_size()
-        if short > 0:
-            self._evict(short)
+        if not tree.fits(need):
+            self._evict(need)
         reqs = self.reqs
         seq = prefix + 1
         rows = np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=len(reqs))
@@ -357,7 +360,7 @@ class ScheduleBatch:
         retracted = []
         # The need shrinks by each victim's own share, so one pass over the victims suffices.
         for victim in order[:-1]:
-            if need <= self.token_allocator.available_size() + self.tree_cache.evictable_size():
+            if self.tree_cache.can_fit(need):
                 break
             if ps == 1 or victim.kv_len % ps == 0:
                 need -= ps
@@ -392,17 +395,19 @@ class ScheduleBatch:
     def _extend_need(self, prefix: np.ndarray, seq: np.ndarray) -> int:
         return int(num_new_pages(prefix, seq, self.page_size).sum()) * self.page_size
 
-    def _alloc_with_eviction(self, alloc, need: int):
-        short = need - self.token_allocator.available_size()
-        if short > 0:
-            self._evict(short)
-            if need > self.token_allocator.available_size():
+    def _alloc_with_eviction(self, alloc, need: int, num_reqs: int):
+        """alloc() once `need` new slots (and what `num_reqs` new requests hold per request) are free, evicting
+        what is short; None, nothing allocated, when eviction cannot make the room."""
+        if not self.tree_cache.fits(need, num_reqs):
+            self._evict(need, num_reqs)
+            if not self.tree_cache.fits(need, num_reqs):
                 return None
         return alloc()
 
-    def _evict(self, num_tokens: int) -> None:
+    def _evict(self, need: int, num_reqs: int = 0) -> None:
+        """Evicts what the pools are short of for `need` new slots and `num_reqs` new requests."""
         with self.timer.phase("evict"):
-            self.evicted_tokens += self.tree_cache.evict(num_tokens)
+            self.evicted_tokens += self.tree_cache.evict_for(need, num_reqs)
 
     def _alloc_extend(self, prefix: np.ndarray, seq: np.ndarray, last_loc: np.ndarray):
         with self.timer.phase("alloc"):

@@ -5,7 +5,9 @@ A step admits waiting requests while rows are left in the running batch, prefill
 budget (`chunked_prefill_size`), and no prompt is being prefilled in chunks; a request fits when its charge
 (`admission_charge`) is at most the room: free plus evictable KV slots, less what is kept for the running
 requests' future output tokens (`new_token_ratio` x the tokens they still owe) and for the requests admitted
-before it in this step.
+before it in this step. A tree with more components than the token pool (`kvmem.hybrid`) adds its own budget
+(`RadixCache.admission_budget`), which must fit too and may shorten what a step prefills; a chunk that stops short of
+its prompt's end ends on the tree's `chunk_grid`.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ class PrefillAdder:
         self.tree_cache = tree_cache
         self.page_size = token_allocator.page_size
         self.rows_left = rows_left
-        self.budget = budget
+        self.components = tree_cache.admission_budget(reserved, new_token_ratio)
+        self.budget = budget if self.components is None else min(budget, self.components.max_extend)
+        self.grid = tree_cache.chunk_grid
         self.reserved = reserved
         self.new_token_ratio = new_token_ratio
         self.reqs: list[Req] = []
@@ -62,14 +66,33 @@ class PrefillAdder:
     def charge(self, req: Req, start: int) -> int:
         return admission_charge(req, start, self.page_size, self.new_token_ratio)
 
+    def fits(self, req: Req, start: int) -> bool:
+        """Whether `req`, from token `start` (its cached prefix), fits what is left: its charge in `room()`, and
+        the tree's other components' charges in their budgets."""
+        if self.charge(req, start) > self.room():
+            return False
+        return self.components is None or self.components.fits(req, start, self._end(req, start))
+
     def add(self, req: Req, start: int) -> None:
         """Takes `req` from token `start` (its cached prefix, or where its last chunk ended): sets how far this
         step prefills it (`extend_end`) and charges the budget and the room for it."""
-        end = min(len(req.fill_ids), start + self.budget)
-        req.extend_end = int(end)
+        end = self._end(req, start)
+        req.extend_end = end
         if req.is_chunked():
             self.chunked = req
         self.budget -= end - start
         self.reserved += self.charge(req, start)
         self.rows_left -= 1
         self.reqs.append(req)
+        if self.components is not None:
+            self.components.add(req, start, end)
+
+    def _end(self, req: Req, start: int) -> int:
+        """Where this step's prefill of `req` from `start` ends: its prompt's end, or what the budget leaves, on the
+        chunk grid (at least one grid step, from a start on the grid)."""
+        fill = len(req.fill_ids)
+        end = min(fill, start + self.budget)
+        grid = self.grid
+        if grid > 1 and end < fill:
+            end = max(end - end % grid, min(fill, start + grid))
+        return int(end)

@@ -39,6 +39,7 @@ from kvmem.events.schema import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, Bloc
 from kvmem.eviction import EvictionPolicy, EvictionPolicySpec
 from kvmem.eviction.turns import TurnTable
 from kvmem.page_hash import DIGEST_BYTES, chain_page_digests, event_hash, event_hashes, namespace_prefix
+from kvmem.pool_room import PoolRoom
 from kvmem.radix_tree import TOKEN_BYTES, RadixTree, TreeNode, Walk, key_bytes
 from kvmem.req_to_token import ReqToTokenPool
 
@@ -82,7 +83,7 @@ class CachedRequest(Protocol):
     namespace: str | None
 
 
-class RadixCache(RadixTree):
+class RadixCache(PoolRoom, RadixTree):
     """A radix tree of cached token prefixes over a slot allocator.
 
     Args:

@@ -346,7 +346,7 @@ class Scheduler:
             if self.config.in_batch_prefix_caching and self._next_page_in_batch(req, adder.reqs):
                 tree.unlock(req.last_node)
                 break  # it and those behind it wait a step (no match of the whole queue)
-            if adder.charge(req, req.cache_protected_len) > adder.room():
+            if not adder.fits(req, req.cache_protected_len):
                 tree.unlock(req.last_node)
                 break
             self.waiting.popleft()
@@ -437,18 +437,22 @@ class Scheduler:
     def held_by_requests(self) -> int:
         """Slots held by running requests (decoding, prefilling or in the pending batch) and not by the tree
         (whole pages)."""
+        return sum(round_up(r.kv_len, self.page_size) - r.cache_protected_len for r in self._holders())
+
+    def _holders(self) -> list[Req]:
+        """The requests holding memory: running ones, decoding, prefilling or in the pending batch."""
         holders = set(self.running)
         if self.chunked_req is not None:
             holders.add(self.chunked_req)
         if self._batch is not None:
             holders.update(self._batch.reqs)
-        return sum(round_up(r.kv_len, self.page_size) - r.cache_protected_len
-                   for r in holders if r.status is ReqStatus.RUNNING)
+        return [r for r in holders if r.status is ReqStatus.RUNNING]
 
     def check_invariants(self, held_outside: int = 0) -> None:
-        """Raises AssertionError unless free + evictable + protected + held by requests == total,
-        the output tokens the running requests still owe are counted right, and the tree's own invariants
-        hold. held_outside: slots held by requests outside the loop (a disaggregated side's transfers)."""
+        """Raises AssertionError unless free + evictable + protected + held by requests == total (in the token
+        pool, and in each of a hybrid tree's other components), the output tokens the running requests still owe
+        are counted right, and the tree's own invariants hold. held_outside: slots held by requests outside the
+        loop (a disaggregated side's transfers)."""
         self.tree_cache.check_invariants()
         free = self.token_allocator.available_size()
         evictable = self.tree_cache.evictable_size()
@@ -458,6 +462,7 @@ class Scheduler:
         if free + evictable + protected + held != total:
             raise AssertionError(f"memory leak or double count: free {free} + evictable {evictable} + protected "
                                  f"{protected} + held by requests {held} != total {total}")
+        self.tree_cache.check_held(self._holders())
         left = sum(r.max_new_tokens - len(r.output_ids) for r in self.running)
         if left != self._tokens_left:
             raise AssertionError(f"running requests owe {left} output tokens, the count says {self._tokens_left}")

@@ -28,6 +28,10 @@ listed in `rows_with_unequal_work`. Only alloc+free is like for like: kvmem flag
 allocated lazily, at the next read of the flags (the check in its free), so part of its alloc's cost is paid
 in its free row; the alloc and free rows are marked `lopsided`, and their slower rows are listed apart.
 
+Hybrid rows (issue 36): the same kvmem rows on `kvmem.hybrid.HybridTokenAllocator` (a window slot paired with every
+full slot; window pool as large as the full one, so the fragmentation is the same), beside the full-attention
+allocators: `hybrid.rows[*].ratio` is hybrid_us / kvmem_us, the goal at most HYBRID_GOAL.
+
 One command measures both sides: kvmem in this process, then SGLang by running this same file with
 `--peer sglang` under SGLang's venv python (`--sglang-python`, default /tmp/sglang-peer/bin/python; that
 side is skipped with a note when it does not exist). The JSON report is printed on stdout.
@@ -63,6 +67,7 @@ DECODE_CROSSINGS = BATCH // PAGE_SIZE
 MAX_K = {1: 5000, 64: 2000, 4096: 32, "extend_1..2048": 20, "extend_128": 50, "decode": 500}  # calls per repeat
 BUDGET_S, REPS = 1.0, 7  # per row and side
 QUICK_BUDGET_S, QUICK_REPS = 0.25, 5
+HYBRID_GOAL = 1.5  # a hybrid allocation within this factor of the full-attention one's time
 
 
 # ---- workloads (numpy only: the same arrays in both processes for one seed) ------------------------------
@@ -243,6 +248,35 @@ class KvmemSide:
         return lambda: a.alloc_decode(seq, last)
 
 
+class HybridSide(KvmemSide):
+    """kvmem's paired allocator at page size 1 and PAGE_SIZE, its window pool as large as its full pool."""
+
+    def __init__(self) -> None:
+        from kvmem.hybrid import HybridTokenAllocator
+
+        self.make_token = lambda size: HybridTokenAllocator(size, size, 1)
+        self.make_paged = lambda size, ps: HybridTokenAllocator(size, size, ps)
+
+
+def hybrid_report(kv: dict, hy: dict) -> dict:
+    """Each row's hybrid time beside the full-attention one (ratio: hybrid_us / kvmem_us), where both did the same
+    work (the same checks: slots per alloc, free slots before and after, the first paged call's slots)."""
+    rows, over = [], []
+    for name, res in hy["rows"].items():
+        for op in ("alloc", "free", "alloc+free"):
+            row = {"row": f"{name}/{op}", "kvmem_us": kv["rows"][name][op]["median_us"],
+                   "hybrid_us": res[op]["median_us"]}
+            if hy["checks"][name] == kv["checks"][name]:
+                row["ratio"] = round(row["hybrid_us"] / row["kvmem_us"], 2)
+                if row["ratio"] > HYBRID_GOAL:
+                    over.append(row["row"])
+            else:
+                row["unequal_work"] = {"kvmem": kv["checks"][name], "hybrid": hy["checks"][name]}
+            rows.append(row)
+    return {"rows": rows, "goal": {f"within_{HYBRID_GOAL}x_on_every_row": not over and all("ratio" in r for r in rows),
+                                   "rows_over": over}}
+
+
 # ---- SGLang side (runs under SGLang's venv; imports nothing from kvmem) -------------------------------------
 class SglangSide:
     def __init__(self, sg: dict, need_sort: bool) -> None:
@@ -343,9 +377,11 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     gc.disable()  # a collection would land inside some timed call
     kv = run_rows(side, torch, args.seed, args.quick)
+    hy = run_rows(HybridSide(), torch, args.seed, args.quick)
     gc.enable()
     sg = _peer.run_peer(__file__, args, "--seed", str(args.seed))
     out = report(kv, sg)
+    out["hybrid"] = hybrid_report(kv, hy)
     out["meta"] = {"cpus": os.cpu_count(), "torch": torch.__version__, "numpy": np.__version__,
                    "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
                    "machine": platform.machine(), "sglang": sg.get("version", sg.get("error")),

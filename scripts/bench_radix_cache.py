@@ -22,6 +22,10 @@ includes that free (and is given fresh slots there): kvmem leaves that free to i
 figure against the Rust core is `kvmem_insert_and_free_us` (insert, then free the duplicate slots), and the bare
 insert row is marked lopsided there. The JSON report is printed on stdout, progress on stderr.
 
+Hybrid rows (issue 36): the same kvmem rows on `kvmem.hybrid.HybridRadixCache` with a sliding window of 128 (gpt-oss)
+over a `HybridTokenAllocator` whose window pool is as large as its full pool (every node stays live), beside the
+full-attention RadixCache: `hybrid.rows[*].ratio` is hybrid_us / kvmem_us, the goal at most HYBRID_GOAL.
+
 Before a ratio is reported, both sides must have done the same work on that row: every match returned the
 same prefix length, every insert found the same cached prefix, every evict call freed the same number of
 tokens (`work` in each side's raw rows). A row where they differ gets no ratio and is listed under
@@ -51,6 +55,8 @@ EVICT_LEAVES = (1000, 10000, 40000, 200000)
 EVICT_LEAF_TOKENS = (16, 1)
 SHARED_PREFIX = 64
 EVICT_AMOUNT = 64
+HYBRID_WINDOW = 128  # gpt-oss's sliding window
+HYBRID_GOAL = 1.5  # a hybrid tree operation within this factor of the full-attention one's time
 
 
 # ---- workloads (side-agnostic: a side provides alloc / insert / match / evict / match_with_indices) ----
@@ -184,17 +190,24 @@ def evict_row(make_side, leaves: int, leaf_tokens: int) -> dict:
 
 
 # ---- kvmem side ------------------------------------------------------------------------------------
-def kvmem_side_factory():
+def kvmem_side_factory(window: int | None = None):
+    """kvmem's RadixCache, or (window) its HybridRadixCache with that sliding window."""
     import torch
 
     from kvmem.allocator import TokenAllocator
+    from kvmem.hybrid import HybridRadixCache, HybridTokenAllocator
     from kvmem.radix_cache import RadixCache
     from kvmem.req_to_token import ReqToTokenPool
 
     class KvmemSide:
         def __init__(self, size: int) -> None:
-            self.alloc_ = TokenAllocator(size)
-            self.cache = RadixCache(ReqToTokenPool(1, 1), self.alloc_, page_size=1, eviction_policy="lru")
+            if window is None:
+                self.alloc_ = TokenAllocator(size)
+                self.cache = RadixCache(ReqToTokenPool(1, 1), self.alloc_, page_size=1, eviction_policy="lru")
+            else:
+                self.alloc_ = HybridTokenAllocator(size, size)
+                self.cache = HybridRadixCache(ReqToTokenPool(1, window), self.alloc_, eviction_policy="lru",
+                                              window=window)
 
         def alloc(self, n):
             return self.alloc_.alloc(n)
@@ -394,6 +407,24 @@ def goals(rows: list[dict]) -> dict:
     }
 
 
+def hybrid_report(kv: dict, hy: dict) -> dict:
+    """Each row's hybrid time beside the full-attention one (ratio: hybrid_us / kvmem_us) where both did the same
+    work."""
+    rows, over = [], []
+    for name, theirs in hy.items():
+        mine = kv[name]
+        row = {"row": name, "kvmem_us": mine["median_us"], "hybrid_us": theirs["median_us"]}
+        if mine["work"] == theirs["work"]:
+            row["ratio"] = round(theirs["median_us"] / mine["median_us"], 2)
+            if row["ratio"] > HYBRID_GOAL:
+                over.append(name)
+        else:
+            row["unequal_work"] = {"kvmem": mine["work"], "hybrid": theirs["work"]}
+        rows.append(row)
+    return {"rows": rows, "goal": {f"within_{HYBRID_GOAL}x_on_every_row": not over and all("ratio" in r for r in rows),
+                                   "rows_over": over}, "window": HYBRID_WINDOW}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = _peer.parser(__doc__, "smaller rows only (no 256k keys, no 200k leaves)")
     args = ap.parse_args(argv)
@@ -404,11 +435,13 @@ def main(argv: list[str] | None = None) -> None:
     _peer.check_args(ap, args)
     gc.disable()  # both sides: a collection of a 200k-node tree would land inside some timed call
     kv = run_rows(kvmem_side_factory(), args.quick, with_list_key=True)
+    hy = run_rows(kvmem_side_factory(HYBRID_WINDOW), args.quick, with_list_key=False)
     gc.enable()
     sg = _peer.run_peer(__file__, args)
     import torch
 
     out = report(kv, sg)
+    out["hybrid"] = hybrid_report(kv, hy)
     out["meta"] = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
                    "cpus": os.cpu_count(), "sglang": sg.get("version", sg.get("error")), "page_size": 1,
                    "eviction_policy": "lru", "node_tokens_on_match_path": CHUNK}

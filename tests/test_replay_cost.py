@@ -19,7 +19,7 @@ def test_the_fixed_step_cost_is_the_replays_original_clock():
 
 
 def test_every_sizing_model_has_a_compute_shape():
-    assert set(MODEL_COMPUTE) == set(sizing.MODEL_CONFIGS)
+    assert set(MODEL_COMPUTE) == set(sizing.MODEL_CONFIGS) | set(sizing.HYBRID_MODEL_CONFIGS)
 
 
 def test_a_long_prefill_is_compute_bound_and_a_decode_step_bandwidth_bound():

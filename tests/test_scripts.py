@@ -53,6 +53,35 @@ def test_peer_benchmark_without_sglang_reports_kvmem_alone(name, quick_reports):
     assert not any("sglang_us" in row or "ratio" in row for row in report["rows"])
 
 
+@pytest.mark.parametrize("name", ["bench_allocator.py", "bench_radix_cache.py"])
+def test_the_hybrid_rows_time_every_full_attention_row_on_the_same_work(name, quick_reports):
+    report = quick_reports[name]["hybrid"]
+    rows = [r["row"] for r in report["rows"]]
+    assert rows and all(r["hybrid_us"] > 0 and "ratio" in r for r in report["rows"]), report["rows"]
+    assert any(row.startswith("evict/" if name == "bench_radix_cache.py" else "paged/") for row in rows)
+    goal = next(iter(report["goal"]))
+    assert report["goal"][goal] == (not report["goal"]["rows_over"])
+
+
+def test_the_hybrid_peer_comparison_reports_where_the_trees_first_differ(monkeypatch):
+    script = load_script("compare_sglang_hybrid.py", monkeypatch)
+    ops = script["operations"](5)
+    assert ops == script["operations"](5) and len(ops) == script["OPS"]  # the same sequence in both processes
+    mine = script["run"](script["KvmemSide"](), ops)
+    theirs = json.loads(json.dumps(mine))
+    first = next(i for i, op in enumerate(ops) if op[0].startswith("evict"))
+    theirs[-1][0] += 1  # a difference after the first eviction, and none before it
+    row = script["compare"](ops, mine, theirs)
+    assert row["differing_ops"] == 1 and row["differing_before_first_eviction"] == 0
+    assert row["first_difference"]["op"] == len(ops) - 1 and row["first_eviction"] == first
+    assert script["compare"](ops, mine, {"error": "boom"}) == {"sglang_error": "boom"}
+
+
+def test_the_hybrid_peer_comparison_without_sglang_reports_the_skipped_side():
+    report = run_script("compare_sglang_hybrid.py", "--quick", *NO_PEER)
+    assert "not found: SGLang side skipped" in report["error"] and report["kvmem"]["sequences"] == 8
+
+
 def test_radix_benchmark_records_the_work_each_row_did(quick_reports):
     rows = quick_reports["bench_radix_cache.py"]["raw"]["kvmem"]
     for n in (1024, 32768):

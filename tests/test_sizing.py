@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from kvmem import sizing
 from kvmem.sizing import (
     GIB,
     MODEL_CONFIGS,
@@ -161,6 +162,17 @@ def test_command_line_prints_a_json_report(capsys):
     assert report["bytes_per_token_without_scales"] == 163840
     assert report["tokens"] == tokens_for_budget(LLAMA_3_70B, gpu_mem_gb=40, kv_cache_dtype="int8", page_size=16)
     assert report["tokens"] % 16 == 0
+
+
+def test_command_line_sizes_a_hybrid_model_both_ways(capsys):
+    main(["gpt-oss-120b", "--gpu-mem-gb", "40", "--page-size", "16", "--max-running", "64"])
+    report = json.loads(capsys.readouterr().out)
+    gpt = sizing.HYBRID_MODEL_CONFIGS["gpt-oss-120b"]
+    assert report["bytes_per_token"] == 73728 and report["tokens"] == 582512  # every layer as full attention
+    cap = sizing.hybrid_capacity(gpt, gpu_mem_gb=40, page_size=16, max_running_requests=64)
+    assert report["window_aware"] == {"full_bytes_per_token": 36864, "window_bytes_per_token": 36864,
+                                      "state_bytes": 0, **cap._asdict()}
+    assert report["window_aware"]["full_tokens"] >= 1.8 * report["tokens"]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -2,6 +2,8 @@
 
 Optional extra `model` (transformers). `Engine(model, capacity_tokens=...)` and `generate(prompts,
 max_new_tokens)`; `build_model(preset)` makes seeded random models from `PRESETS` (nothing is downloaded).
+Hybrid models (Gemma 3, gpt-oss, Qwen3-Next: sliding-window and linear-attention layers) run on kvmem's window
+and state pools (`kvmem.engine.hybrid`).
 """
 
 from kvmem.engine.engine import Engine, EngineStats, RequestOutput

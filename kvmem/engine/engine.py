@@ -14,12 +14,15 @@ from kvmem._paging import round_up
 from kvmem._torch import torch
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.batch import ForwardMode, Req, ReqStatus
-from kvmem.engine.attention import make_attention_backend
+from kvmem.engine.attention import ATTENTION_BACKENDS, make_attention_backend
+from kvmem.engine.hybrid import LINEAR, HybridAdapter
 from kvmem.engine.models import adapter_for
-from kvmem.engine.runner import ModelRunner
+from kvmem.engine.runner import HybridModelRunner, ModelRunner
+from kvmem.hybrid import HybridRadixCache, HybridTokenAllocator
 from kvmem.radix_cache import RadixCache
 from kvmem.req_to_token import ReqToTokenPool
 from kvmem.scheduler import Scheduler, SchedulerConfig
+from kvmem.sizing import WINDOW_FREE_INTERVAL
 
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 _UNORDERED = (Mapping, Set)  # iterable, but not in an order a caller chose
@@ -60,10 +63,12 @@ class Engine:
 
     Args:
         model: a transformers causal LM of a supported architecture (kvmem.engine.SUPPORTED_ARCHITECTURES:
-            Llama, Mistral, Qwen2 with MHA/GQA; DeepSeek-V2/V3 with MLA). Its own weights run; only attention
-            and the cache are replaced. ValueError naming the architecture otherwise.
+            Llama, Mistral, Qwen2 with MHA/GQA; DeepSeek-V2/V3 with MLA; the hybrid Gemma 3, gpt-oss and Qwen3-Next).
+            Its own weights run; only attention (and linear attention's state) and the cache are replaced.
+            ValueError naming the architecture otherwise.
         capacity_tokens: KV slots in the pool (a multiple of page_size), shared by running requests and the
-            prefix cache; the radix cache evicts and the scheduler retracts when it runs short.
+            prefix cache; the radix cache evicts and the scheduler retracts when it runs short. For a hybrid model,
+            the full-attention layers' pool: the tokens requests and the cache hold.
         page_size: tokens per KV page (1 = token-granular).
         kv_cache_dtype: "auto" (the model dtype), "fp8_e4m3", "fp8_e5m2", "int8" or "int4" (MHA only), as in
             kvmem.MHAKVPool / MLAKVPool.
@@ -73,6 +78,11 @@ class Engine:
         attention_backend: "auto" (FlashInfer for a float16/bfloat16 model on CUDA when installed, else the torch
             reference), "torch", "flashinfer".
         schedule_policy: "lpm" (longest cached prefix first) or "fcfs".
+        window_tokens: a model with sliding-window layers: their pool's slots (a multiple of page_size; None: as many
+            as capacity_tokens). Tokens leave it as they leave every window (kvmem.hybrid.HybridRadixCache).
+        state_slots: a model with linear-attention layers: recurrent states, a running request's own and the
+            cached ones (at least 2; None: 2 x max_running_requests).
+        Hybrid models run the torch attention ("auto" or "torch").
 
     Requests enter with `add_request` (checked there: a bad one raises ValueError naming it and nothing else
     changes, so the others keep running) and advance with `step()`; `generate` wraps both.
@@ -87,7 +97,8 @@ class Engine:
     def __init__(self, model, *, capacity_tokens: int, page_size: int = 1, kv_cache_dtype: str = "auto",
                  chunked_prefill_size: int | None = None, max_running_requests: int | None = None,
                  device: str | torch.device | None = None, attention_backend: str = "auto",
-                 schedule_policy: str = "lpm") -> None:
+                 schedule_policy: str = "lpm", window_tokens: int | None = None,
+                 state_slots: int | None = None) -> None:
         self.adapter = adapter_for(model)
         capacity_tokens = check_int("capacity_tokens", capacity_tokens, minimum=1)
         page_size = check_int("page_size", page_size, minimum=1)
@@ -102,18 +113,24 @@ class Engine:
         self.device = device
         self.model = model
         self.context_len = self.adapter.context_len()
-        self.pool = self.adapter.make_pool(capacity_tokens, page_size, kv_cache_dtype, device)
         self.req_to_token_pool = ReqToTokenPool(rows, min(self.context_len, capacity_tokens), device=device)
-        if page_size == 1:
-            self.token_allocator = TokenAllocator(capacity_tokens, device=device)
+        if isinstance(self.adapter, HybridAdapter):
+            self._build_hybrid(capacity_tokens, page_size, kv_cache_dtype, window_tokens, state_slots, rows,
+                               attention_backend, device)
         else:
-            self.token_allocator = PagedTokenAllocator(capacity_tokens, page_size, device=device)
-        self.tree_cache = RadixCache(self.req_to_token_pool, self.token_allocator, page_size=page_size)
+            for name, value in (("window_tokens", window_tokens), ("state_slots", state_slots)):
+                if value is not None:
+                    raise ValueError(f"{name} is for hybrid models; {type(model).__name__} has neither sliding-window "
+                                     "nor linear-attention layers")
+            self.pool = self.adapter.make_pool(capacity_tokens, page_size, kv_cache_dtype, device)
+            self.token_allocator = TokenAllocator(capacity_tokens, device=device) if page_size == 1 else \
+                PagedTokenAllocator(capacity_tokens, page_size, device=device)
+            self.tree_cache = RadixCache(self.req_to_token_pool, self.token_allocator, page_size=page_size)
+            attention = make_attention_backend(attention_backend, self.pool, self.adapter.num_heads, device)
+            self.runner = ModelRunner(self.adapter, self.pool, attention, device)
         config = SchedulerConfig(schedule_policy=schedule_policy, max_running_requests=rows,
                                  chunked_prefill_size=chunked_prefill_size)
         self.scheduler = Scheduler(self.req_to_token_pool, self.token_allocator, self.tree_cache, config)
-        attention = make_attention_backend(attention_backend, self.pool, self.adapter.num_heads, device)
-        self.runner = ModelRunner(self.adapter, self.pool, attention, device)
         self.stats = EngineStats()
         self.default_stop_token_ids = _model_stop_tokens(model)
         self._next_rid = 0
@@ -121,6 +138,41 @@ class Engine:
         self._logits: dict[int, list[torch.Tensor] | None] = {}
         self._cached: dict[int, int] = {}
         self._handed_off: set[Req] = set()  # taken out with their memory (hand_off), not released yet
+
+    def _build_hybrid(self, capacity_tokens, page_size, kv_cache_dtype, window_tokens, state_slots, rows,
+                      attention_backend, device) -> None:
+        """kvmem.hybrid's allocator, pools and radix cache for a model with sliding-window or linear layers."""
+        adapter = self.adapter
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
+        if attention_backend == "flashinfer":
+            raise ValueError(f"attention_backend 'flashinfer': hybrid models ({type(self.model).__name__}) run the "
+                             "torch attention ('auto' or 'torch')")
+        window = adapter.window
+        if window is None and window_tokens is not None:
+            raise ValueError(f"window_tokens is for a model with sliding-window layers; {type(self.model).__name__} "
+                             "has none")
+        if LINEAR not in adapter.kinds and state_slots is not None:
+            raise ValueError(f"state_slots is for a model with linear-attention layers; {type(self.model).__name__} "
+                             "has none")
+        if window is not None:
+            window_tokens = capacity_tokens if window_tokens is None else \
+                check_int("window_tokens", window_tokens, minimum=1)
+            if window_tokens % page_size:
+                raise ValueError(f"window_tokens {window_tokens} must be a multiple of page_size {page_size}")
+            self.token_allocator = HybridTokenAllocator(capacity_tokens, window_tokens, page_size, device=device)
+        else:
+            self.token_allocator = TokenAllocator(capacity_tokens, device=device) if page_size == 1 else \
+                PagedTokenAllocator(capacity_tokens, page_size, device=device)
+        if LINEAR in adapter.kinds:
+            state_slots = 2 * rows if state_slots is None else check_int("state_slots", state_slots, minimum=2)
+        self.pool = adapter.make_pools(capacity_tokens, window_tokens, state_slots, page_size, kv_cache_dtype, device)
+        # A request frees the window slots it left in runs of one window at most: with a tiny window, the default
+        # interval would keep more window slots per request than the window itself.
+        interval = WINDOW_FREE_INTERVAL if window is None else min(WINDOW_FREE_INTERVAL, window)
+        self.tree_cache = HybridRadixCache(self.req_to_token_pool, self.token_allocator, page_size, window=window,
+                                           state_pool=self.pool.state_pool, window_free_interval=interval)
+        self.runner = HybridModelRunner(adapter, self.pool, self.tree_cache, device)
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, input_ids: Sequence[int], max_new_tokens: int, *,

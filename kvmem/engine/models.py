@@ -3,10 +3,10 @@ run token-major over a flat batch, with attention replaced by kvmem's pools and 
 
 Supported `config.model_type`s: "llama", "mistral", "qwen2" (multi-head / grouped-query attention: K and V per
 KV head in an `MHAKVPool`), "deepseek_v2", "deepseek_v3" (multi-head latent attention: one latent row per
-token in an `MLAKVPool`). A batch is [num_tokens] rows of all its requests' new tokens; positions come from
-each request's row (prefix_len.. for an extend, kv_len - 1 for a decode), so RoPE needs no per-request state.
-Sliding-window attention is not implemented: a model with a window serves contexts up to the window, where
-it equals full attention.
+token in an `MLAKVPool`), and the hybrid "gemma3_text", "gpt_oss", "qwen3_next" (`kvmem.engine.hybrid`). A batch
+is [num_tokens] rows of all its requests' new tokens; positions come from each request's row (prefix_len.. for an
+extend, kv_len - 1 for a decode), so RoPE needs no per-request state. Mistral's and Qwen2's optional sliding
+window is not implemented: such a model serves contexts up to its window, where it equals full attention.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from kvmem.kv_pool import MHAKVPool, MLAKVPool
 
 MHA_ARCHITECTURES = ("llama", "mistral", "qwen2")
 MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
-SUPPORTED_ARCHITECTURES = MHA_ARCHITECTURES + MLA_ARCHITECTURES
+HYBRID_ARCHITECTURES = ("gemma3_text", "gpt_oss", "qwen3_next")  # kvmem.engine.hybrid
+SUPPORTED_ARCHITECTURES = MHA_ARCHITECTURES + MLA_ARCHITECTURES + HYBRID_ARCHITECTURES
 
 
 @dataclass(frozen=True)
@@ -173,10 +174,14 @@ class MLAAdapter(_Adapter):
         return attn.o_proj(out.reshape(n, -1))
 
 
-def adapter_for(model) -> MHAAdapter | MLAAdapter:
+def adapter_for(model) -> _Adapter:
     """The adapter for `model`'s architecture; ValueError naming it when it is not supported."""
+    from kvmem.engine.hybrid import HYBRID_ADAPTERS  # built on this module's adapters
+
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
+    if model_type in HYBRID_ADAPTERS:
+        return HYBRID_ADAPTERS[model_type](model)
     if model_type in MHA_ARCHITECTURES:
         return MHAAdapter(model)
     if model_type in MLA_ARCHITECTURES:

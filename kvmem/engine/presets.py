@@ -33,6 +33,30 @@ PRESETS: dict[str, tuple[str, dict]] = {
         num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         n_group=2, topk_group=1, first_k_dense_replace=1, max_position_embeddings=512)),
+    # Hybrid models: windows of 8 tokens (prompts of several windows stay short), their real layer patterns.
+    # gpt-oss: [sliding, full] with sinks and YaRN RoPE (16 -> 512 positions, factor 32 as in gpt-oss-20b).
+    "gpt-oss-tiny": ("gpt_oss", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        max_position_embeddings=512, rope_parameters=dict(
+            rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+            original_max_position_embeddings=16))),
+    # Gemma 3: local, local, global; the global RoPE scaled linearly by 8 (as gemma-3-27b), query_pre_attn_scalar
+    # unlike head_dim; no pad token (generate would mask the prompt's 0s as padding). Untied: tied to the
+    # sqrt(hidden)-scaled embedding, a random model repeats its last token.
+    "gemma3-tiny": ("gemma3_text", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8, max_position_embeddings=512,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], tie_word_embeddings=False,
+        pad_token_id=None,
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                         "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1000000.0)})),
+    # Qwen3-Next: three gated DeltaNet layers, then gated full attention with partial RoPE; MoE and shared expert.
+    "qwen3-next-tiny": ("qwen3_next", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, max_position_embeddings=512)),
     # Qwen2-0.5B's shapes (494M parameters with its 151,936-token vocabulary).
     "qwen2-0.5b": ("qwen2", dict(
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

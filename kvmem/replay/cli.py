@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="CONFIG", help="model preset (see kvmem.sizing): sizes --gpu-mem-gb and "
                    "--host-mem-gb, and prices copies between tiers (default: llama-3-8b's bytes per token)")
     p.add_argument("--kv-cache-dtype", metavar="DTYPE", help="KV storage dtype for --gpu-mem-gb (default auto)")
+    p.add_argument("--full-attention-pools", action="store_true",
+                   help="a hybrid --model (gpt-oss, Gemma 3, Llama 4, Qwen3-Next) on one pool sized as if every layer "
+                        "were full attention, for comparison (default: window-aware pools, see docs/hybrid.md)")
     p.add_argument("--page-size", type=positive_int_arg, default=1, metavar="P", help="tokens per page (default 1)")
     host = p.add_mutually_exclusive_group()
     host.add_argument("--host-capacity-tokens", type=positive_int_arg, metavar="N",
@@ -245,6 +248,9 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
         slo = slo_of(args)
         splits = None if tour else pd_runs(args, config, trace)
         runs = None if tour or splits is not None else cluster_runs(args, config)
+        if (runs is not None or splits is not None) and config.hybrid is not None:
+            raise ValueError("a fleet's replay routes on KV events, which window-aware pools do not publish: give "
+                             "--full-attention-pools")
         if slo is not None and runs is None and splits is None:
             raise ValueError("--slo-ttft-s and --slo-tbt-s price a fleet's goodput: give --replicas, "
                              "--prefill-replicas or --pd-sweep")
@@ -523,7 +529,11 @@ def _replay_config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
     if args.model is not None or args.gpu is not None or args.gpu_mem_gb is not None or args.host_mem_gb is not None:
         model_bytes = _bytes_per_token(args)
         tiers["kv_bytes_per_token"] = model_bytes
-    if args.gpu_mem_gb is not None:
+    hybrid = _hybrid_model(args)
+    if hybrid is not None and (args.gpu_mem_gb is not None or args.capacity_tokens is None and args.gpu is not None):
+        tiers.update(_hybrid_pools(args, hybrid, model_bytes))
+        capacity = tiers.pop("capacity_tokens")
+    elif args.gpu_mem_gb is not None:
         capacity = _tokens_in(args.gpu_mem_gb, "--gpu-mem-gb", args)
     elif args.capacity_tokens is None and args.gpu is not None:
         capacity = RooflineCost(args.gpu, _model_name(args), args.tp,
@@ -553,7 +563,41 @@ def _replay_config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
         storage_latency_us=DEFAULT_STORAGE_LATENCY_US if args.storage_latency_us is None else args.storage_latency_us,
         cache_decode_pages=args.cache_decode_pages, in_batch_prefix_caching=args.in_batch_prefix_caching,
         gpu=args.gpu, model=_model_name(args, None), tp=args.tp, pin_prefix_tokens=args.pin_prefix_tokens,
-        pin_budget=args.pin_budget, **tiers)
+        pin_budget=args.pin_budget, full_attention_pools=args.full_attention_pools, **tiers)
+
+
+def _hybrid_model(args: argparse.Namespace):
+    """The HybridConfig whose window-aware pools the replay sizes (None: one pool); --full-attention-pools needs a
+    hybrid --model."""
+    from kvmem import sizing
+
+    hybrid = sizing.HYBRID_MODEL_CONFIGS.get(args.model)
+    if args.full_attention_pools and hybrid is None:
+        raise ValueError(f"--full-attention-pools compares a hybrid --model's pools (one of "
+                         f"{', '.join(sizing.HYBRID_MODEL_CONFIGS)}), got {args.model!r}")
+    return None if args.full_attention_pools else hybrid
+
+
+def _hybrid_pools(args: argparse.Namespace, hybrid, model_bytes: int) -> dict:
+    """capacity_tokens, window_tokens and state_slots of window-aware pools in --gpu-mem-gb, or in what --gpu's
+    memory leaves beside the weights (divided among the copies tensor parallelism keeps of a token's KV)."""
+    from kvmem import sizing
+    from kvmem.replay.cost import kv_copies
+
+    if args.gpu_mem_gb is not None:
+        budget, option = {"gpu_mem_gb": args.gpu_mem_gb}, f"--gpu-mem-gb {args.gpu_mem_gb}"
+    else:
+        cost = RooflineCost(args.gpu, args.model, args.tp, kv_bytes_per_token=model_bytes)
+        budget = {"mem_bytes": int(cost.kv_budget_bytes(args.page_size) // kv_copies(args.model, args.tp))}
+        option = f"--gpu {args.gpu}"
+    cap = sizing.hybrid_capacity(hybrid, **budget, kv_cache_dtype=args.kv_cache_dtype or "auto",
+                                 page_size=args.page_size, max_running_requests=args.max_running,
+                                 chunked_prefill_size=args.chunked_prefill_size if args.chunked_prefill_size > 0
+                                 else 8192)
+    if cap.full_tokens == 0:
+        raise ValueError(f"{option} holds no window-aware pools of {args.model} (try --full-attention-pools)")
+    return {"capacity_tokens": cap.full_tokens, "window_tokens": cap.window_tokens or None,
+            "state_slots": cap.state_slots or None}
 
 
 def _check_tier_options(args: argparse.Namespace) -> None:
@@ -580,6 +624,9 @@ def _check_tier_options(args: argparse.Namespace) -> None:
 
 def _check_combinations(args: argparse.Namespace, config: ReplayConfig, points: list | None) -> None:
     """Options another one overrides, and replays that would depend on each other."""
+    if args.compare_policies and config.hybrid is not None:
+        raise ValueError("--compare-policies with a hybrid --model's window-aware pools: its ceiling, belady, ranks "
+                         "the full pool alone (give --full-attention-pools)")
     if args.compare_policies and args.eviction_policy is not None:
         raise ValueError("--eviction-policy with --compare-policies: name the policies in --compare-policies' list")
     if (args.sweep or args.sweep_gb) and (args.capacity_tokens is not None or args.gpu_mem_gb is not None):
@@ -722,8 +769,7 @@ def _sweep_points(args: argparse.Namespace, config: ReplayConfig) -> tuple[list[
             stores = [None] if host is None else [None, config.storage] if config.storage and hosts else \
                 [config.storage]
             for store in dict.fromkeys(stores):
-                points.append(dataclasses.replace(config, capacity_tokens=s.tokens, host_capacity_tokens=host,
-                                                  storage=store))
+                points.append(config.at_capacity(s.tokens, host_capacity_tokens=host, storage=store))
                 labels.append(s.label)
     return points, labels
 
@@ -754,7 +800,7 @@ def _tour_points(config: ReplayConfig) -> list[ReplayConfig]:
     for factor in TOUR_FACTORS:
         capacity = max(int(config.capacity_tokens * factor) // config.page_size * config.page_size, config.page_size)
         for host in (None, TOUR_HOST_FACTOR * capacity):
-            points.append(dataclasses.replace(config, capacity_tokens=capacity, host_capacity_tokens=host))
+            points.append(config.at_capacity(capacity, host_capacity_tokens=host))
     return points
 
 

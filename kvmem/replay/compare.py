@@ -10,7 +10,6 @@ policy gets back. `engine` replays each policy it covers (kvmem.replay.engine), 
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import os
 import sys
@@ -51,7 +50,7 @@ def compare_policies(trace, config: ReplayConfig, policies: Sequence[str], capac
     capacity; gap_closed is None where belady leads lru by less than GAP_NOISE), and every replay's report in
     `runs`."""
     policies = list(dict.fromkeys([BASELINE, *policies, CEILING]))
-    configs = [dataclasses.replace(config, eviction_policy=p, capacity_tokens=c) for p in policies for c in capacities]
+    configs = [config.at_capacity(c, eviction_policy=p) for p in policies for c in capacities]
     reports: dict[tuple[str, int], dict] = {}
 
     def done(c: ReplayConfig, report: dict) -> None:

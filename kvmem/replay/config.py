@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvmem._checks import check_host_bytes, check_int, check_number
@@ -16,7 +17,14 @@ from kvmem.replay.cost import (
     MODEL_COMPUTE,
     kv_copies,
 )
-from kvmem.sizing import bytes_per_token, get_model_config
+from kvmem.sizing import (
+    HYBRID_MODEL_CONFIGS,
+    WINDOW_FREE_INTERVAL,
+    HybridConfig,
+    bytes_per_token,
+    get_model_config,
+    window_pool_tokens,
+)
 from kvmem.storage import parse_store_spec
 
 # kvmem.tiers.WRITE_POLICIES and kvmem.schedule_policy.SCHEDULE_POLICIES, copied because those import torch and
@@ -69,6 +77,10 @@ class ReplayConfig:
         kvmem.replay.cost). `model` names the preset kv_bytes_per_token was taken from, if any.
     pin_prefix_tokens: pin the first N tokens of each finished request's prompt (`RadixCache.pin`; 0: no
         pins), as a server would pin its system prompts. pin_budget: the share of the capacity pins may hold.
+    full_attention_pools: for a hybrid `model` (kvmem.sizing.HYBRID_MODEL_CONFIGS), one pool sized as if every
+        layer were full attention (the comparison); False: window-aware pools (kvmem.hybrid), capacity_tokens being
+        the full-attention pool's, beside a window pool of window_tokens (None: `sizing.window_pool_tokens` of
+        max_running and chunked_prefill_size) and state_slots recurrent states (None: two per running request).
     """
 
     capacity_tokens: int
@@ -97,6 +109,9 @@ class ReplayConfig:
     tp: int = 1
     pin_prefix_tokens: int = 0
     pin_budget: float = 0.2
+    full_attention_pools: bool = False
+    window_tokens: int | None = None
+    state_slots: int | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and self.model not in MODEL_COMPUTE:
@@ -150,6 +165,80 @@ class ReplayConfig:
         check_int("pin_prefix_tokens", self.pin_prefix_tokens, minimum=0)
         if not 0 <= check_number("pin_budget", self.pin_budget, 0) <= 1:
             raise ValueError(f"pin_budget must lie in [0, 1], got {self.pin_budget!r}")
+        self._check_hybrid()
+
+    def _check_hybrid(self) -> None:
+        if not isinstance(self.full_attention_pools, bool):
+            raise ValueError(f"full_attention_pools must be a bool, got {self.full_attention_pools!r}")
+        hybrid = self.hybrid
+        for name in ("window_tokens", "state_slots"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if hybrid is None:
+                raise ValueError(f"{name} is for the window-aware pools of a hybrid model (model one of "
+                                 f"{', '.join(HYBRID_MODEL_CONFIGS)}, full_attention_pools False)")
+            check_int(name, value, minimum=2 if name == "state_slots" else 1)
+        if hybrid is None:
+            return
+        if self.host_capacity_tokens is not None:
+            raise ValueError("a host tier with a hybrid model's window-aware pools: kvmem.hybrid's components are "
+                             "device-only (full_attention_pools=True replays it with one pool)")
+        if self.eviction_policy == "belady":
+            raise ValueError("belady eviction with a hybrid model's window-aware pools: the oracle ranks the full "
+                             "pool alone")
+        if hybrid.window_layers:
+            need = self.hybrid_window_tokens
+            if self.window_tokens is not None and self.window_tokens % self.page_size:
+                raise ValueError(f"window_tokens {self.window_tokens} must be a multiple of page_size "
+                                 f"{self.page_size}")
+            if self.window_tokens is not None and need > self.capacity_tokens // self.page_size * self.page_size:
+                raise ValueError(f"window_tokens {need} exceeds capacity_tokens {self.capacity_tokens}")
+            ps, window = self.page_size, min(hybrid.sliding_window, self.context_len)
+            least = _pages(max(window - 1, ps), ps) + _pages(WINDOW_FREE_INTERVAL, ps) + 3 * ps
+            if need < least:
+                raise ValueError(f"window_tokens {need} is too small for {self.model}'s window of {window} at page "
+                                 f"size {ps}: a request takes up to {least} window slots")
+        elif self.window_tokens is not None:
+            raise ValueError(f"window_tokens: {self.model} has no sliding-window layer")
+        if not hybrid.linear_layers and self.state_slots is not None:
+            raise ValueError(f"state_slots: {self.model} has no linear-attention layer")
+
+    def at_capacity(self, capacity_tokens: int, **changes) -> ReplayConfig:
+        """This configuration at another capacity (and `changes`, as dataclasses.replace takes them): a window pool
+        set by hand shrinks to the new full pool if it was larger (a sweep's smaller points)."""
+        window = self.window_tokens
+        if window is not None and window > capacity_tokens:
+            window = max(capacity_tokens // self.page_size * self.page_size, self.page_size)
+        return dataclasses.replace(self, capacity_tokens=capacity_tokens, window_tokens=window, **changes)
+
+    @property
+    def hybrid(self) -> HybridConfig | None:
+        """The hybrid model whose window-aware pools this replay runs on; None for one pool (a model of one layer
+        kind, or full_attention_pools)."""
+        if self.full_attention_pools or self.model not in HYBRID_MODEL_CONFIGS:
+            return None
+        return HYBRID_MODEL_CONFIGS[self.model]
+
+    @property
+    def hybrid_window_tokens(self) -> int:
+        """The window pool's tokens (0 without window layers): window_tokens, or what `sizing.window_pool_tokens`
+        gives the replay's concurrency."""
+        hybrid = self.hybrid
+        if hybrid is None or not hybrid.window_layers:
+            return 0
+        if self.window_tokens is not None:
+            return self.window_tokens
+        pool = window_pool_tokens(hybrid, self.page_size, self.max_running, self.chunked_prefill_size or 8192)
+        return min(pool, self.capacity_tokens // self.page_size * self.page_size)  # never more than the full pool
+
+    @property
+    def hybrid_state_slots(self) -> int:
+        """The state slots (0 without linear layers): state_slots, or two per running request."""
+        hybrid = self.hybrid
+        if hybrid is None or not hybrid.linear_layers:
+            return 0
+        return self.state_slots if self.state_slots is not None else 2 * self.max_running
 
     @property
     def token_kv_bytes(self) -> int:
@@ -196,3 +285,8 @@ class ReplayConfig:
         check_host_bytes(what if replicas == 1 else f"{replicas} replicas of {what}",
                          replicas * ((self.capacity_tokens // self.page_size + self.host_pages) * 33
                                      + self.capacity_tokens + table))
+
+
+def _pages(tokens: int, page_size: int) -> int:
+    """`tokens` rounded up to whole pages."""
+    return -(-tokens // page_size) * page_size

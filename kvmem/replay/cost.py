@@ -168,6 +168,15 @@ MODEL_COMPUTE: MappingProxyType[str, ModelCompute] = MappingProxyType({
     "qwen2.5-7b": ModelCompute(7.61, 7.61, 28, 128, 128),
     "mistral-7b": ModelCompute(7.24, 7.24, 32, 128, 128),
     "deepseek-v3": ModelCompute(671.0, 37.0, 128, 192, 128, weight_bytes=1.0),
+    # Hybrid models (kvmem.sizing.HYBRID_MODEL_CONFIGS; their model cards): gpt-oss-20b 20.9B parameters, 3.6B
+    # active, and gpt-oss-120b 116.8B, 5.1B active, 64 heads of 64, MoE weights in MXFP4 (4.25 bits, counted for
+    # every weight); Gemma 3 27B 27.4B, 32 heads of 128; Llama 4 Scout 109B, 17B active, 40 heads of 128;
+    # Qwen3-Next-80B-A3B 80B, 3B active, 16 heads of 256.
+    "gpt-oss-20b": ModelCompute(20.9, 3.6, 64, 64, 64, weight_bytes=4.25 / 8),
+    "gpt-oss-120b": ModelCompute(116.8, 5.1, 64, 64, 64, weight_bytes=4.25 / 8),
+    "gemma-3-27b": ModelCompute(27.4, 27.4, 32, 128, 128),
+    "llama-4-scout": ModelCompute(109.0, 17.0, 40, 128, 128),
+    "qwen3-next-80b": ModelCompute(80.0, 3.0, 16, 256, 256),
 })
 
 # The share of GPU memory an engine takes for weights and KV cache (vLLM's gpu_memory_utilization default).
@@ -235,13 +244,19 @@ class RooflineCost:
     def kv_capacity_tokens(self, page_size: int = 1) -> int:
         """The KV tokens (whole pages) that fit beside the weights in MEMORY_FRACTION of the GPUs' memory;
         ValueError when the weights alone do not fit."""
+        left = self.kv_budget_bytes(page_size)
+        return int(left // (self._kv_bytes * page_size)) * page_size
+
+    def kv_budget_bytes(self, page_size: int = 1) -> float:
+        """The bytes MEMORY_FRACTION of the GPUs' memory leaves beside the weights, on all the GPUs together;
+        ValueError when that is less than one page of KV."""
         total = self.tp * GPUS[self.gpu].memory_gb * 1e9 * MEMORY_FRACTION
         left = total - self._weight_bytes
         if left < self._kv_bytes * page_size:
             raise ValueError(f"{self.model}'s weights ({self._weight_bytes / 1e9:,.0f} GB) leave no room for a KV "
                              f"cache in {MEMORY_FRACTION:.0%} of {self.tp} x {self.gpu} "
                              f"({total / 1e9:,.0f} GB): raise --tp, or give --capacity-tokens")
-        return int(left // (self._kv_bytes * page_size)) * page_size
+        return left
 
     def extend_seconds(self, prefix_lens: np.ndarray, seq_lens: np.ndarray, loaded_tokens: int = 0,
                        storage_tokens: int = 0) -> float:

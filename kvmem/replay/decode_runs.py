@@ -45,8 +45,8 @@ class ReplayScheduler(Scheduler):
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._outputs: dict[Req, list] = {}  # each running request's whole output, checked once
         # Whether a walk tells what a failed admission's match returns: not with a host tier, whose match may
-        # load pages back.
-        self._walk_tells_match = getattr(self.tree_cache, "host_pool", None) is None
+        # load pages back, nor with a hybrid tree, whose match may end above the walk's end.
+        self._walk_tells_match = getattr(self.tree_cache, "host_pool", None) is None and self.tree_cache.match_is_walk
 
     # The arrays follow every change to the running batch, so that a run starts from them with no pass over the
     # requests: a decode step adds a token to each (or retracts some), its results finish some, an extend step's
@@ -285,8 +285,12 @@ class ReplayScheduler(Scheduler):
         steps = evicted = 0
         for j in range(num_steps):
             tree.writing_check()  # as step() does first thing
+            # What a component frees as requests advance (a hybrid tree's window slots), which a decode step frees
+            # after its admission attempt: here before it, the only order in which a step that must retract for the
+            # window is left whole to step().
+            tree.decode_step(reqs, kv + j)
             need = bs if per_residue is None else int(per_residue[-j % ps])
-            if need > available + tree.evictable_size():
+            if not tree.can_fit(need):
                 break  # this step retracts: step() takes it
             if may_admit:
                 # The output tokens of the steps before this one count as generated, as a step's results count them.
@@ -296,11 +300,10 @@ class ReplayScheduler(Scheduler):
                 # Within a run only an eviction changes a waiting request's cached prefix (a split by that
                 # match keeps every path's tokens): until one, ranking again would give the same order.
                 ranked = lpm
-            short = need - available
-            if short > 0:
+            if not tree.fits(need):
                 ranked = False
                 with self.timer.phase("evict"):
-                    evicted += tree.evict(short)
+                    evicted += tree.evict_for(need)
             with self.timer.phase("alloc"):
                 out = alloc_decode_slots(self.req_to_token_pool, alloc, kv + j, rows)
             if out is None:  # cannot happen: the shortfall was just evicted

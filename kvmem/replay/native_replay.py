@@ -70,6 +70,8 @@ def unsupported(config, cost=None, policies=None) -> str | None:
     cover, in a few words; None when it covers all of it."""
     if config.storage is not None and not _simulated_store(config):
         return f"a {config.storage.split(':')[0]} store"
+    if getattr(config, "hybrid", None) is not None:  # a torch-free caller's namespace may leave it out
+        return "a hybrid model's window-aware pools"
     if config.eviction_policy not in NATIVE_POLICIES:
         return f"{config.eviction_policy} eviction"
     if policies:

@@ -15,7 +15,6 @@ Every replay is kept: the curve the search measured, hit rate and TTFT by capaci
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -53,7 +52,7 @@ def plan_capacity(trace, config: ReplayConfig, fraction: float, run: Callable[[S
 
     def measure(capacities: Sequence[int]) -> None:
         new = sorted({c for c in capacities if c not in reports})
-        for c, report in zip(new, run([dataclasses.replace(config, capacity_tokens=c) for c in new])):
+        for c, report in zip(new, run([config.at_capacity(c) for c in new])):
             reports[c] = report
 
     measure([bottom, top])

@@ -95,6 +95,32 @@ class ReplayReport:
     output_tokens: int = 0
     prefill_seconds_saved: float = 0.0
     cache_phases: dict = field(default_factory=dict)
+    hybrid: dict | None = None
+
+    # ---- a hybrid model's window-aware pools (kvmem.hybrid) ----------------------------------------------------
+    def start_hybrid(self, tree) -> None:
+        """Opens the report's "hybrid" part for a HybridRadixCache: each component's capacity."""
+        alloc = tree.token_allocator
+        self.hybrid = {"window": tree.window, "window_capacity_tokens": getattr(alloc, "window_size", 0),
+                       "state_slots": 0 if tree.state_pool is None else tree.state_pool.size,
+                       "peak_window_tokens_used": 0, "peak_states_used": 0}
+
+    def sample_hybrid(self, tree) -> None:
+        """Takes each component's use after a step (a run of decode steps: after its last) into its peak."""
+        part = self.hybrid
+        if tree.window is not None:
+            used = tree.token_allocator.window_size - tree.token_allocator.window_available_size()
+            part["peak_window_tokens_used"] = max(part["peak_window_tokens_used"], int(used))
+        if tree.state_pool is not None:
+            used = tree.state_pool.size - tree.state_available_size()
+            part["peak_states_used"] = max(part["peak_states_used"], int(used))
+
+    def finish_hybrid(self, tree) -> None:
+        """The components' counters: window slots requests freed while decoding, window tokens and states evicted,
+        states copied (copy on write into an admitted request, or into the tree at a chunk end)."""
+        self.hybrid.update({name: int(getattr(tree, attr, 0)) for name, attr in (
+            ("window_slots_freed", "window_slots_freed"), ("window_evicted_tokens", "window_evicted_tokens"),
+            ("state_copies", "state_copies"), ("states_evicted", "state_evicted"))})
 
     def record_admission(self, prompt_len: int, cached_len: int, host_len: int = 0, storage_len: int = 0) -> None:
         """Counts a request's first admission: its prompt length and its cached prefix length, of which
@@ -263,6 +289,7 @@ class ReplayReport:
             **self._tier_json(),
             **self._time_json(),
             **self._overload_json(),
+            **({} if self.hybrid is None else {"hybrid": dict(self.hybrid)}),
         }
 
     def _overload_json(self) -> dict:

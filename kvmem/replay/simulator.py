@@ -29,6 +29,7 @@ from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.batch import ForwardMode, Req
 from kvmem.disagg.request_memory import held_tokens, preallocate, release
 from kvmem.events.schema import KVCacheEvent
+from kvmem.hybrid import HybridRadixCache, HybridTokenAllocator, StateSlotPool
 from kvmem.radix_cache import RadixCache
 from kvmem.replay.belady import oracle_policies
 from kvmem.replay.config import ReplayConfig
@@ -64,7 +65,18 @@ def build_scheduler(config: ReplayConfig, timer: PhaseTimer | None = None,
     pool = ReqToTokenPool(config.max_running, config.context_len)
     alloc = TokenAllocator(capacity) if ps == 1 else PagedTokenAllocator(capacity, ps)
     policies = {"eviction_policy": config.eviction_policy, "pin_budget": config.pin_budget, **(policies or {})}
-    if config.host_capacity_tokens is None:
+    hybrid = config.hybrid
+    if hybrid is not None:
+        if event_sink is not None:
+            raise ValueError("KV events with a hybrid model's window-aware pools, which publish none: replay the "
+                             "cluster with full_attention_pools")
+        window = hybrid.sliding_window if hybrid.window_layers else None
+        if window is not None:
+            window = min(window, config.context_len)  # a window no request outgrows holds every token anyway
+            alloc = HybridTokenAllocator(capacity, config.hybrid_window_tokens, ps)
+        states = StateSlotPool(config.hybrid_state_slots) if hybrid.linear_layers else None
+        tree = HybridRadixCache(pool, alloc, ps, window=window, state_pool=states, **policies)
+    elif config.host_capacity_tokens is None:
         tree = RadixCache(pool, alloc, page_size=ps, event_sink=event_sink, **policies)
     else:
         # A replay waits for every prefetch: its clock, not the store's speed, decides what arrives in time.
@@ -141,6 +153,9 @@ class ReplicaSim:
                                    num_gpus=self.cost.num_gpus)
         if config.host_capacity_tokens is not None:
             self.report.host_capacity_tokens = config.host_pages * config.page_size
+        self._hybrid = self.sched.tree_cache if isinstance(self.sched.tree_cache, HybridRadixCache) else None
+        if self._hybrid is not None:
+            self.report.start_hybrid(self._hybrid)
         self._progress = progress
         self._outputs: dict = {}     # rid -> the output tokens it generates, a list of ints
         self._arrival: dict = {}     # rid -> arrival time, until its first token
@@ -222,6 +237,8 @@ class ReplicaSim:
         alloc = sched.token_allocator
         report.record_step(self.clock, alloc.size - alloc.available_size(), sched.tree_cache.evictable_size(),
                            len(sched.running))
+        if self._hybrid is not None:
+            report.sample_hybrid(self._hybrid)
         return StepOutcome(finished, prefilled)
 
     def _admit(self, reqs: list[Req]) -> tuple[int, int]:
@@ -284,6 +301,8 @@ class ReplicaSim:
         running_after = np.full(run.steps, bs, dtype=np.int64)
         running_after[-1] = len(sched.running)
         self.report.record_steps(times[:run.steps], run.tokens_used, run.evictable_tokens, running_after)
+        if self._hybrid is not None:
+            self.report.sample_hybrid(self._hybrid)
         self._finished(run.finished)
         return StepOutcome(run.finished, [])
 
@@ -352,6 +371,8 @@ class ReplicaSim:
         if isinstance(sched.tree_cache, HiRadixCache):
             sched.tree_cache.close()
             report.record_tiers(sched.tree_cache, self.config)
+        if self._hybrid is not None:
+            report.finish_hybrid(self._hybrid)
         report.cache_op_seconds = self._cache_s
         report.record_cache_phases(self.timer)
         report.replay_seconds = time.perf_counter() - self._t_start

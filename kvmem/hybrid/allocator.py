@@ -1,0 +1,211 @@
+"""The paired allocator of a sliding-window model: a full slot and a window slot for every token.
+
+The full pool (the full-attention layers' KV) holds every token a request or the tree keeps; the window pool (the
+sliding layers' KV) holds only the tokens still inside some window, so it is much smaller. `req_to_token` holds full
+slots only, and window layers read and write through `full_to_window`: each full page is paired with a window page at
+allocation (same offsets, so at page size > 1 a request's partial page continues in both), and the pairing is dropped
+when the window page is freed before the full one: a token that left every window keeps its full KV (a tree
+tombstone, or the old part of a long request's row).
+
+Pairing is kept per page in a host int64 array (0 = no window page), the same numpy bookkeeping as the allocators'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvmem._checks import check_int
+from kvmem._index import as_index_array
+from kvmem.allocator import FREE, AllocatorState, PagedTokenAllocator, _PageStack
+
+
+@dataclass(frozen=True)
+class HybridAllocatorState(AllocatorState):
+    """A `HybridTokenAllocator.backup_state()` snapshot: the full pages', the window pages' and the pairing."""
+
+    window: AllocatorState | None = None
+    window_pages: np.ndarray | None = None
+
+
+class _PairedPages(_PageStack):
+    """Full pages that take a window page each as they are handed out (`window_page[full page]`, 0 = none)."""
+
+    def __init__(self, num_pages: int, window: _PageStack) -> None:
+        self.window = window
+        self.window_page = np.zeros(num_pages + 2, dtype=np.int64)
+        super().__init__(num_pages)
+
+    def clear(self) -> None:
+        super().clear()
+        self.window.clear()
+        self.window_page[:] = 0
+
+    def pop(self, n: int) -> np.ndarray | None:
+        if n > self.window.num_free():
+            if n < 0:
+                raise ValueError(f"cannot take {n} pages")
+            return None
+        pages = super().pop(n)
+        if pages is not None:
+            self.window_page[pages] = self.window.pop(n)
+        return pages
+
+    def backup(self) -> HybridAllocatorState:
+        full = super().backup()
+        return HybridAllocatorState(full.free_pages, full.allocated, self.window.backup(), self.window_page.copy())
+
+    def restore(self, state: AllocatorState) -> None:
+        super().restore(state)
+        self.window.restore(state.window)
+        self.window_page[:] = state.window_pages
+
+
+class HybridTokenAllocator(PagedTokenAllocator):
+    """Full slots 1..size, each handed out with a window slot of 1..window_size (see the module docstring).
+
+    Every allocation (`alloc`, `alloc_extend`, `alloc_decode`) takes whole full pages and as many window pages, or
+    returns None, changing nothing, when either pool is short. `available_size()` and `size` are the full pool's
+    (the tokens a request can hold); `window_available_size()` and `window_size` the window pool's. `free(slots)`
+    frees the full pages and their window peers; `free_window(slots)` only the window peers (the full KV stays).
+    Works at page size 1 too.
+
+    >>> import torch
+    >>> from kvmem.hybrid import HybridTokenAllocator
+    >>> alloc = HybridTokenAllocator(size=64, window_size=16, page_size=4)
+    >>> slots = alloc.alloc_extend([0], [6], [-1])          # full pages 1 and 2, window pages 1 and 2
+    >>> alloc.window_slots(slots).tolist()
+    [4, 5, 6, 7, 8, 9]
+    >>> alloc.free_window(slots[:4])                         # the first page left the window: its full KV stays
+    >>> alloc.window_slots(slots).tolist(), alloc.window_available_size()
+    ([0, 0, 0, 0, 8, 9], 12)
+    >>> alloc.alloc(16) is None                              # 3 window pages left: short, nothing changed
+    True
+    """
+
+    def __init__(self, size: int, window_size: int, page_size: int = 1, device: str | torch.device = "cpu") -> None:
+        window_size = check_int("window_size", window_size, minimum=1)
+        super().__init__(size, page_size, device)
+        self.window = PagedTokenAllocator(window_size, page_size, device)
+        self.window_size = window_size
+        self._pages = _PairedPages(size // page_size, self.window._pages)
+
+    # ---- sizes and translation -------------------------------------------------------------------------
+    def window_available_size(self) -> int:
+        """Free window slots (tokens)."""
+        return self.window.available_size()
+
+    def window_cached_size(self) -> int:
+        """Window slots in pages marked cached (held by the prefix cache): O(pages), for invariant checks."""
+        return self.window.cached_size()
+
+    def window_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """The window slot of each full slot in `slots` ([n] integer tensor, any device): [n] int64 on this
+        allocator's device, 0 (the padding slot) where the token has no window slot. What a sliding layer reads and
+        writes for the tokens that a full layer finds at `slots`."""
+        full = as_index_array("slots", slots)
+        if len(full) and (full.min() < 0 or full.max() >= self.size + self.page_size):
+            raise IndexError(f"slots: slot {full.min() if full.min() < 0 else full.max()} out of range "
+                             f"[0, {self.size + self.page_size})")
+        return self._to_slots_tensor(self.window_slots_of(full))
+
+    def window_slots_of(self, slots: np.ndarray) -> np.ndarray:
+        """Trusted: window_slots of host int64 full slots (each in range)."""
+        ps = self.page_size
+        if ps == 1:
+            return self._pages.window_page[slots]
+        peer = self._pages.window_page[slots // ps]
+        return np.where(peer != 0, peer * ps + slots % ps, 0)
+
+    def window_pages_of(self, pages: np.ndarray) -> np.ndarray:
+        """Trusted: the window page paired with each full page (0 = none)."""
+        return self._pages.window_page[pages]
+
+    # ---- frees -------------------------------------------------------------------------------------
+    def _release_pages(self, pages: np.ndarray) -> None:
+        # Window peers first: they are found through the pairing that freeing the full page clears.
+        self._release_window_pages(pages)
+        super()._release_pages(pages)
+
+    def free_window(self, slots: torch.Tensor) -> None:
+        """Frees the window slots paired with full slots `slots` ([n] integer tensor, whole pages listed from their
+        first slot at page size > 1); the full slots stay allocated. Raises, freeing nothing, for a slot that is not
+        allocated or has no window slot (freed already), or a page listed twice."""
+        slots_np = as_index_array("slots", slots)
+        if len(slots_np) == 0:
+            return
+        pages = self._pages_of("slots", slots_np)
+        self._pages.check_free("slots", pages)
+        missing = self._pages.window_page[pages] == 0
+        if np.count_nonzero(missing):
+            raise ValueError(f"slots: slot {pages[missing][0] * self.page_size} has no window slot (freed already?)")
+        self._release_window_pages(pages)
+
+    def free_window_pages(self, pages: np.ndarray) -> int:
+        """Trusted: frees the window pages paired with full `pages` ([n] host int64, distinct, allocated); those
+        without one are skipped. Returns the window tokens freed."""
+        return self._release_window_pages(pages) * self.page_size
+
+    def _release_window_pages(self, pages: np.ndarray) -> int:
+        window_page = self._pages.window_page
+        peers = window_page[pages]
+        paired = np.count_nonzero(peers)
+        if paired:
+            self.window._release_pages(peers[peers != 0] if paired != len(peers) else peers)
+            window_page[pages] = 0
+        return paired
+
+    def move_window_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Trusted: full pages `dst` take the window pages of full pages `src` (same length, each src paired, each dst
+        unpaired): a tree node whose window KV was freed takes a request's copy of the same tokens' window KV, while
+        the request's full duplicates are freed after."""
+        window_page = self._pages.window_page
+        window_page[dst] = window_page[src]
+        window_page[src] = 0
+
+    def mark_cached(self, slots: np.ndarray) -> None:
+        """Marks full slots (whole pages, each listed from its first slot) and their window peers as the prefix
+        cache's."""
+        super().mark_cached(slots)
+        pages = slots if self.page_size == 1 else slots[::self.page_size] // self.page_size
+        self.mark_window_cached(pages)
+
+    def mark_window_cached(self, pages: np.ndarray) -> None:
+        """Trusted: marks the window pages paired with full `pages` as the prefix cache's."""
+        peers = self._pages.window_page[pages]
+        self.window._pages.mark_cached(peers[peers != 0])
+
+    @contextmanager
+    def free_group(self) -> Iterator[None]:
+        """Batches the frees of both pools inside the block (see `PagedTokenAllocator.free_group`)."""
+        with super().free_group(), self.window.free_group():
+            yield
+
+    def restore_state(self, state: AllocatorState) -> None:
+        if not isinstance(state, HybridAllocatorState) or state.window is None or \
+                len(state.window.allocated) != self.window._pages.num_pages + 2:
+            raise ValueError("state must come from backup_state() of a HybridTokenAllocator of the same sizes")
+        super().restore_state(state)
+
+    def clear(self) -> None:
+        super().clear()
+        self.window._group = None
+
+    def check_pairing(self) -> None:
+        """Raises AssertionError unless the pairing is one to one: every window page handed out is paired with one
+        handed-out full page, and the window allocator holds no page without one."""
+        window_page = self._pages.window_page
+        held = np.flatnonzero(self._pages._state[1:-1] != FREE) + 1
+        peers = window_page[held]
+        peers = peers[peers != 0]
+        if np.count_nonzero(window_page) != len(peers):
+            raise AssertionError("HybridTokenAllocator: a free full page keeps a window page")
+        if len(np.unique(peers)) != len(peers):
+            raise AssertionError("HybridTokenAllocator: a window page is paired with two full pages")
+        window_held = self.window.size // self.page_size - self.window._pages.num_free()
+        if len(peers) != window_held or np.count_nonzero(self.window._pages.states(peers) == FREE):
+            raise AssertionError(f"HybridTokenAllocator: {window_held} window pages handed out, {len(peers)} paired")
