@@ -474,10 +474,14 @@ def token_ids(next_token_ids, name: str = "next_token_ids") -> array:
         raise ValueError(f"{name} holds a token id outside int64") from None
 
 
+_BOOLS = frozenset((True, False))
+
+
 def _holds_a_bool(ids: list | tuple) -> bool:
-    # `in` scans in C, but finds the ints 1 and 0 too (True == 1): only then is each element's type looked at.
+    # One set lookup per element in C, which finds the ints 1 and 0 too (True == 1): only then is each element's type
+    # looked at.
     try:
-        maybe = True in ids or False in ids
-    except (TypeError, ValueError):  # an element == True could not say (an array): look at every type
+        maybe = not _BOOLS.isdisjoint(ids)
+    except TypeError:  # an unhashable element (a list, an array): look at every type
         maybe = True
     return maybe and any(type(t) is bool for t in ids)

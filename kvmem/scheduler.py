@@ -289,16 +289,16 @@ class Scheduler:
         return finished
 
     def _process_decode(self, batch: ScheduleBatch, tokens: array) -> list[Req]:
-        finished, still_running = [], []
-        for req, tok in zip(batch.reqs, tokens):
-            output = req.output_ids
-            output.append(tok)
-            if len(output) >= req.max_new_tokens:  # Req.finished(), inline: this loop runs once per token
-                self._finish(req, finished)
-            else:
-                still_running.append(req)
-        self.running = still_running
-        self._tokens_left -= len(batch.reqs)
+        reqs = batch.reqs
+        for req, tok in zip(reqs, tokens):
+            req.output_ids.append(tok)
+        # Finishes found in a second pass: cheaper than a branch per token in the loop above.
+        done = [req for req in reqs if len(req.output_ids) >= req.max_new_tokens]  # Req.finished(), inline
+        finished: list[Req] = []
+        for req in done:
+            self._finish(req, finished)
+        self.running = [req for req in reqs if req.status is not ReqStatus.FINISHED] if done else list(reqs)
+        self._tokens_left -= len(reqs)
         return finished
 
     def _finish(self, req: Req, finished: list[Req]) -> None:

@@ -176,7 +176,8 @@ def test_a_compute_bound_decode_step_counts_the_attention_of_every_kv_token():
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"gpu": "B200"}, ValueError, "^gpu must be one of H100, H200, A100, L40S, got 'B200'$"),
     ({"model": "gpt-5"}, ValueError, "^model must be one of llama-3-8b, llama-3-70b, qwen2.5-7b, mistral-7b, "
-                                     "deepseek-v3, got 'gpt-5'$"),
+                                     "deepseek-v3, gpt-oss-20b, gpt-oss-120b, gemma-3-27b, llama-4-scout, "
+                                     "qwen3-next-80b, got 'gpt-5'$"),
     ({"tp": 0}, ValueError, "^tp must be"), ({"tp": 2.0}, TypeError, "^tp must be"),
     ({"mfu": 0.0}, ValueError, "^mfu must be in"), ({"mbu": 0.0}, ValueError, "^mbu must be in"),
     ({"mfu": "0.5"}, ValueError, "^mfu must be a finite number"), ({"mbu": 1.0 + 1e-9}, ValueError, "^mbu must be in")])
