@@ -456,16 +456,17 @@ def token_ids(next_token_ids, name: str = "next_token_ids") -> array:
     """Token ids (the sampled tokens, or a run's outputs) as an int64 array, converted in one C-level pass
     (a tensor read token by token costs a 0-d tensor and an int() per token). Raises TypeError for non-integer
     tokens."""
-    if isinstance(next_token_ids, torch.Tensor) and next_token_ids.device.type == "meta":
+    if isinstance(next_token_ids, (list, tuple)):  # the common case, checked first
+        if _holds_a_bool(next_token_ids):
+            raise TypeError(f"{name} must hold int token ids, got a bool")  # array("q") would store 1
+    elif isinstance(next_token_ids, torch.Tensor) and next_token_ids.device.type == "meta":
         raise ValueError(f"{name} is on the 'meta' device, which holds no values")
-    if isinstance(next_token_ids, (torch.Tensor, np.ndarray)):
+    elif isinstance(next_token_ids, (torch.Tensor, np.ndarray)):
         if next_token_ids.ndim != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(next_token_ids.shape)}")
         if next_token_ids.dtype in (torch.bool, np.bool_):
             raise TypeError(f"{name} must hold int token ids, got dtype {next_token_ids.dtype}")
         next_token_ids = next_token_ids.tolist()
-    elif isinstance(next_token_ids, (list, tuple)) and _holds_a_bool(next_token_ids):
-        raise TypeError(f"{name} must hold int token ids, got a bool")  # array("q") would store 1
     try:
         return array("q", next_token_ids)
     except TypeError as e:

@@ -240,7 +240,7 @@ class Scheduler:
             tokens = token_ids(next_token_ids)
             if len(tokens) != batch.batch_size():
                 raise ValueError(f"next_token_ids has {len(tokens)} tokens for a batch of {batch.batch_size()}")
-            stopped = self._stopped_reqs(batch, stopped)
+            stopped = [] if type(stopped) is tuple and not stopped else self._stopped_reqs(batch, stopped)
             self._batch = None
             for req in stopped:
                 left = req.max_new_tokens - len(req.output_ids) - 1  # beyond this step's token
