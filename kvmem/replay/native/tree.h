@@ -145,6 +145,47 @@ class ChildMap {
   void put(int32_t parent, int32_t token, int32_t node) { map_.put(key_of(parent, token), node); }
   void erase(int32_t parent, int32_t token) { map_.erase(key_of(parent, token)); }
 
+  // The tree and the router's page view keep their children alike; `nodes` is either's node array (each node has
+  // src, depth, next_same and num_children).
+  // The child of `parent` whose first page is request q's tokens from `pos` (-1: none).
+  template <class Nodes>
+  int32_t find_page(const Nodes& nodes, const TraceTokens& tokens, int64_t page_size, int32_t parent, int32_t q,
+                    int64_t pos) const {
+    int32_t c = find(parent, tokens.token(q, pos));
+    if (page_size == 1) return c;
+    for (; c >= 0; c = nodes[c].next_same) {
+      if (tokens.first_mismatch(nodes[c].src, q, pos, pos + page_size) == pos + page_size) return c;
+    }
+    return -1;
+  }
+  template <class Nodes>
+  void link(Nodes& nodes, const TraceTokens& tokens, int32_t parent, int32_t child) {
+    auto& c = nodes[child];
+    const int32_t token = tokens.token(c.src, c.depth);
+    c.next_same = find(parent, token);
+    put(parent, token, child);
+    ++nodes[parent].num_children;
+  }
+  template <class Nodes>
+  void unlink(Nodes& nodes, const TraceTokens& tokens, int32_t parent, int32_t child) {
+    auto& c = nodes[child];
+    const int32_t token = tokens.token(c.src, c.depth);
+    const int32_t head = find(parent, token);
+    if (head == child) {
+      if (c.next_same >= 0) {
+        put(parent, token, c.next_same);
+      } else {
+        erase(parent, token);
+      }
+    } else {
+      int32_t prev = head;
+      while (nodes[prev].next_same != child) prev = nodes[prev].next_same;
+      nodes[prev].next_same = c.next_same;
+    }
+    c.next_same = -1;
+    --nodes[parent].num_children;
+  }
+
  private:
   static uint64_t key_of(int32_t parent, int32_t token) {
     return (static_cast<uint64_t>(static_cast<uint32_t>(parent)) << 32) | static_cast<uint32_t>(token);

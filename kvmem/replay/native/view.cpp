@@ -22,40 +22,12 @@ int32_t PageView::new_node(int32_t parent, int32_t src, int64_t depth, int64_t l
 }
 
 int32_t PageView::find_child(int32_t parent, int32_t q, int64_t pos) const {
-  int32_t c = children_.find(parent, tokens_->token(q, pos));
-  if (page_size_ == 1) return c;
-  for (; c >= 0; c = nodes_[c].next_same) {
-    if (tokens_->first_mismatch(nodes_[c].src, q, pos, pos + page_size_) == pos + page_size_) return c;
-  }
-  return -1;
+  return children_.find_page(nodes_, *tokens_, page_size_, parent, q, pos);
 }
 
-void PageView::link(int32_t parent, int32_t child) {
-  ViewNode& c = nodes_[child];
-  const int32_t token = tokens_->token(c.src, c.depth);
-  c.next_same = children_.find(parent, token);
-  children_.put(parent, token, child);
-  ++nodes_[parent].num_children;
-}
+void PageView::link(int32_t parent, int32_t child) { children_.link(nodes_, *tokens_, parent, child); }
 
-void PageView::unlink(int32_t parent, int32_t child) {
-  ViewNode& c = nodes_[child];
-  const int32_t token = tokens_->token(c.src, c.depth);
-  const int32_t head = children_.find(parent, token);
-  if (head == child) {
-    if (c.next_same >= 0) {
-      children_.put(parent, token, c.next_same);
-    } else {
-      children_.erase(parent, token);
-    }
-  } else {
-    int32_t prev = head;
-    while (nodes_[prev].next_same != child) prev = nodes_[prev].next_same;
-    nodes_[prev].next_same = c.next_same;
-  }
-  c.next_same = -1;
-  --nodes_[parent].num_children;
-}
+void PageView::unlink(int32_t parent, int32_t child) { children_.unlink(nodes_, *tokens_, parent, child); }
 
 PageView::Stop PageView::descend(int32_t q, int64_t end) const {
   int32_t node = 0;
