@@ -185,25 +185,9 @@ void RadixTree::link_child(int32_t parent, int32_t child) { children_.link(nodes
 void RadixTree::unlink_child(int32_t parent, int32_t child) { children_.unlink(nodes_, *tokens_, parent, child); }
 
 Walk RadixTree::descend(int32_t q, int32_t from, int64_t start, int64_t end) const {
-  int32_t node = from;
-  int64_t matched = start;
-  while (matched < end) {
-    const int32_t c = find_child(node, q, matched);
-    if (c < 0) break;
-    const Node& child = nodes_[c];
-    const int64_t child_end = matched + child.len;
-    const int64_t limit = child_end <= end ? child_end : end;
-    const int64_t m = tokens_->first_mismatch(child.src, q, matched, limit);
-    if (m == limit && child_end <= end) {
-      node = c;
-      matched = child_end;
-      continue;
-    }
-    // Into the child: all of the key's rest, or the whole pages before the first token that differs.
-    const int64_t into = m == limit ? limit - matched : (m - matched) / page_size_ * page_size_;
-    return Walk{node, nodes_[node].gen, matched, c, child.gen, into};
-  }
-  return Walk{node, nodes_[node].gen, matched, -1, 0, 0};
+  const ChildMap::Descent d = children_.descend(nodes_, *tokens_, page_size_, q, from, start, end);
+  if (d.child < 0) return Walk{d.node, nodes_[d.node].gen, d.matched, -1, 0, 0};
+  return Walk{d.node, nodes_[d.node].gen, d.matched, d.child, nodes_[d.child].gen, d.into};
 }
 
 bool RadixTree::walk_is_current(const Walk& w, int32_t q, bool next_page) const {
@@ -228,12 +212,7 @@ int32_t RadixTree::split(int32_t child, int64_t into_child) {
   h.host = c.host;
   h.stored = c.stored;
   h.device_children = c.on_device ? 1 : 0;
-  unlink_child(parent, child);
-  link_child(parent, head);
-  c.depth += into_child;
-  c.len -= into_child;
-  c.parent = head;
-  link_child(head, child);
+  children_.cut(nodes_, *tokens_, parent, child, head, into_child);
   if (store_ != nullptr) name_node(head);
   // The key functions read no length: their places stay.
   if (c.heap_pos >= 0) rekey(child);

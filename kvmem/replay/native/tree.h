@@ -166,6 +166,45 @@ class ChildMap {
     put(parent, token, child);
     ++nodes[parent].num_children;
   }
+  // Where a walk of request q's tokens [matched, end) from `node` stops: the deepest node matched whole, the tokens
+  // through it, and the child it went partway into (-1: none) with how far (whole pages before the first token
+  // that differs, or all of the key's rest).
+  struct Descent {
+    int32_t node;
+    int64_t matched;
+    int32_t child;
+    int64_t into;
+  };
+  template <class Nodes>
+  Descent descend(const Nodes& nodes, const TraceTokens& tokens, int64_t page_size, int32_t q, int32_t node,
+                  int64_t matched, int64_t end) const {
+    while (matched < end) {
+      const int32_t c = find_page(nodes, tokens, page_size, node, q, matched);
+      if (c < 0) break;
+      const auto& child = nodes[c];
+      const int64_t child_end = matched + child.len;
+      const int64_t limit = child_end <= end ? child_end : end;
+      const int64_t m = tokens.first_mismatch(child.src, q, matched, limit);
+      if (m == limit && child_end <= end) {
+        node = c;
+        matched = child_end;
+        continue;
+      }
+      return {node, matched, c, m == limit ? limit - matched : (m - matched) / page_size * page_size};
+    }
+    return {node, matched, -1, 0};
+  }
+  // `child`'s first `into` tokens become `head`, which takes its place under `parent`; the rest hangs under head.
+  template <class Nodes>
+  void cut(Nodes& nodes, const TraceTokens& tokens, int32_t parent, int32_t child, int32_t head, int64_t into) {
+    unlink(nodes, tokens, parent, child);
+    link(nodes, tokens, parent, head);
+    auto& c = nodes[child];
+    c.depth += into;
+    c.len -= into;
+    c.parent = head;
+    link(nodes, tokens, head, child);
+  }
   template <class Nodes>
   void unlink(Nodes& nodes, const TraceTokens& tokens, int32_t parent, int32_t child) {
     auto& c = nodes[child];

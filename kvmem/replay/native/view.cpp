@@ -30,24 +30,8 @@ void PageView::link(int32_t parent, int32_t child) { children_.link(nodes_, *tok
 void PageView::unlink(int32_t parent, int32_t child) { children_.unlink(nodes_, *tokens_, parent, child); }
 
 PageView::Stop PageView::descend(int32_t q, int64_t end) const {
-  int32_t node = 0;
-  int64_t matched = 0;
-  while (matched < end) {
-    const int32_t c = find_child(node, q, matched);
-    if (c < 0) break;
-    const ViewNode& child = nodes_[c];
-    const int64_t child_end = matched + child.len;
-    const int64_t limit = child_end <= end ? child_end : end;
-    const int64_t m = tokens_->first_mismatch(child.src, q, matched, limit);
-    if (m == limit && child_end <= end) {
-      node = c;
-      matched = child_end;
-      continue;
-    }
-    const int64_t into = m == limit ? limit - matched : (m - matched) / page_size_ * page_size_;
-    return {node, matched + into, into ? c : -1};
-  }
-  return {node, matched, -1};
+  const ChildMap::Descent d = children_.descend(nodes_, *tokens_, page_size_, q, 0, 0, end);
+  return {d.node, d.matched + d.into, d.into ? d.child : -1};
 }
 
 int64_t PageView::overlap(int32_t q, int64_t tokens) const {
@@ -74,13 +58,7 @@ void PageView::store(int32_t src, int64_t start, int64_t end) {
     ViewNode& c = nodes_[at.child];
     const int64_t into = start - c.depth;
     const int32_t head = new_node(parent, c.src, c.depth, into);
-    unlink(parent, at.child);
-    link(parent, head);
-    ViewNode& child = nodes_[at.child];
-    child.depth += into;
-    child.len -= into;
-    child.parent = head;
-    link(head, at.child);
+    children_.cut(nodes_, *tokens_, parent, at.child, head, into);
     parent = head;
   }
   link(parent, new_node(parent, src, start, end - start));
