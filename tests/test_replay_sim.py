@@ -85,11 +85,10 @@ def test_decode_runs_report_what_stepping_reports_under_any_replay_configuration
     assert samples(fast) == samples(slow)
 
 
-@pytest.mark.xfail(strict=True, reason="open (issue 33): in this all-at-once chat at page 1 a decode run evicts 7 "
-                   "tokens at one step where stepping evicts 4 and then 3: decisions and hit rate agree, the per-step "
-                   "memory samples (and mean_evictable_tokens) do not")
 def test_a_decode_run_at_page_1_evicts_at_the_steps_stepping_does():
-    # The case the property test above found (CI, cbfbf78); at f099ddb, before the house refactor, it passed.
+    # The case the property test above found (CI, cbfbf78): a run ranked its window with walks and tails that did not
+    # see the output pages the run itself wrote, so a step's ranking took a running request's page (splitting a leaf)
+    # where the run did not.
     trace = multi_turn_chat(52, system_len=300, turns=(1, 5), user_len=(8, 200), output_len=(1, 120),
                             arrival_rate=2.0, seed=0)
     need = trace.max_context_len

@@ -13,6 +13,7 @@ steps, the same slots, the same requests finishing in the last step, the same st
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import islice
 from time import perf_counter
 from typing import NamedTuple
 
@@ -162,7 +163,19 @@ class ReplayScheduler(Scheduler):
                 high = mid
         return low
 
-    def _head_waits(self, available: int, reserved: int, *, attempt: bool, ranked: bool = False) -> bool:
+    def _window_meets_tails(self) -> bool:
+        """Whether a request of the ranking window may reach a running request's output pages: its kept walk
+        ends where a running request's cached prefix ends (or it has none). Within a run the requests do not yet
+        hold the pages the run wrote, so only a step's ranking can tell what such a walk would take."""
+        tails, walk_of = self.tails, self.ranker.walk_of
+        for req in islice(self.waiting, min(self.ranker.window, len(self.waiting))):
+            kept = walk_of(req)
+            if kept is None or (kept.walk.child is None and kept.walk.node in tails):
+                return True
+        return False
+
+    def _head_waits(self, available: int, reserved: int, *, attempt: bool, ranked: bool = False,
+                    stale_tails: bool = False) -> bool:
         """Whether admission fails at the head of the queue with `available` free slots and `reserved` tokens
         kept for the running requests' outputs, known from walks that change nothing in the tree; with
         `attempt`, and when it fails, then makes that failed attempt (ranking, match, lock and unlock), so that a
@@ -187,6 +200,8 @@ class ReplayScheduler(Scheduler):
                     in_order = self.ranker.sort(self.waiting, take_decode_pages=False)
                 if not in_order:
                     return False
+            if stale_tails and self.config.cache_decode_pages and self._window_meets_tails():
+                return False
             req = self.waiting[0]
             walk = self.ranker.walk_of(req).walk
         else:
@@ -295,7 +310,7 @@ class ReplayScheduler(Scheduler):
             if may_admit:
                 # The output tokens of the steps before this one count as generated, as a step's results count them.
                 if not self._head_waits(available, int((self._tokens_left - j * bs) * self.new_token_ratio),
-                                        attempt=True, ranked=ranked):
+                                        attempt=True, ranked=ranked, stale_tails=j > 0):
                     break  # this step admits (or only the real match can tell): step() takes it
                 # Within a run only an eviction changes a waiting request's cached prefix (a split by that
                 # match keeps every path's tokens): until one, ranking again would give the same order.

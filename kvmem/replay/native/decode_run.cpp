@@ -21,7 +21,7 @@ int64_t Replica::fewest_left() const {
 int64_t Replica::pure_decode_steps() {
   if (chunked_ >= 0 || running_.empty()) return 0;
   const int64_t steps = fitting_decode_steps(fewest_left());
-  if (steps && may_admit() && !head_waits(slots_.available(), reserved_tokens(), false, false)) return 0;
+  if (steps && may_admit() && !head_waits(slots_.available(), reserved_tokens(), false, false, false)) return 0;
   return steps;
 }
 
@@ -46,7 +46,20 @@ int64_t Replica::fitting_decode_steps(int64_t steps) const {
 
 // ReplayScheduler._head_waits: whether admission fails at the head of the queue, known from walks that change nothing
 // (false too where only the real match can tell); with `attempt`, when it fails, it then makes that failed attempt.
-bool Replica::head_waits(int64_t available, int64_t reserved, bool attempt, bool ranked) {
+// ReplayScheduler._window_meets_tails: whether a request of the ranking window has no kept walk, or one that ends
+// where a running request's cached prefix ends (its output pages, written in this run, may continue it).
+bool Replica::window_meets_tails() const {
+  int64_t n = 0;
+  for (int32_t i : waiting_) {
+    if (n++ == config_.lpm_window) break;
+    const Request& r = reqs_[i];
+    if (!r.has_walk) return true;
+    if (r.walk.child < 0 && tree_.alive(r.walk.node, r.walk.node_gen) && in_tails(r.walk.node)) return true;
+  }
+  return false;
+}
+
+bool Replica::head_waits(int64_t available, int64_t reserved, bool attempt, bool ranked, bool stale_tails) {
   if (tree_.has_host()) return false;  // a tiered match may load pages back
   const int64_t room = available - reserved + tree_.evictable_size();
   int32_t head = waiting_.front();
@@ -58,6 +71,7 @@ bool Replica::head_waits(int64_t available, int64_t reserved, bool attempt, bool
       Stopwatch watch(&report.match_seconds);
       if (!sort_waiting_by_prefix(false)) return false;
     }
+    if (stale_tails && config_.cache_decode_pages && window_meets_tails()) return false;
     head = waiting_.front();
     walk = reqs_[head].walk;
   } else {
@@ -142,7 +156,7 @@ int64_t Replica::run_decode(int64_t num_steps, std::vector<int64_t>& used, std::
     if (admit) {
       // The output tokens of the steps before this one count as generated, as a step's results count them.
       const int64_t reserved = static_cast<int64_t>(static_cast<double>(tokens_left_ - j * bs) * new_token_ratio_);
-      if (!head_waits(available, reserved, true, ranked)) break;  // this step admits (or only a match can tell)
+      if (!head_waits(available, reserved, true, ranked, j > 0)) break;  // this step admits (or only a match can tell)
       // Within a run only an eviction changes a waiting request's cached prefix: until one, a ranking would give
       // the same order.
       ranked = config_.lpm;

@@ -199,7 +199,8 @@ class Replica {
   int64_t fewest_left() const;
   bool may_admit() const { return !waiting_.empty() && static_cast<int64_t>(running_.size()) < config_.max_running; }
   int64_t fitting_decode_steps(int64_t steps) const;
-  bool head_waits(int64_t available, int64_t reserved, bool attempt, bool ranked);
+  bool head_waits(int64_t available, int64_t reserved, bool attempt, bool ranked, bool stale_tails);
+  bool window_meets_tails() const;
   void decode_run(int64_t steps, double until, StepOutcome* out);
   int64_t run_decode(int64_t num_steps, std::vector<int64_t>& used, std::vector<int64_t>& evictable);
   void advance_run(int64_t steps, std::vector<int32_t>& finished);
