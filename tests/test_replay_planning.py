@@ -328,8 +328,10 @@ def _default_sigint() -> None:
 
 def test_ctrl_c_in_a_sweep_says_interrupted_and_exits_130_without_a_traceback():
     pytest.importorskip("torch")  # the Python engine: replays long enough to be interrupted
-    proc = subprocess.Popen([sys.executable, "-m", "kvmem.replay.cli", "--engine", "python", "--sweep",
-                             "100000,200000", "--jobs", "2", "--no-progress"], cwd=REPO,
+    # A workload long enough to be running when the interrupt comes, whatever the machine's speed.
+    proc = subprocess.Popen([sys.executable, "-m", "kvmem.replay.cli", "--engine", "python", "--format",
+                             "synthetic-chat", "--limit", "100000", "--sweep", "100000,200000", "--jobs", "2",
+                             "--no-progress"], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
                             preexec_fn=_default_sigint)
     children: set[int] = set()
