@@ -89,9 +89,9 @@ def test_random_traces_with_a_simulated_storage_tier_replay_the_same_on_both_eng
     assert_same_report(requests, dataclasses.replace(config, storage=data.draw(st.sampled_from(STORES))))
 
 
-@pytest.mark.xfail(strict=False, reason="open (issue 34): some clusters sharing a simulated store differ between the "
-                   "engines on a first replay in a process (the native store counts failed writes the Python one does "
-                   "not; a second replay of the same case agrees)")
+@pytest.mark.xfail(strict=False, reason="some clusters sharing a simulated store differ between the engines on a first "
+                   "replay in a process (the native store counts failed writes the Python one does not; a second "
+                   "replay of the same case agrees): kvmem-replay runs such clusters on the Python engine")
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_traces_on_a_cluster_sharing_a_simulated_store_replay_the_same_on_both_engines(data):

@@ -49,7 +49,14 @@ from kvmem.replay.config import (
     ReplayConfig,
 )
 from kvmem.replay.cost import DEFAULT_MODEL, DEFAULT_STORAGE_LATENCY_US, GPUS, RooflineCost
-from kvmem.replay.engine import ENGINES, engine_for, fallback_note, fallback_reason, requested_engine
+from kvmem.replay.engine import (
+    ENGINES,
+    cluster_fallback_reason,
+    engine_for,
+    fallback_note,
+    fallback_reason,
+    requested_engine,
+)
 from kvmem.replay.pd_cli import add_pd_arguments, pd_runs, run_pd, slo_of
 from kvmem.replay.report import format_summary, format_tokens, require_matplotlib, write_sweep_plots
 from kvmem.replay.reuse import reuse_ceiling
@@ -297,7 +304,7 @@ def _run(args: argparse.Namespace, tour: bool = False) -> int:
         except (ValueError, RuntimeError) as e:
             return _error(str(e))
     elif runs is not None:  # a cluster replay
-        reason = fallback_reason(engine, config)
+        reason = cluster_fallback_reason(engine, config)
         if reason is None and slo is not None and engine == "native":
             reason = "the native engine does not time requests (--slo-ttft-s) yet"
         if reason is not None:
@@ -663,6 +670,8 @@ def _check_torch(args: argparse.Namespace, engine: str, config: ReplayConfig, po
         what = "a P:D replay (--prefill-replicas, --pd-sweep)"
     elif runs is not None and slo_of(args) is not None:
         what = "a cluster replay with SLOs (--slo-ttft-s, --slo-tbt-s: the native engine does not time requests)"
+    elif runs is not None and cluster_fallback_reason(engine, config) is not None:
+        what = cluster_fallback_reason(engine, config)
     elif args.compare_policies:
         what = "--compare-policies (belady, the ceiling, always)"
     else:

@@ -36,6 +36,15 @@ def fallback_reason(engine: str, config) -> str | None:
     return what if not built else None if what is None else f"the native engine does not cover {what} yet"
 
 
+def cluster_fallback_reason(engine: str, config) -> str | None:
+    """fallback_reason for a cluster of `config`'s replicas, whose shared storage tier the native engine leaves to the
+    Python engine (its differential test still finds cases where the two differ)."""
+    reason = fallback_reason(engine, config)
+    if reason is None and engine != "python" and config.storage is not None:
+        reason = "the native engine does not cover a storage tier shared by a cluster's replicas yet"
+    return reason
+
+
 def _native_gap(config) -> tuple[bool, str | None]:
     """(whether the native engine is built, then what of `config` it does not cover, else why it is not built)."""
     from kvmem.replay import native_replay
@@ -91,7 +100,7 @@ def replay_cluster(requests, config, replicas: int, policy: str, progress: bool 
     """The ClusterReport of `replicas` replicas of `config` behind a `policy` router, from `engine`, or from the
     Python engine where the native one cannot run it (say so with `fallback_reason`); with `slo` (a
     kvmem.replay.latency.SLO), from the Python engine, which times each request."""
-    if slo is None and engine_for(engine, config) == "native":
+    if slo is None and cluster_fallback_reason(engine, config) is None:
         from kvmem.replay import native_cluster
 
         return native_cluster.replay_cluster(requests, config, replicas, policy, progress=progress)
