@@ -153,3 +153,17 @@ assert sys.modules["torch"] is None
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["requests"] == 40 and "hit rate" in done.stderr
+
+
+def test_a_cluster_asked_of_the_python_engine_never_runs_natively(monkeypatch):
+    from kvmem.replay import engine, native_cluster
+    from kvmem.replay.config import ReplayConfig
+    from kvmem.replay.traces import default_trace_path, read_trace
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the native engine replayed a cluster asked of the Python engine")
+
+    monkeypatch.setattr(native_cluster, "replay_cluster", refuse)
+    trace = read_trace(default_trace_path(), limit=8)
+    config = ReplayConfig(capacity_tokens=300000, max_context_len=trace.max_context_len, page_size=16)
+    assert engine.replay_cluster(trace, config, 2, "round-robin", engine="python").to_json()["requests"] == 8

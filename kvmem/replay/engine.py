@@ -100,7 +100,7 @@ def replay_cluster(requests, config, replicas: int, policy: str, progress: bool 
     """The ClusterReport of `replicas` replicas of `config` behind a `policy` router, from `engine`, or from the
     Python engine where the native one cannot run it (say so with `fallback_reason`); with `slo` (a
     kvmem.replay.latency.SLO), from the Python engine, which times each request."""
-    if slo is None and cluster_fallback_reason(engine, config) is None:
+    if slo is None and engine != "python" and cluster_fallback_reason(engine, config) is None:
         from kvmem.replay import native_cluster
 
         return native_cluster.replay_cluster(requests, config, replicas, policy, progress=progress)
