@@ -72,6 +72,13 @@ class _PageStack:
         self._state[pages] = HELD
         return pages
 
+    def take(self, n: int) -> np.ndarray:
+        """Pops n <= num_free() pages without flagging them, for a pool whose pages' states are kept elsewhere: a
+        view of the free list, valid until the next push."""
+        head = self._head
+        self._head = head + n
+        return self._buf[head:head + n]
+
     def check_free(self, name: str, pages: np.ndarray) -> None:
         """Raises unless `pages` are distinct, in range and allocated. Changes nothing."""
         n = len(pages)
@@ -310,10 +317,11 @@ class PagedTokenAllocator(_SlotAllocator):
         n = check_int("n", n, minimum=1)
         if n % self.page_size:
             raise ValueError(f"n {n} must be a multiple of page_size {self.page_size}")
-        pages = self._pages.pop(n // self.page_size)
+        ps = self.page_size
+        pages = self._pages.pop(n // ps)
         if pages is None:
             return None
-        return self._to_slots_tensor((pages[:, None] * self.page_size + self._offsets).reshape(-1))
+        return self._to_slots_tensor(pages if ps == 1 else (pages[:, None] * ps + self._offsets).reshape(-1))
 
     def alloc_extend(self, prefix_lens, seq_lens, last_loc) -> torch.Tensor | None:
         """Slots for tokens prefix_lens[i]..seq_lens[i]-1 of each request, concatenated: [sum(seq - prefix)] int64.
@@ -347,12 +355,16 @@ class PagedTokenAllocator(_SlotAllocator):
     def alloc_decode_unchecked(self, kv_lens: np.ndarray, last: np.ndarray) -> torch.Tensor | None:
         """alloc_decode's body (int64 arrays, checked by the caller): a request holding kv_lens[i] tokens gets the
         slot after last[i], or the first slot of a new page when its pages are full (in batch order)."""
-        full = kv_lens % self.page_size == 0
+        ps = self.page_size
+        if ps == 1:  # every token starts a page
+            pages = self._pages.pop(len(kv_lens))
+            return None if pages is None else self._to_slots_tensor(pages)
+        full = kv_lens % ps == 0
         pages = self._pages.pop(int(np.count_nonzero(full)))
         if pages is None:
             return None
         out = last + 1
-        out[full] = pages * self.page_size
+        out[full] = pages * ps
         return self._to_slots_tensor(out)
 
     def alloc_extend_unchecked(self, prefix: np.ndarray, seq: np.ndarray, last: np.ndarray) -> torch.Tensor | None:
@@ -364,6 +376,8 @@ class PagedTokenAllocator(_SlotAllocator):
 
     def _pages_of(self, name: str, slots: np.ndarray) -> np.ndarray:
         ps = self.page_size
+        if ps == 1:
+            return slots
         pages = slots // ps
         is_start = slots % ps == 0
         if np.count_nonzero(is_start) == len(slots):
@@ -431,6 +445,8 @@ def _paged_slots(prefix: np.ndarray, seq: np.ndarray, last: np.ndarray, pages: n
     The j-th new token of request i goes to last[i] + 1 + j while j < fill[i] (the free slots of its
     partial page), else to slot k % ps of page pages[base[i] + k // ps], k = j - fill[i].
     """
+    if ps == 1:  # a token per page, handed out in batch order
+        return pages
     extend = seq - prefix
     total = int(extend.sum())
     if not np.count_nonzero(prefix % ps):

@@ -8,6 +8,8 @@ when the window page is freed before the full one: a token that left every windo
 tombstone, or the old part of a long request's row).
 
 Pairing is kept per page in a host int64 array (0 = no window page), the same numpy bookkeeping as the allocators'.
+A window page keeps no state of its own: it is handed out while a full page is paired with it, and held by the prefix
+cache when that full page is (the window pool is only a free list), so a hand-out or a free touches one state array.
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvmem._checks import check_int
+from kvmem._checks import check_host_bytes, check_int
 from kvmem._index import as_index_array
-from kvmem.allocator import FREE, AllocatorState, PagedTokenAllocator, _PageStack
+from kvmem.allocator import CACHED, FREE, AllocatorState, PagedTokenAllocator, _PageStack
 
 
 @dataclass(frozen=True)
 class HybridAllocatorState(AllocatorState):
-    """A `HybridTokenAllocator.backup_state()` snapshot: the full pages', the window pages' and the pairing."""
+    """A `HybridTokenAllocator.backup_state()` snapshot: the full pages', the window pool's free list and the
+    pairing."""
 
     window: AllocatorState | None = None
     window_pages: np.ndarray | None = None
@@ -52,7 +55,7 @@ class _PairedPages(_PageStack):
             return None
         pages = super().pop(n)
         if pages is not None:
-            self.window_page[pages] = self.window.pop(n)
+            self.window_page[pages] = self.window.take(n)
         return pages
 
     def backup(self) -> HybridAllocatorState:
@@ -90,18 +93,24 @@ class HybridTokenAllocator(PagedTokenAllocator):
     def __init__(self, size: int, window_size: int, page_size: int = 1, device: str | torch.device = "cpu") -> None:
         window_size = check_int("window_size", window_size, minimum=1)
         super().__init__(size, page_size, device)
-        self.window = PagedTokenAllocator(window_size, page_size, device)
+        if window_size % page_size:
+            raise ValueError(f"window_size {window_size} must be a multiple of page_size {page_size}")
+        check_host_bytes(f"a window pool of size {window_size}", (window_size // page_size + 2) * 33)
         self.window_size = window_size
-        self._pages = _PairedPages(size // page_size, self.window._pages)
+        self._window_pages = _PageStack(window_size // page_size)
+        self._pages = _PairedPages(size // page_size, self._window_pages)
+        self._window_group: list[np.ndarray] | None = None
 
     # ---- sizes and translation -------------------------------------------------------------------------
     def window_available_size(self) -> int:
         """Free window slots (tokens)."""
-        return self.window.available_size()
+        return self._window_pages.num_free() * self.page_size
 
     def window_cached_size(self) -> int:
-        """Window slots in pages marked cached (held by the prefix cache): O(pages), for invariant checks."""
-        return self.window.cached_size()
+        """Window slots paired with full pages marked cached (held by the prefix cache): O(pages), for invariant
+        checks."""
+        full = self._pages
+        return int(np.count_nonzero(full.window_page[full._state == CACHED])) * self.page_size
 
     def window_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """The window slot of each full slot in `slots` ([n] integer tensor, any device): [n] int64 on this
@@ -155,7 +164,11 @@ class HybridTokenAllocator(PagedTokenAllocator):
         peers = window_page[pages]
         paired = np.count_nonzero(peers)
         if paired:
-            self.window._release_pages(peers[peers != 0] if paired != len(peers) else peers)
+            peers = peers[peers != 0] if paired != len(peers) else peers
+            if self._window_group is None:
+                self._window_pages.push(peers)
+            else:
+                self._window_group.append(peers)  # a fresh array: the gather above copied it
             window_page[pages] = 0
         return paired
 
@@ -167,33 +180,34 @@ class HybridTokenAllocator(PagedTokenAllocator):
         window_page[dst] = window_page[src]
         window_page[src] = 0
 
-    def mark_cached(self, slots: np.ndarray) -> None:
-        """Marks full slots (whole pages, each listed from its first slot) and their window peers as the prefix
-        cache's."""
-        super().mark_cached(slots)
-        pages = slots if self.page_size == 1 else slots[::self.page_size] // self.page_size
-        self.mark_window_cached(pages)
-
-    def mark_window_cached(self, pages: np.ndarray) -> None:
-        """Trusted: marks the window pages paired with full `pages` as the prefix cache's."""
-        peers = self._pages.window_page[pages]
-        self.window._pages.mark_cached(peers[peers != 0])
+    def pages_cached(self, pages: np.ndarray) -> np.ndarray:
+        """Trusted: [n] bool, True where full page `pages[i]` (and so its window peer) is held by the prefix cache."""
+        return self._pages.states(pages) == CACHED
 
     @contextmanager
     def free_group(self) -> Iterator[None]:
         """Batches the frees of both pools inside the block (see `PagedTokenAllocator.free_group`)."""
-        with super().free_group(), self.window.free_group():
+        if self._group is not None:
             yield
+            return
+        self._window_group = []
+        try:
+            with super().free_group():
+                yield
+        finally:
+            group, self._window_group = self._window_group, None
+            if group:
+                self._window_pages.push(np.concatenate(group))
 
     def restore_state(self, state: AllocatorState) -> None:
         if not isinstance(state, HybridAllocatorState) or state.window is None or \
-                len(state.window.allocated) != self.window._pages.num_pages + 2:
+                len(state.window.allocated) != self._window_pages.num_pages + 2:
             raise ValueError("state must come from backup_state() of a HybridTokenAllocator of the same sizes")
         super().restore_state(state)
 
     def clear(self) -> None:
         super().clear()
-        self.window._group = None
+        self._window_group = None
 
     def check_pairing(self) -> None:
         """Raises AssertionError unless the pairing is one to one: every window page handed out is paired with one
@@ -206,6 +220,9 @@ class HybridTokenAllocator(PagedTokenAllocator):
             raise AssertionError("HybridTokenAllocator: a free full page keeps a window page")
         if len(np.unique(peers)) != len(peers):
             raise AssertionError("HybridTokenAllocator: a window page is paired with two full pages")
-        window_held = self.window.size // self.page_size - self.window._pages.num_free()
-        if len(peers) != window_held or np.count_nonzero(self.window._pages.states(peers) == FREE):
+        window = self._window_pages
+        window_held = window.num_pages - window.num_free()
+        in_free_list = np.zeros(window.num_pages + 1, dtype=bool)
+        in_free_list[window.backup().free_pages] = True
+        if len(peers) != window_held or np.count_nonzero(in_free_list[peers]):
             raise AssertionError(f"HybridTokenAllocator: {window_held} window pages handed out, {len(peers)} paired")

@@ -137,9 +137,9 @@ class HybridRadixCache(WindowComponent, StateComponent, RadixCache):
 
     def _forget(self, node: HybridTreeNode) -> None:
         super()._forget(node)
-        if self._keep is not None:
+        if node.window_entry is not None:
             self._window_forget(node)
-        if self.state_pool is not None:
+        if node.state:
             self._state_forget(node)
 
     def _leave_device(self, node: HybridTreeNode) -> None:

@@ -90,10 +90,9 @@ class StateComponent:
         self._state_evictable -= 1
 
     def _state_forget(self, node: HybridTreeNode) -> None:
-        """`node` left the tree; nobody locked it."""
-        if node.state:
-            self._state_remove(node)
-            self._drop_state(node)
+        """`node`, holding a state, left the tree; nobody locked it."""
+        self._state_remove(node)
+        self._drop_state(node)
 
     def _refresh_state(self, node: HybridTreeNode) -> None:
         node.state_tick = self._clock

@@ -21,7 +21,6 @@ from sortedcontainers import SortedList
 
 from kvmem._checks import check_int, fail_invariant
 from kvmem._paging import TOKEN_BYTES
-from kvmem.allocator import CACHED
 
 if TYPE_CHECKING:
     from kvmem.hybrid.allocator import HybridTokenAllocator
@@ -37,7 +36,8 @@ class WindowComponent:
     window: int | None  # W; None: the cache has no window component
 
     def _window_clear(self) -> None:
-        self._window_lru = SortedList()  # _window_entry of live nodes no window tail covers
+        self._window_lru = SortedList()  # _window_entry of live nodes no window tail covers, and stale ones
+        self._window_stale = 0  # entries no longer their node's (see _window_remove)
         self._window_evictable = 0
         self._window_protected = 0
 
@@ -111,8 +111,13 @@ class WindowComponent:
         self._window_lru.add(node.window_entry)
 
     def _window_remove(self, node: HybridTreeNode) -> None:
-        self._window_lru.remove(node.window_entry)
+        # The entry stays in the list, stale (no longer its node's): a removal by value would search for it on every
+        # full eviction and every match; eviction skips stale entries, and a rebuild drops them once they are half.
         node.window_entry = None
+        self._window_stale += 1
+        if self._window_stale > 64 and 2 * self._window_stale > len(self._window_lru):
+            self._window_lru = SortedList(e for e in self._window_lru if e[-1].window_entry is e)
+            self._window_stale = 0
 
     def _window_split(self, head: HybridTreeNode, child: HybridTreeNode) -> None:
         head.window_live = child.window_live
@@ -123,10 +128,9 @@ class WindowComponent:
             self._window_add(head)
 
     def _window_forget(self, node: HybridTreeNode) -> None:
-        """`node` left the tree (its full slots, and so their window peers, are being freed); nobody locked it."""
-        if node.window_entry is not None:
-            self._window_remove(node)
-            self._window_evictable -= len(node.value)
+        """`node`, in the window LRU, left the tree (its full slots, and so their window peers, are being freed)."""
+        self._window_remove(node)
+        self._window_evictable -= len(node.value)
 
     def _refresh_window(self, node: HybridTreeNode) -> None:
         """A match ended at `node`: the nodes of its window tail (and a page) rank as used now, so that window
@@ -201,14 +205,13 @@ class WindowComponent:
             return
         first = int(np.flatnonzero(peers)[0])
         if np.count_nonzero(peers[first:]) != len(peers) - first or \
-                np.count_nonzero(alloc.window._pages.states(peers[first:]) == CACHED):
+                np.count_nonzero(alloc.pages_cached(pages[first:])):
             return  # not a request's own window run (a caller's odd value): leave the node a tombstone
         if first:
             self._split(node, first * self.page_size * TOKEN_BYTES)  # the head stays a tombstone
             pages = pages[first:]
         node_pages = self._pages(node.value)
-        alloc.move_window_pages(pages, node_pages)
-        alloc.mark_window_cached(node_pages)
+        alloc.move_window_pages(pages, node_pages)  # cached with the node's full pages
         self._make_live(node)
 
     # ---- eviction -----------------------------------------------------------------------------------
@@ -224,9 +227,12 @@ class WindowComponent:
         """evict_window's body: returns (window tokens freed, full tokens freed with the nodes that went whole)."""
         freed = full = 0
         values: list[np.ndarray] = []
-        lru = self._window_lru
-        while freed < num_tokens and lru:
-            node = lru.pop(0)[-1]
+        while freed < num_tokens and self._window_lru:
+            entry = self._window_lru.pop(0)
+            node = entry[-1]
+            if node.window_entry is not entry:
+                self._window_stale -= 1
+                continue
             node.window_entry = None
             n = len(node.value)
             if n > self._tail:
@@ -317,14 +323,15 @@ class WindowComponent:
                 entries += 1
                 if node.window_entry != self._window_entry(node) or node.window_entry not in self._window_lru:
                     fail_invariant(f"node {node.id}: its window LRU entry is stale or missing")
-        if entries != len(self._window_lru):
-            fail_invariant(f"the window LRU holds {len(self._window_lru)} entries for {entries} nodes")
+        current = sum(1 for e in self._window_lru if e[-1].window_entry is e)
+        if entries != current or len(self._window_lru) - current != self._window_stale:
+            fail_invariant(f"the window LRU holds {current} current entries (and {self._window_stale} counted stale of "
+                           f"{len(self._window_lru)}) for {entries} nodes")
         if evictable != self._window_evictable or protected != self._window_protected:
             fail_invariant(f"window counters say evictable {self._window_evictable}, protected "
                            f"{self._window_protected}; the nodes hold {evictable} and {protected}")
         pages = np.concatenate(live_pages) if live_pages else np.empty(0, dtype=np.int64)
-        if np.count_nonzero(alloc.window._pages.states(pages) != CACHED) or \
-                alloc.window_cached_size() != len(pages) * self.page_size:
+        if alloc.window_cached_size() != len(pages) * self.page_size:
             fail_invariant(f"the window allocator marks {alloc.window_cached_size()} slots cached; the live nodes "
                            f"hold {len(pages) * self.page_size}")
         alloc.check_pairing()
