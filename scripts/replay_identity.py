@@ -52,6 +52,13 @@ CONFIGS: dict[str, list[str]] = {
     "fcfs": [CONV, "--limit", "3000", "--capacity-tokens", "1000000", "--schedule-policy", "fcfs"],
     "in_batch_prefix_caching": [SYN, "--limit", "3000", "--capacity-tokens", "1000000", "--in-batch-prefix-caching"],
     "roofline_tp8": [CONV, "--limit", "3000", "--gpu", "H100", "--tp", "8", "--capacity-tokens", "1000000"],
+    # Hybrid models on full-attention pools: the roofline prices sliding windows, chunks and linear states.
+    "roofline_sliding": [CONV, "--limit", "1500", "--model", "gpt-oss-120b", "--gpu", "H100", "--tp", "8",
+                         "--full-attention-pools"],
+    "roofline_chunked": [CONV, "--limit", "1500", "--model", "llama-4-scout", "--gpu", "H100", "--tp", "8",
+                         "--full-attention-pools", "--chunked-prefill-size", "4096"],
+    "roofline_linear": [CONV, "--limit", "1500", "--model", "qwen3-next-80b", "--gpu", "H100", "--tp", "8",
+                        "--full-attention-pools", "--page-size", "16"],
     "no_decode_pages_chat": ["--format", "synthetic-chat", "--limit", "2000", "--capacity-tokens", "200000",
                              "--no-cache-decode-pages"],
     "policies_fifo_priority": [SYN, "--limit", "2000", "--capacity-tokens", "300000", "--eviction-policy", "fifo"],

@@ -111,9 +111,11 @@ def block_traces(draw):
 @st.composite
 def configs(draw, requests, page_sizes, chunks):
     """A replay of `requests` on a KV cache from the longest request (a page less now and then: rejections) to four
-    times it, so that memory runs short."""
+    times it, so that memory runs short; now and then of a hybrid model on full-attention pools (the roofline prices
+    its layer kinds)."""
     longest = max(len(r.input_ids) + r.output_len for r in requests)
     page_size = draw(page_sizes)
+    model = draw(st.sampled_from([None] * 4 + ["gpt-oss-20b", "gemma-3-27b", "llama-4-scout", "qwen3-next-80b"]))
     fits = -(-longest // page_size) * page_size
     capacity = max(page_size, draw(st.integers(fits, 4 * fits)) - draw(st.sampled_from([0] * 9 + [page_size])))
     return draw(st.builds(
@@ -124,7 +126,8 @@ def configs(draw, requests, page_sizes, chunks):
         chunked_prefill_size=st.one_of(st.none(), chunks), honour_arrivals=st.booleans(),
         cache_decode_pages=st.booleans(), in_batch_prefix_caching=st.booleans(),
         pin_prefix_tokens=st.sampled_from([0, 0, 3, 16, 600]), pin_budget=st.sampled_from([0.2, 0.6, 1.0]),
-        gpu=st.sampled_from([None, None, "H100"]), tp=st.sampled_from([1, 2])))
+        gpu=st.sampled_from([None, None, "H100"]), tp=st.sampled_from([1, 2]), model=st.just(model),
+        full_attention_pools=st.just(model is not None)))
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -158,6 +161,14 @@ FIXED = {
                                                      eviction_policy="fifo", gpu="H100", tp=8)),
     "no chunking, pins, priority": (HEAD, 300, dict(capacity_tokens=300_000, chunked_prefill_size=None,
                                                     pin_prefix_tokens=2048, eviction_policy="priority")),
+    # Hybrid models on full-attention pools, their layers priced by kind: sliding windows, chunks, linear states.
+    "gpt-oss-120b, roofline": (HEAD, 200, dict(capacity_tokens=400_000, gpu="H100", tp=8, model="gpt-oss-120b",
+                                               full_attention_pools=True)),
+    "llama-4-scout, chunked 2048, roofline": (HEAD, 200, dict(capacity_tokens=400_000, chunked_prefill_size=2048,
+                                                              gpu="H100", tp=8, model="llama-4-scout",
+                                                              full_attention_pools=True)),
+    "qwen3-next-80b, page 16, roofline": (HEAD, 200, dict(capacity_tokens=400_000, page_size=16, gpu="H100", tp=8,
+                                                          model="qwen3-next-80b", full_attention_pools=True)),
 }
 
 

@@ -1,6 +1,8 @@
 """The replay's cost models: worked examples of the fixed step and the roofline at ordinary sizes, then the edges a
 capacity planner reaches (a GPU whose memory leaves exactly one page of KV, links so slow that a load would dominate,
-bandwidths in decimal gigabytes, a decode step that is compute-bound)."""
+bandwidths in decimal gigabytes, a decode step that is compute-bound), then hybrid models priced by layer kind."""
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -8,6 +10,8 @@ import pytest
 from kvmem import sizing
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.cost import GPUS, MODEL_COMPUTE, RooflineCost, StepCost, cost_model, kv_copies
+from kvmem.replay.simulator import replay
+from kvmem.replay.traces import TraceRequest
 
 # ---- worked examples at ordinary sizes -------------------------------------------------------------------------
 
@@ -239,3 +243,100 @@ def test_a_fixed_step_cost_refuses_either_bad_field_alone_by_name(kwargs, match)
 def test_a_fixed_step_cost_takes_a_free_decode_step_and_under_one_prefill_token_a_second():
     cost = StepCost(decode_step_s=0.0, prefill_tokens_per_s=0.5)
     assert cost.extend_seconds(np.array([0]), np.array([1])) == 2.0 and cost.decode_seconds(1, 1) == 0.0
+
+
+# ---- hybrid models: each layer priced by its kind ---------------------------------------------------------------
+# 8 x H100 at half their peak FLOP/s and 80% of their bandwidth.
+FLOPS_PER_S, BYTES_PER_S = 8 * 989.5e12 * 0.5, 8 * 3.35e12 * 0.8
+
+
+def test_a_sliding_window_layer_prefill_attends_to_at_most_its_window_of_keys():
+    cost = RooflineCost("H100", "gpt-oss-120b", tp=8)
+    pair = 2 * (64 + 64) * 64  # FLOPs a (query, key) pair costs in one layer: 64 heads of 64
+    # A 32,768-token prompt: in the 18 full layers query q reads keys 1..q; in the 18 sliding ones at most the last
+    # 128 (8,256 pairs among the first 128 queries, then 128 a query).
+    full_pairs, window_pairs = 32768 * 32769 // 2, 128 * 129 // 2 + (32768 - 128) * 128
+    hybrid = cost.extend_seconds(np.array([0]), np.array([32768]))
+    assert hybrid == pytest.approx((2 * 5.1e9 * 32768 + pair * 18 * (full_pairs + window_pairs)) / FLOPS_PER_S,
+                                   rel=EXACT)
+    as_full = (2 * 5.1e9 * 32768 + pair * 36 * full_pairs) / FLOPS_PER_S  # every layer priced as full attention
+    assert hybrid / as_full == pytest.approx(0.7586, abs=1e-4)
+    # 64 requests after a 100-token cached prefix, 512 new tokens each: queries 101..128 read 101..128 keys in a
+    # sliding layer, the 484 after them 128 each.
+    prefix, seq = np.full(64, 100), np.full(64, 612)
+    full_pairs, window_pairs = (612 * 613 - 100 * 101) // 2, (128 * 129 - 100 * 101) // 2 + 484 * 128
+    flops = 2 * 5.1e9 * 64 * 512 + pair * 18 * 64 * (full_pairs + window_pairs)
+    assert cost.extend_seconds(prefix, seq) == pytest.approx(flops / FLOPS_PER_S, rel=EXACT)
+    # A cached prefix saves the pairs among its own tokens, window layers' at most 128 a query.
+    saved = 2 * 5.1e9 * 300 + pair * 18 * (300 * 301 // 2 + 128 * 129 // 2 + 172 * 128)
+    assert cost.prefill_seconds_saved(300) == pytest.approx(saved / FLOPS_PER_S, rel=EXACT)
+
+
+def test_a_chunked_layer_prefill_attends_to_the_keys_of_each_querys_chunk():
+    cost = RooflineCost("H100", "llama-4-scout", tp=8)
+    pair = 2 * (128 + 128) * 40
+    # Tokens 10,001..20,000 after a 10,000-token prefix, chunks of 8,192: queries 10,001..16,384 read keys 8,193..q
+    # of the second chunk, queries 16,385..20,000 keys 16,385..q of the third.
+    chunk_pairs = (8192 * 8193 - 1808 * 1809) // 2 + 3616 * 3617 // 2
+    full_pairs = (20000 * 20001 - 10000 * 10001) // 2
+    flops = 2 * 17e9 * 10000 + pair * (12 * full_pairs + 36 * chunk_pairs)
+    assert cost.extend_seconds(np.array([10000]), np.array([20000])) == pytest.approx(flops / FLOPS_PER_S, rel=EXACT)
+    # A decode step's chunked layers read the keys of each request's last chunk, up to its new token.
+    assert cost.window_keys(np.array([8192, 8193, 20000])) == 8192 + 1 + 3616
+
+
+def test_a_linear_attention_layer_costs_a_token_its_state_update_not_a_pair_count():
+    cost = RooflineCost("H100", "qwen3-next-80b", tp=8)
+    pair = 2 * (256 + 256) * 16
+    # Gated DeltaNet, per token and linear layer: 7 x 32 value heads x 128 x 128 on the state, 2 x 8,192 channels x
+    # 4 taps of convolution; 36 such layers, and 12 full-attention ones.
+    linear = 36 * (7 * 32 * 128 * 128 + 2 * 8192 * 4)
+    full_pairs = 32768 * 32769 // 2
+    hybrid = cost.extend_seconds(np.array([0]), np.array([32768]))
+    assert hybrid == pytest.approx((2 * 3e9 * 32768 + pair * 12 * full_pairs + linear * 32768) / FLOPS_PER_S,
+                                   rel=EXACT)
+    as_full = (2 * 3e9 * 32768 + pair * 48 * full_pairs) / FLOPS_PER_S
+    assert hybrid / as_full == pytest.approx(0.4954, abs=1e-4)
+
+
+def test_a_hybrid_decode_step_reads_window_layers_kv_for_window_tokens_and_each_requests_state_once_each_way():
+    gpt = RooflineCost("H100", "gpt-oss-120b", tp=8)
+    # Two requests of 100 and 5,000 tokens: the 18 full layers' KV (36,864 bytes a token) of all 5,100 tokens, the
+    # 18 sliding layers' (36,864 bytes a token too) of 100 + 128, and the MXFP4 weights once.
+    lens = np.array([100, 5000])
+    assert gpt.window_keys(lens) == 228
+    moved = 116.8e9 * 4.25 / 8 + 36864 * 5100 + 36864 * 228
+    assert gpt.decode_seconds(2, 5100, gpt.window_keys(lens)) == pytest.approx(moved / BYTES_PER_S, rel=EXACT)
+    qwen = RooflineCost("H100", "qwen3-next-80b", tp=8)
+    # The 12 full layers' KV (24,576 bytes a token, kept 4 times: 2 KV heads on 8 GPUs) and each request's 36 layers
+    # of state (8,192 x 4 bf16 conv + 32 x 128 x 128 float32 SSM), read and written back.
+    state = 36 * (8192 * 4 * 2 + 32 * 128 * 128 * 4)
+    assert state == sizing.state_bytes(sizing.HYBRID_MODEL_CONFIGS["qwen3-next-80b"])
+    moved = 80e9 * 2 + 24576 * 4 * 4000 + 2 * 2 * state
+    assert qwen.decode_seconds(2, 4000) == pytest.approx(moved / BYTES_PER_S, rel=EXACT)
+
+
+def test_a_decode_step_of_a_model_with_window_layers_needs_their_keys():
+    with pytest.raises(ValueError, match="^window_tokens is needed: gemma-3-27b has window layers"):
+        RooflineCost("H100", "gemma-3-27b", tp=8).decode_seconds(2, 5100)
+    assert RooflineCost("H100", "llama-3-8b").window is None and StepCost().window is None
+
+
+@pytest.mark.parametrize("model", sorted(sizing.HYBRID_MODEL_CONFIGS))
+def test_a_hybrid_model_is_priced_alike_on_window_aware_and_full_attention_pools(model):
+    config = ReplayConfig(capacity_tokens=4096, max_context_len=512, gpu="H100", tp=2, model=model)
+    full = dataclasses.replace(config, full_attention_pools=True)
+    assert config.hybrid is not None and full.hybrid is None
+    assert cost_model(config) == cost_model(full)
+
+
+@pytest.mark.parametrize("full_attention_pools", [False, True])
+def test_a_hybrid_replays_clock_charges_its_decode_steps_window_keys(full_attention_pools):
+    config = ReplayConfig(capacity_tokens=4096, max_context_len=512, gpu="H100", tp=8, model="gpt-oss-120b",
+                          full_attention_pools=full_attention_pools)
+    cost = cost_model(config)
+    report = replay([TraceRequest(list(range(300)), output_len=3)], config)
+    # The prefill, then two decode steps of 301 and 302 tokens, whose sliding layers read the last 128.
+    steps = [cost.extend_seconds(np.array([0]), np.array([300])), cost.decode_seconds(1, 301, 128),
+             cost.decode_seconds(1, 302, 128)]
+    assert list(report.time_s) == pytest.approx(np.cumsum(steps).tolist(), rel=EXACT)

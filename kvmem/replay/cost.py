@@ -18,14 +18,26 @@ KV heads than GPUs (vLLM and SGLang replicate them); an MLA model's latent has n
 keeps all of it. The cache's capacity, the KV bytes a step reads and the bytes a load moves count each copy.
 
 FLOPs per step: 2 x active parameters per token through the weights, and 2 x (qk_head_dim + v_head_dim) x
-query heads x layers per (query, key) pair in attention (QK^T and PV; a causal prefill of tokens p..s-1
-attends to p+1..s keys). It is an upper bound on speed: tensor-parallel communication, kernel launches and
-scheduling are left out; `mfu` and `mbu` (model FLOPs / bandwidth utilization) say how much of the peak the
-kernels reach.
+query heads per (query, key) pair in each attention layer (QK^T and PV; in a full-attention layer the query at
+position q, counted from 1, reads keys 1..q, so a causal prefill of tokens p..s-1 attends to p+1..s keys). A hybrid
+model (kvmem.sizing.HYBRID_MODEL_CONFIGS) is priced by each layer's kind, the same whichever pools the replay sizes
+(window-aware or full-attention ones: the pools change the capacity, not the work):
+
+- sliding-window layer (window W): the query at q reads min(q, W) keys; a chunked layer (Llama 4, chunks of W) the
+  keys of its chunk up to q. A step reads their KV for those keys only.
+- linear-attention layer (gated DeltaNet): no (query, key) pairs, but per token about 7 x value heads x d_k x d_v
+  FLOPs on the recurrent state (the gated delta rule, Yang et al., "Gated Delta Networks", ICLR 2025: decay the
+  d_k x d_v state, S^T k, the rank-one update and S^T q) and 2 x channels x kernel for the short convolution; the
+  projections are among the active parameters. A step reads each of its requests' recurrent state and writes it
+  back (2 x kvmem.sizing.state_bytes; the chunked prefill kernel's per-chunk intermediate states are left out).
+
+It is an upper bound on speed: tensor-parallel communication, kernel launches and scheduling are left out; `mfu`
+and `mbu` (model FLOPs / bandwidth utilization) say how much of the peak the kernels reach.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -85,6 +97,11 @@ class StepCost:
     def num_gpus(self) -> int | None:
         return None
 
+    @property
+    def window(self) -> None:
+        """A fixed step knows no layers, so no window (see RooflineCost.window)."""
+        return None
+
     def extend_seconds(self, prefix_lens: np.ndarray, seq_lens: np.ndarray, loaded_tokens: int = 0,
                        storage_tokens: int = 0) -> float:
         """A prefill step over tokens prefix_lens[i]..seq_lens[i]-1 of each request ([bs] int64 each), of which
@@ -93,8 +110,9 @@ class StepCost:
         compute = self.decode_step_s + int((seq_lens - prefix_lens).sum()) / self.prefill_tokens_per_s
         return max(compute, load_seconds(self, loaded_tokens, storage_tokens))
 
-    def decode_seconds(self, batch_size: int, kv_tokens: int) -> float:
-        """A decode step of `batch_size` requests attending to `kv_tokens` tokens in all."""
+    def decode_seconds(self, batch_size: int, kv_tokens: int, window_tokens: int | None = None) -> float:
+        """A decode step of `batch_size` requests attending to `kv_tokens` tokens in all (`window_tokens`: see
+        RooflineCost.decode_seconds; a fixed step ignores both)."""
         return self.decode_step_s
 
     def prefill_seconds_saved(self, cached_tokens: int) -> float:
@@ -221,16 +239,31 @@ class RooflineCost:
             object.__setattr__(self, "h2d_gbps", GPUS[self.gpu].host_link_gbps)
         _check_links(self)
         spec, compute = GPUS[self.gpu], MODEL_COMPUTE[self.model]
-        kv = sizing.get_model_config(self.model)
+        num_layers = sizing.get_model_config(self.model).num_layers
+        hybrid = sizing.HYBRID_MODEL_CONFIGS.get(self.model)
+        full = num_layers if hybrid is None else len(hybrid.full_layers)
+        windowed = 0 if hybrid is None else len(hybrid.window_layers)
+        kv_bytes = self.kv_bytes_per_token * copies  # a token's KV on all the GPUs, every layer as full attention
         # Per-step constants: FLOP/s and bytes/s the GPUs reach together, weights bytes, attention FLOPs a
-        # (query, key) pair costs, linear FLOPs a token costs.
+        # (query, key) pair costs in the full-attention layers and in the window layers, linear FLOPs a token costs
+        # through the weights and through the linear-attention layers' states, the KV bytes a token weighs in the
+        # full-attention and in the window layers, the state bytes a request moves in a step.
         object.__setattr__(self, "_flops_per_s", self.tp * spec.bf16_tflops * 1e12 * self.mfu)
         object.__setattr__(self, "_bytes_per_s", self.tp * spec.memory_tbps * 1e12 * self.mbu)
         object.__setattr__(self, "_weight_bytes", compute.params_b * 1e9 * compute.weight_bytes)
-        object.__setattr__(self, "_pair_flops", 2.0 * (compute.qk_head_dim + compute.v_head_dim)
-                           * compute.num_attention_heads * kv.num_layers)
+        layer_pair_flops = 2.0 * (compute.qk_head_dim + compute.v_head_dim) * compute.num_attention_heads
+        object.__setattr__(self, "_pair_flops", layer_pair_flops * full)
+        object.__setattr__(self, "_window_pair_flops", layer_pair_flops * windowed)
         object.__setattr__(self, "_token_flops", 2.0 * compute.active_params_b * 1e9)
-        object.__setattr__(self, "_kv_bytes", self.kv_bytes_per_token * copies)  # a token's KV on all the GPUs
+        object.__setattr__(self, "_linear_flops", 0.0 if hybrid is None else _linear_flops(hybrid))
+        # An int for a model of one kind, so that its bytes stay the exact product they always were.
+        object.__setattr__(self, "_full_kv_bytes", kv_bytes if full == num_layers else kv_bytes * full / num_layers)
+        object.__setattr__(self, "_window_kv_bytes", kv_bytes * windowed / num_layers)
+        # Read and written back: each linear layer's heads split over the GPUs, so one copy of the state in all.
+        object.__setattr__(self, "_state_bytes", 0 if hybrid is None else 2 * sizing.state_bytes(hybrid))
+        object.__setattr__(self, "_window", hybrid.sliding_window if windowed else None)
+        object.__setattr__(self, "_chunked", windowed > 0 and "chunked_attention" in hybrid.layer_types)
+        object.__setattr__(self, "_kv_bytes", kv_bytes)  # what a load from a lower tier moves a token
         object.__setattr__(self, "_links", self.tp)  # each GPU loads its copy over its own host link
 
     @property
@@ -240,6 +273,19 @@ class RooflineCost:
     @property
     def num_gpus(self) -> int:
         return self.tp
+
+    @property
+    def window(self) -> int | None:
+        """The window (a chunked model: the chunk) of the model's sliding-window layers, in tokens; None without any."""
+        return self._window
+
+    def window_keys(self, seq_lens: np.ndarray) -> int:
+        """The keys each window layer reads in a decode step of requests of `seq_lens` tokens ([bs] int64, the token
+        decoded included), in all: min(s, window) a request (a chunked layer: its last chunk's, up to s); 0 without
+        window layers. What `decode_seconds` takes as window_tokens."""
+        if self._window is None:
+            return 0
+        return int(_window_reads(seq_lens - 1, seq_lens, self._window, self._chunked).sum())
 
     def kv_capacity_tokens(self, page_size: int = 1) -> int:
         """The KV tokens (whole pages) that fit beside the weights in MEMORY_FRACTION of the GPUs' memory;
@@ -264,16 +310,33 @@ class RooflineCost:
         `loaded_tokens` of cached prefix were loaded back from the host (`storage_tokens` of them first read
         from the storage tier: one round trip of latency, then the bytes at its bandwidth)."""
         new_tokens = int((seq_lens - prefix_lens).sum())
-        flops = self._token_flops * new_tokens + self._pair_flops * float(_causal_pairs(prefix_lens, seq_lens))
-        moved = self._weight_bytes + self._kv_bytes * float(seq_lens.sum())
+        window_pairs = window_reads = 0
+        if self._window is not None:
+            w, chunked = self._window, self._chunked
+            window_pairs = int((_window_pairs(seq_lens, w, chunked) - _window_pairs(prefix_lens, w, chunked)).sum())
+            window_reads = int(_window_reads(prefix_lens, seq_lens, w, chunked).sum())
+        flops = (self._token_flops * new_tokens + self._pair_flops * float(_causal_pairs(prefix_lens, seq_lens))
+                 + self._window_pair_flops * float(window_pairs) + self._linear_flops * new_tokens)
+        moved = (self._weight_bytes + self._full_kv_bytes * float(seq_lens.sum())
+                 + self._window_kv_bytes * float(window_reads) + self._state_bytes * len(seq_lens))
         compute = max(flops / self._flops_per_s, moved / self._bytes_per_s)
         return max(compute, load_seconds(self, loaded_tokens, storage_tokens))
 
-    def decode_seconds(self, batch_size: int, kv_tokens: int) -> float:
-        """A decode step of `batch_size` requests attending to `kv_tokens` tokens in all: it reads the weights
-        (every one: a batch of tens of requests routes through nearly every expert of a mixture) and the KV."""
-        flops = self._token_flops * batch_size + self._pair_flops * kv_tokens
-        moved = self._weight_bytes + self._kv_bytes * kv_tokens
+    def decode_seconds(self, batch_size: int, kv_tokens: int, window_tokens: int | None = None) -> float:
+        """A decode step of `batch_size` requests attending to `kv_tokens` tokens in all (the sum of their lengths):
+        it reads the weights (every one: a batch of tens of requests routes through nearly every expert of a
+        mixture), the full-attention layers' KV of those tokens, the window layers' KV of `window_tokens` keys
+        (`window_keys` of the requests' lengths: ValueError naming window_tokens when it is missing for a model with
+        window layers; a model without them reads none) and each request's linear-attention state."""
+        if self._window is None:
+            window_tokens = 0
+        elif window_tokens is None:
+            raise ValueError(f"window_tokens is needed: {self.model} has window layers ({self._window} tokens); "
+                             f"give window_keys(seq_lens)")
+        flops = (self._token_flops * batch_size + self._pair_flops * kv_tokens
+                 + self._window_pair_flops * window_tokens + self._linear_flops * batch_size)
+        moved = (self._weight_bytes + self._full_kv_bytes * kv_tokens + self._window_kv_bytes * window_tokens
+                 + self._state_bytes * batch_size)
         return max(flops / self._flops_per_s, moved / self._bytes_per_s)
 
     def prefill_seconds_saved(self, cached_tokens: int) -> float:
@@ -281,7 +344,9 @@ class RooflineCost:
         their linear FLOPs and their causal attention among themselves (the rest of the prompt still attends
         to them), at `mfu` of the GPUs' peak."""
         c = cached_tokens
-        return (self._token_flops * c + self._pair_flops * c * (c + 1) / 2) / self._flops_per_s
+        window_pairs = 0 if self._window is None else int(_window_pairs(c, self._window, self._chunked))
+        return (self._token_flops * c + self._pair_flops * c * (c + 1) / 2
+                + self._window_pair_flops * float(window_pairs) + self._linear_flops * c) / self._flops_per_s
 
 
 def kv_copies(model: str, tp: int) -> int:
@@ -301,6 +366,33 @@ def kv_copies(model: str, tp: int) -> int:
 def _causal_pairs(prefix_lens: np.ndarray, seq_lens: np.ndarray) -> int:
     """(query, key) pairs of a causal prefill of tokens p..s-1 over keys 1..s: sum of (s(s+1) - p(p+1)) / 2."""
     return int((seq_lens * (seq_lens + 1) - prefix_lens * (prefix_lens + 1)).sum()) // 2
+
+
+def _window_pairs(n, window: int, chunked: bool):
+    """(query, key) pairs among the first n tokens (an int or int64 array) in a window layer, where the query at
+    position q (from 1) reads min(q, window) keys, or in a chunked one, the q - window x floor((q - 1) / window) keys
+    of its chunk up to q."""
+    if chunked:
+        chunks, rest = np.divmod(n, window)
+        return chunks * (window * (window + 1) // 2) + rest * (rest + 1) // 2
+    return np.where(n <= window, n * (n + 1) // 2, window * (window + 1) // 2 + (n - window) * window)
+
+
+def _window_reads(prefix_lens: np.ndarray, seq_lens: np.ndarray, window: int, chunked: bool) -> np.ndarray:
+    """The keys a window layer reads for queries p+1..s ([bs] int64 each): from the first key of query p+1's window
+    (or chunk) to s."""
+    if chunked:
+        return seq_lens - prefix_lens // window * window
+    return seq_lens - np.maximum(prefix_lens + 1 - window, 0)
+
+
+def _linear_flops(config: sizing.HybridConfig) -> float:
+    """FLOPs a token costs in the linear-attention layers' recurrences (module docstring): 7 x the SSM state's
+    elements (value heads x d_k x d_v) and 2 x the convolution's (channels x kernel), a layer."""
+    if not config.linear_layers:
+        return 0.0
+    return float(len(config.linear_layers) * (7 * math.prod(config.ssm_state_shape)
+                                              + 2 * math.prod(config.conv_state_shape)))
 
 
 def cost_model(config) -> StepCost | RooflineCost:

@@ -118,6 +118,10 @@ class ReplayScheduler(Scheduler):
         """The KV tokens the running requests hold (the sum of their kv_len): what a decode step reads."""
         return int(self._run_arrays()[0].sum())
 
+    def running_kv_lens(self) -> np.ndarray:
+        """The running requests' kv_len ([bs] int64, a copy): what a decode step's window layers read is priced from."""
+        return self._run_arrays()[0].copy()
+
     # ---- how far a run may go -----------------------------------------------------------------------------
     def pure_decode_steps(self) -> int:
         """How many of the next steps are decode steps that `run_decode` may take at once: steps that retract

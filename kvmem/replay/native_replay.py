@@ -189,7 +189,10 @@ def _engine_config(config, cost: StepCost | RooflineCost) -> dict:
     else:
         clock = {"roofline": True, "flops_per_s": cost._flops_per_s, "bytes_per_s": cost._bytes_per_s,
                  "weight_bytes": cost._weight_bytes, "pair_flops": cost._pair_flops,
-                 "token_flops": cost._token_flops}
+                 "token_flops": cost._token_flops, "window_pair_flops": cost._window_pair_flops,
+                 "linear_flops": cost._linear_flops, "full_kv_bytes": float(cost._full_kv_bytes),
+                 "window_kv_bytes": cost._window_kv_bytes, "state_bytes": float(cost._state_bytes),
+                 "window": cost.window or 0, "chunked": cost._chunked}
     # Both clocks charge loads from lower tiers alike (kvmem.replay.cost.load_seconds).
     clock.update({"kv_bytes": float(cost._kv_bytes), "links": float(cost._links), "h2d_gbps": float(cost.h2d_gbps),
                   "storage_gbps": float(cost.storage_gbps), "storage_latency_us": float(cost.storage_latency_us)})

@@ -223,7 +223,8 @@ class ReplicaSim:
         else:
             for req in batch.retracted:
                 self._live.discard(req.rid)
-            self.clock += cost.decode_seconds(batch.batch_size(), int(batch.seq_lens.sum()))
+            window = None if cost.window is None else cost.window_keys(batch.seq_lens.numpy())
+            self.clock += cost.decode_seconds(batch.batch_size(), int(batch.seq_lens.sum()), window)
         outputs = self._outputs
         tokens = [outputs[r.rid][len(r.output_ids)] for r in batch.reqs]
         # Read before the results: a request's sampled token makes it look partly prefilled again.
@@ -283,11 +284,13 @@ class ReplicaSim:
         sched, cost = self.sched, self.cost
         bs = len(sched.running)
         kv_tokens = sched.running_kv_tokens()
+        kv_lens = None if cost.window is None else sched.running_kv_lens()
         times = []
         clock = self.clock
         for j in range(steps):
             kv_tokens += bs  # every request attends to its kv_len tokens and the one it decodes
-            end = clock + cost.decode_seconds(bs, kv_tokens)
+            window = None if kv_lens is None else cost.window_keys(kv_lens + (j + 1))
+            end = clock + cost.decode_seconds(bs, kv_tokens, window)
             if j and end > until:
                 break
             clock = end

@@ -96,6 +96,11 @@ ReplicaConfig config_of(const py::dict& d) {
                              std::pair{"weight_bytes", &c.cost.weight_bytes},
                              std::pair{"pair_flops", &c.cost.pair_flops},
                              std::pair{"token_flops", &c.cost.token_flops},
+                             std::pair{"window_pair_flops", &c.cost.window_pair_flops},
+                             std::pair{"linear_flops", &c.cost.linear_flops},
+                             std::pair{"full_kv_bytes", &c.cost.full_kv_bytes},
+                             std::pair{"window_kv_bytes", &c.cost.window_kv_bytes},
+                             std::pair{"state_bytes", &c.cost.state_bytes},
                              std::pair{"kv_bytes", &c.cost.kv_bytes},
                              std::pair{"links", &c.cost.links},
                              std::pair{"h2d_gbps", &c.cost.h2d_gbps},
@@ -103,6 +108,8 @@ ReplicaConfig config_of(const py::dict& d) {
                              std::pair{"storage_latency_us", &c.cost.storage_latency_us}}) {
     if (cost.contains(name)) *field = cost[name].cast<double>();
   }
+  if (cost.contains("window")) c.cost.window = cost["window"].cast<int64_t>();
+  if (cost.contains("chunked")) c.cost.chunked = cost["chunked"].cast<bool>();
   return c;
 }
 

@@ -100,9 +100,14 @@ void Replica::decode_run(int64_t steps, double until, StepOutcome* out) {
   for (int32_t i : running_) kv_tokens += reqs_[i].kv_len;
   std::vector<double> times;
   double t = clock;
+  const CostModel& cost = config_.cost;
   for (int64_t j = 0; j < steps; ++j) {
     kv_tokens += bs;  // every request attends to its kv_len tokens and the one it decodes
-    const double end = t + config_.cost.decode_seconds(bs, kv_tokens);
+    int64_t window_tokens = 0;
+    if (cost.window) {
+      for (int32_t i : running_) window_tokens += cost.window_keys(reqs_[i].kv_len + j + 1);
+    }
+    const double end = t + cost.decode_seconds(bs, kv_tokens, window_tokens);
     if (j && end > until) break;
     t = end;
     times.push_back(t);

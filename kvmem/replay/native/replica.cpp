@@ -19,17 +19,25 @@ inline double py_max(double a, double b) { return b > a ? b : a; }
 
 double CostModel::extend_seconds(const std::vector<int64_t>& prefix, const std::vector<int64_t>& seq, int64_t loaded,
                                  int64_t stored) const {
-  int64_t new_tokens = 0, pairs = 0, seq_sum = 0;
+  int64_t new_tokens = 0, pairs = 0, seq_sum = 0, win_pairs = 0, win_reads = 0;
   for (size_t i = 0; i < seq.size(); ++i) {
     new_tokens += seq[i] - prefix[i];
     pairs += seq[i] * (seq[i] + 1) - prefix[i] * (prefix[i] + 1);
     seq_sum += seq[i];
+    if (window) {
+      win_pairs += window_pairs(seq[i]) - window_pairs(prefix[i]);
+      win_reads += window_reads(prefix[i], seq[i]);
+    }
   }
   if (!roofline) {
     return py_max(decode_step_s + static_cast<double>(new_tokens) / prefill_tokens_per_s, load_seconds(loaded, stored));
   }
-  const double flops = token_flops * static_cast<double>(new_tokens) + pair_flops * static_cast<double>(pairs / 2);
-  const double moved = weight_bytes + kv_bytes * static_cast<double>(seq_sum);
+  const double flops = token_flops * static_cast<double>(new_tokens) + pair_flops * static_cast<double>(pairs / 2) +
+                       window_pair_flops * static_cast<double>(win_pairs) +
+                       linear_flops * static_cast<double>(new_tokens);
+  const double moved = weight_bytes + full_kv_bytes * static_cast<double>(seq_sum) +
+                       window_kv_bytes * static_cast<double>(win_reads) +
+                       state_bytes * static_cast<double>(seq.size());
   const double compute = py_max(flops / flops_per_s, moved / bytes_per_s);
   return py_max(compute, load_seconds(loaded, stored));
 }
@@ -41,17 +49,34 @@ double CostModel::load_seconds(int64_t loaded, int64_t stored) const {
   return load;
 }
 
-double CostModel::decode_seconds(int64_t batch_size, int64_t kv_tokens) const {
+double CostModel::decode_seconds(int64_t batch_size, int64_t kv_tokens, int64_t window_tokens) const {
   if (!roofline) return decode_step_s;
-  const double flops = token_flops * static_cast<double>(batch_size) + pair_flops * static_cast<double>(kv_tokens);
-  const double moved = weight_bytes + kv_bytes * static_cast<double>(kv_tokens);
+  const double bs = static_cast<double>(batch_size), win = static_cast<double>(window_tokens);
+  const double flops = token_flops * bs + pair_flops * static_cast<double>(kv_tokens) + window_pair_flops * win +
+                       linear_flops * bs;
+  const double moved = weight_bytes + full_kv_bytes * static_cast<double>(kv_tokens) + window_kv_bytes * win +
+                       state_bytes * bs;
   return py_max(flops / flops_per_s, moved / bytes_per_s);
 }
 
 double CostModel::prefill_seconds_saved(int64_t cached) const {
   const double c = static_cast<double>(cached);
   if (!roofline) return c / prefill_tokens_per_s;
-  return (token_flops * c + pair_flops * c * static_cast<double>(cached + 1) / 2) / flops_per_s;
+  const double win_pairs = static_cast<double>(window ? window_pairs(cached) : 0);
+  return (token_flops * c + pair_flops * c * static_cast<double>(cached + 1) / 2 + window_pair_flops * win_pairs +
+          linear_flops * c) / flops_per_s;
+}
+
+int64_t CostModel::window_pairs(int64_t n) const {
+  if (chunked) {
+    const int64_t rest = n % window;
+    return n / window * (window * (window + 1) / 2) + rest * (rest + 1) / 2;
+  }
+  return n <= window ? n * (n + 1) / 2 : window * (window + 1) / 2 + (n - window) * window;
+}
+
+int64_t CostModel::window_reads(int64_t prefix, int64_t seq) const {
+  return seq - (chunked ? prefix / window * window : std::max<int64_t>(prefix + 1 - window, 0));
 }
 
 // ---- Replica ----------------------------------------------------------------------------------------------------
@@ -148,9 +173,12 @@ void Replica::one_step(StepOutcome* out) {
     }
   } else {
     for (int32_t i : b.retracted) reqs_[i].live = false;
-    int64_t kv_tokens = 0;
-    for (int32_t i : b.reqs) kv_tokens += reqs_[i].kv_len;
-    clock += cost.decode_seconds(static_cast<int64_t>(b.reqs.size()), kv_tokens);
+    int64_t kv_tokens = 0, window_tokens = 0;
+    for (int32_t i : b.reqs) {
+      kv_tokens += reqs_[i].kv_len;
+      window_tokens += cost.window_keys(reqs_[i].kv_len);
+    }
+    clock += cost.decode_seconds(static_cast<int64_t>(b.reqs.size()), kv_tokens, window_tokens);
   }
   {
     Stopwatch watch(&report.cache_op_seconds);

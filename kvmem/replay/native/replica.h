@@ -44,6 +44,12 @@ struct CostModel {
   bool roofline = false;
   double decode_step_s = 0.03, prefill_tokens_per_s = 50000.0;
   double flops_per_s = 0, bytes_per_s = 0, weight_bytes = 0, pair_flops = 0, token_flops = 0;
+  // A hybrid model's layer kinds (RooflineCost's): a (query, key) pair's FLOPs in the window layers, a token's in
+  // the linear layers' recurrences, a token's KV bytes in the full and in the window layers, the state bytes a
+  // request moves in a step, and the window (0: no window layers), chunked for Llama 4's chunks.
+  double window_pair_flops = 0, linear_flops = 0, full_kv_bytes = 0, window_kv_bytes = 0, state_bytes = 0;
+  int64_t window = 0;
+  bool chunked = false;
   // Loads from lower tiers, on either clock (cost.load_seconds): a token's KV on all the GPUs, the host links
   // it crosses (one per GPU), their bandwidth and the storage tier's, GB/s, and a storage read's latency.
   double kv_bytes = 0, links = 1, h2d_gbps = 50.0, storage_gbps = 10.0, storage_latency_us = 100.0;
@@ -53,8 +59,14 @@ struct CostModel {
   double extend_seconds(const std::vector<int64_t>& prefix, const std::vector<int64_t>& seq, int64_t loaded = 0,
                         int64_t stored = 0) const;
   double load_seconds(int64_t loaded, int64_t stored) const;
-  double decode_seconds(int64_t batch_size, int64_t kv_tokens) const;
+  // `window_tokens`: the keys each window layer reads (window_keys of the requests' lengths).
+  double decode_seconds(int64_t batch_size, int64_t kv_tokens, int64_t window_tokens) const;
   double prefill_seconds_saved(int64_t cached) const;
+  // cost._window_pairs and cost._window_reads (the window layers' pairs among the first n tokens, the keys they
+  // read for queries prefix+1..seq), and the keys they read for a decode step of a request of `seq` tokens.
+  int64_t window_pairs(int64_t n) const;
+  int64_t window_reads(int64_t prefix, int64_t seq) const;
+  int64_t window_keys(int64_t seq) const { return window ? window_reads(seq - 1, seq) : 0; }
 };
 
 struct ReplicaConfig {
