@@ -614,7 +614,7 @@ def test_a_sweep_stopped_by_sigterm_leaves_no_worker_behind():
             time.sleep(0.2)
         assert not [c for c in children if _alive(c)], "workers outlived the sweep"
         # A worker still starting up when it is killed may have printed a traceback of its own after this line.
-        assert proc.stderr.read().decode().splitlines()[0] == "kvmem-replay: error: terminated"
+        assert proc.communicate(timeout=30)[1].decode().splitlines()[0] == "kvmem-replay: error: terminated"
     finally:
         for c in children | _descendants(proc.pid):
             try:
@@ -622,6 +622,36 @@ def test_a_sweep_stopped_by_sigterm_leaves_no_worker_behind():
             except OSError:
                 pass
         proc.kill()
+
+
+def test_a_worker_exits_when_the_process_that_started_it_is_gone():
+    """A worker the sweep did not know of yet when it was interrupted (started while the Ctrl-C came) must not wait
+    for work for ever, holding the terminal's stderr."""
+    import os
+    import signal
+    import time
+
+    code = ("import multiprocessing, os\n"
+            "from concurrent.futures import ProcessPoolExecutor\n"
+            "from kvmem.replay.workers import init_worker\n"
+            "pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context('spawn'), initializer=init_worker)\n"
+            "print(pool.submit(os.getpid).result(timeout=120), flush=True)\n"
+            "os._exit(0)  # gone without shutting the pool down: its idle worker is left behind\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        worker = int(proc.communicate(timeout=150)[0].split()[0])
+        deadline = time.monotonic() + 30
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker), "the worker outlived the process that started it"
+    finally:
+        proc.kill()
+        if worker is not None:
+            try:
+                os.kill(worker, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def test_pin_options_reach_the_replay_config(capsys, fake_replay):

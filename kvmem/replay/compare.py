@@ -20,7 +20,7 @@ from pathlib import Path
 from kvmem.replay.config import ReplayConfig
 from kvmem.replay.engine import fallback_note
 from kvmem.replay.report import format_seconds, require_matplotlib
-from kvmem.replay.workers import kill_workers, sigint_blocked, worker_ignores_sigint
+from kvmem.replay.workers import init_worker, kill_workers, sigint_blocked
 
 BASELINE, CEILING = "lru", "belady"
 # Below this gap between belady's and lru's hit rates, a share of it is noise (a few requests' hits): n/a.
@@ -32,7 +32,7 @@ _trace = None  # the trace a worker replays, loaded once by its initializer
 
 def _load_worker_trace(load_trace: Callable) -> None:
     global _trace
-    worker_ignores_sigint()
+    init_worker()
     _trace = load_trace()
 
 

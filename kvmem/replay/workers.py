@@ -6,14 +6,19 @@ with a progress bar per replay. Workers are started with "spawn" (a forked child
 and OpenBLAS may deadlock in their thread pools). Ctrl-C reaches every process of the group, and only this one
 answers it, by killing the workers at once (no traceback of theirs) and raising KeyboardInterrupt, as SIGTERM
 does (`kill_workers`): a worker ignores SIGINT, and is started with it blocked (`sigint_blocked`: a blocked signal
-stays blocked across exec, so one that comes while the worker starts up waits, and is then ignored).
+stays blocked across exec, so one that comes while the worker starts up waits, and is then ignored). A worker
+that outlives this process (one a Ctrl-C caught while the pool was still starting it, before this process knew of
+it) exits as soon as it sees this process gone (`init_worker`), instead of waiting for work forever.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
+import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -22,14 +27,23 @@ _worker_trace = None
 
 def _set_worker_trace(trace) -> None:
     global _worker_trace
-    worker_ignores_sigint()
+    init_worker()
     _worker_trace = trace
 
 
-def worker_ignores_sigint() -> None:
-    """In a worker's initializer: SIGINT ignored from now on, and unblocked (see `sigint_blocked`)."""
+def init_worker() -> None:
+    """In a worker's initializer: SIGINT ignored from now on, and unblocked (see `sigint_blocked`); the worker exits
+    when the process that started it is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_when_gone, args=(parent.sentinel,), daemon=True).start()
+
+
+def _exit_when_gone(parent_sentinel: int) -> None:
+    multiprocessing.connection.wait([parent_sentinel])
+    os._exit(1)
 
 
 def _replay_in_worker(config, engine: str):
