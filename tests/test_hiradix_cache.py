@@ -228,6 +228,17 @@ def test_a_host_pool_for_another_device_pool_size_is_refused_naming_both():
         HiRadixCache(ReqToTokenPool(2, 64), TokenAllocator(32), HostKVPool(device))
 
 
+def test_a_hybrid_models_allocator_is_refused_its_pools_stay_on_the_device():
+    from kvmem.hybrid import HybridTokenAllocator
+    from kvmem.tiers.host_pool import HostSlotPool
+
+    alloc = HybridTokenAllocator(32, 16)
+    host = HostSlotPool(64)
+    with pytest.raises(TypeError, match="^token_allocator is a HybridTokenAllocator: a hybrid model's pools"):
+        HiRadixCache(ReqToTokenPool(2, 64), alloc, host)
+    assert alloc.available_size() == 32 and host.allocator.available_size() == 64
+
+
 def test_write_back_backs_up_only_what_eviction_takes():
     w = World(device=16, host=64, write_policy="write_back")
     w.put(tokens((1, 10)))

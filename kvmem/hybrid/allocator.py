@@ -19,10 +19,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from kvmem._checks import check_host_bytes, check_int
 from kvmem._index import as_index_array
+from kvmem._torch import torch
 from kvmem.allocator import CACHED, FREE, AllocatorState, PagedTokenAllocator, _PageStack
 
 

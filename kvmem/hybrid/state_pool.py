@@ -13,11 +13,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 from kvmem._checks import check_host_bytes, check_int
 from kvmem._device import check_device
 from kvmem._index import as_index_array
+from kvmem._torch import torch
 from kvmem.allocator import TokenAllocator
 
 

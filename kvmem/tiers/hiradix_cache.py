@@ -48,6 +48,7 @@ from kvmem._torch import torch
 from kvmem.allocator import PagedTokenAllocator, TokenAllocator
 from kvmem.events.schema import MEDIUM_CPU_PINNED, AllBlocksCleared, KVCacheEvent
 from kvmem.eviction import EvictionPolicy, EvictionPolicySpec, make_policy
+from kvmem.hybrid.allocator import HybridTokenAllocator
 from kvmem.radix_cache import MatchResult, RadixCache
 from kvmem.radix_tree import TOKEN_BYTES, TreeNode
 from kvmem.req_to_token import ReqToTokenPool
@@ -101,6 +102,9 @@ class HiRadixCache(HostBackups, StoragePrefetch, RadixCache):
         if not isinstance(host_allocator, (TokenAllocator, PagedTokenAllocator)) or not callable(
                 getattr(host_pool, "backup", None)) or not callable(getattr(host_pool, "load", None)):
             raise TypeError(f"host_pool must be a HostKVPool or HostSlotPool, got {type(host_pool).__name__}")
+        if isinstance(token_allocator, HybridTokenAllocator):
+            raise TypeError("token_allocator is a HybridTokenAllocator: a hybrid model's pools (full KV, window KV, "
+                            "states) stay on the device, with no host tier; use kvmem.hybrid.HybridRadixCache")
         if host_allocator.page_size != page_size:
             raise ValueError(f"host_pool's page size {host_allocator.page_size} != page_size {page_size}")
         if host_allocator.size <= token_allocator.size:
