@@ -171,6 +171,8 @@ class HybridRadixCache(WindowComponent, StateComponent, RadixCache):
 
     def _take_dropped(self, values: list[np.ndarray]) -> int:
         """Moves the values of the tombstone leaves deletions took with them into `values`; returns their tokens."""
+        if not self._dropped:
+            return 0
         dropped, self._dropped = self._dropped, []
         values.extend(dropped)
         return sum(len(v) for v in dropped)
