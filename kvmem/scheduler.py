@@ -448,21 +448,24 @@ class Scheduler:
             holders.update(self._batch.reqs)
         return [r for r in holders if r.status is ReqStatus.RUNNING]
 
-    def check_invariants(self, held_outside: int = 0) -> None:
+    def check_invariants(self, held_outside: int | Iterable[Req] = 0) -> None:
         """Raises AssertionError unless free + evictable + protected + held by requests == total (in the token
         pool, and in each of a hybrid tree's other components), the output tokens the running requests still owe
-        are counted right, and the tree's own invariants hold. held_outside: slots held by requests outside the
-        loop (a disaggregated side's transfers)."""
+        are counted right, and the tree's own invariants hold. held_outside: the requests holding memory outside
+        the loop (a disaggregated side's transfers), or for a tree with one token pool only the slots they hold."""
+        outside = [] if isinstance(held_outside, int) else list(held_outside)
         self.tree_cache.check_invariants()
         free = self.token_allocator.available_size()
         evictable = self.tree_cache.evictable_size()
         protected = self.tree_cache.protected_size()
-        held = self.held_by_requests() + held_outside
+        held = self.held_by_requests() + (held_outside if isinstance(held_outside, int) else
+                                          sum(round_up(r.kv_len, self.page_size) - r.cache_protected_len
+                                              for r in outside))
         total = self.token_allocator.size
         if free + evictable + protected + held != total:
             raise AssertionError(f"memory leak or double count: free {free} + evictable {evictable} + protected "
                                  f"{protected} + held by requests {held} != total {total}")
-        self.tree_cache.check_held(self._holders())
+        self.tree_cache.check_held(self._holders() + outside)
         left = sum(r.max_new_tokens - len(r.output_ids) for r in self.running)
         if left != self._tokens_left:
             raise AssertionError(f"running requests owe {left} output tokens, the count says {self._tokens_left}")

@@ -45,6 +45,24 @@ def test_allocation_short_in_either_pool_returns_none_and_changes_nothing():
     assert (paged.available_size(), paged.window_available_size()) == (16, 8)
 
 
+def test_alloc_window_tail_pairs_only_the_last_pages_and_refuses_what_does_not_fit():
+    alloc = HybridTokenAllocator(32, 8, page_size=4)
+    slots = alloc.alloc_window_tail(20, 8)  # five full pages, window pages for the last two only
+    assert alloc.window_slots(slots).ne(0).tolist() == [False] * 12 + [True] * 8
+    assert (alloc.available_size(), alloc.window_available_size()) == (12, 0)
+    alloc.check_pairing()
+    assert alloc.alloc_window_tail(4, 4) is None  # the window pool is empty: nothing taken
+    assert alloc.alloc_window_tail(4, 0).numel() == 4 and alloc.available_size() == 8
+    for n, window, match in ((8, 12, r"window_tokens must be a non-negative int \(at most 8\)"),
+                             (6, 4, "n 6 must be a multiple of page_size"),
+                             (8, 2, "window_tokens 2 must be a multiple of page_size")):
+        with pytest.raises(ValueError, match=match):
+            alloc.alloc_window_tail(n, window)
+    alloc.free(slots)  # full pages, and the two window pages paired with them
+    assert (alloc.available_size(), alloc.window_available_size()) == (28, 8)
+    alloc.check_pairing()
+
+
 def test_free_releases_the_window_peers_and_free_window_only_them():
     alloc = HybridTokenAllocator(16, 8, page_size=2)
     slots = alloc.alloc(6)

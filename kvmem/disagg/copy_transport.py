@@ -9,9 +9,8 @@ import itertools
 import numpy as np
 
 from kvmem._torch import torch
-from kvmem.disagg.layout import KVLayout, layer_buffers
+from kvmem.disagg.layout import Pool, layer_buffers, num_layers, num_pages, page_bytes
 from kvmem.disagg.transport import Finished, KVBuffers, KVTransport, Transfer
-from kvmem.kv_pool import MHAKVPool, MLAKVPool
 
 
 class CopyTransport(KVTransport):
@@ -34,13 +33,13 @@ class CopyTransport(KVTransport):
         self._pages: dict[str, list[list[torch.Tensor]]] = {}  # endpoint -> [layer][buffer] [num_pages, page_bytes]
         self._ids = itertools.count()
 
-    def register(self, pool: MHAKVPool | MLAKVPool) -> KVBuffers:
-        layout = KVLayout.of(pool)
+    def register(self, pool: Pool) -> KVBuffers:
         endpoint = f"copy:{next(self._ids)}"
-        self._pages[endpoint] = [[b.view(torch.uint8).reshape(pool.num_pages, -1) for b in layer_buffers(pool, layer)]
-                                 for layer in range(pool.layer_num)]
-        addresses = tuple(tuple(b.data_ptr() for b in layer_buffers(pool, layer)) for layer in range(pool.layer_num))
-        return KVBuffers(endpoint, addresses, layout.page_bytes, pool.num_pages)
+        pages, layers = num_pages(pool), range(num_layers(pool))
+        self._pages[endpoint] = [[b.view(torch.uint8).reshape(pages, -1) for b in layer_buffers(pool, layer)]
+                                 for layer in layers]
+        addresses = tuple(tuple(b.data_ptr() for b in layer_buffers(pool, layer)) for layer in layers)
+        return KVBuffers(endpoint, addresses, page_bytes(pool), pages)
 
     def unregister(self, buffers: KVBuffers) -> None:
         self._pages.pop(buffers.endpoint, None)

@@ -1,10 +1,13 @@
 """The messages of the disaggregation protocol, and their JSON lines.
 
     decode side                                   prefill side
-    Hello(layout, buffers)              ->                           the handshake: refused unless the layouts match
+    Hello(layout, buffers,              ->                           the handshake: refused unless the layouts match
+          window_buffers, state_buffers)
                                         <-    Welcome(layout) | Refused(reason, layout)
     KVRequest(rid, input_ids, start,    ->                           prefill the prompt, then write its pages from
-              dst_pages)                                             token `start` on into dst_pages
+              dst_pages,                                             token `start` on into dst_pages (a hybrid
+              dst_window_pages,                                      engine's also its window tail's window pages
+              dst_state_slot)                                        and its state)
     Cancel(rid)                         ->                           the decode side gave up: do not write, answer
                                         <-    KVDone(rid, first_token) | KVFailed(rid, reason)
 
@@ -22,7 +25,9 @@ from dataclasses import asdict, dataclass
 @dataclass(frozen=True)
 class Hello:
     layout: dict       # KVLayout.to_dict()
-    buffers: dict      # KVBuffers.to_dict()
+    buffers: dict      # KVBuffers.to_dict() of the (full-attention layers') KV pool
+    window_buffers: dict | None = None  # a hybrid engine's window pool and state pool, when it has them
+    state_buffers: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,10 @@ class KVRequest:
     input_ids: list[int]
     start: int         # the first prompt token whose KV the decode side needs (a multiple of the page size)
     dst_pages: list[int]  # its pages for tokens start.. of the prompt, in order
+    # A hybrid engine's: the window pages of the prompt's last len(dst_window_pages) pages (its window tail,
+    # `kvmem.disagg.request_memory.window_start`), and the state slot for the state after the whole prompt.
+    dst_window_pages: list[int] | None = None
+    dst_state_slot: int = 0
 
 
 @dataclass(frozen=True)

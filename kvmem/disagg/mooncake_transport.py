@@ -22,9 +22,8 @@ from urllib.parse import urlparse
 import numpy as np
 
 from kvmem._checks import check_int, check_number
-from kvmem.disagg.layout import KVLayout, layer_buffers
+from kvmem.disagg.layout import Pool, layer_buffers, num_layers, num_pages, page_bytes
 from kvmem.disagg.transport import KVBuffers, KVTransport, Transfer, TransferStatus
-from kvmem.kv_pool import MHAKVPool, MLAKVPool
 
 _FAILED_IDS = (0, 2**64 - 1)  # what a submit returns when it could not start (no such peer, no segment)
 # Parts of a write in flight at once: with all 16k parts of a shuffled 512 MiB write submitted together, some failed
@@ -70,27 +69,29 @@ class MooncakeTransport(KVTransport):
         self.endpoint = f"127.0.0.1:{_free_port()}"
         if self._engine.initialize(self.endpoint, metadata_server, "tcp", "") != 0:
             raise RuntimeError(f"the Mooncake transfer engine could not start with metadata at {metadata_server}")
-        self._registration: tuple[MHAKVPool | MLAKVPool, list[int]] | None = None  # the pool, its buffers' addresses
+        # By the pool's first buffer address: the pool and its buffers' addresses (a hybrid engine registers up to
+        # three pools).
+        self._registrations: dict[int, tuple[Pool, list[int]]] = {}
 
-    def register(self, pool: MHAKVPool | MLAKVPool) -> KVBuffers:
+    def register(self, pool: Pool) -> KVBuffers:
         if pool.device.type != "cpu":
             raise ValueError(f"pool is on {pool.device}: the non-CUDA Mooncake transfer engine moves host memory only")
-        if self._registration is not None:
-            raise ValueError("this transport has a pool registered already: one pool per transfer engine")
-        layout = KVLayout.of(pool)
-        buffers = [layer_buffers(pool, layer) for layer in range(pool.layer_num)]
+        buffers = [layer_buffers(pool, layer) for layer in range(num_layers(pool))]
         addresses = [b.data_ptr() for layer in buffers for b in layer]
+        if addresses[0] in self._registrations:
+            raise ValueError("pool is registered with this transport already")
         sizes = [b.numel() * b.element_size() for layer in buffers for b in layer]
         if self._engine.batch_register_memory(addresses, sizes) != 0:
             raise RuntimeError(f"the Mooncake transfer engine could not register {sum(sizes)} bytes of KV pool")
-        self._registration = (pool, addresses)  # the pool must outlive the registration
+        self._registrations[addresses[0]] = (pool, addresses)  # the pool must outlive the registration
         return KVBuffers(self.endpoint, tuple(tuple(b.data_ptr() for b in layer) for layer in buffers),
-                         layout.page_bytes, pool.num_pages)
+                         page_bytes(pool), num_pages(pool))
 
     def unregister(self, buffers: KVBuffers) -> None:
-        if buffers.endpoint == self.endpoint and self._registration is not None:
-            self._engine.batch_unregister_memory(self._registration[1])
-            self._registration = None
+        registration = self._registrations.pop(_first_address(buffers), None) \
+            if buffers.endpoint == self.endpoint else None
+        if registration is not None:
+            self._engine.batch_unregister_memory(registration[1])
 
     def check_peer(self, buffers: KVBuffers) -> None:
         code = self._engine.send_probe(buffers.endpoint)
@@ -99,22 +100,22 @@ class MooncakeTransport(KVTransport):
 
     def _write(self, src: KVBuffers, dst: KVBuffers, layers: list[int], src_starts: np.ndarray,
                dst_starts: np.ndarray, lengths: np.ndarray) -> Transfer:
-        if src.endpoint != self.endpoint or self._registration is None:
+        if src.endpoint != self.endpoint or _first_address(src) not in self._registrations:
             raise ValueError(f"src {src.endpoint} is not registered with this transport")
         parts = []  # (source address, destination address, bytes) of every run in every buffer
         for layer in layers:
-            for src_base, dst_base, page_bytes in zip(src.addresses[layer], dst.addresses[layer], src.page_bytes):
-                parts += zip((src_base + src_starts * page_bytes).tolist(),
-                             (dst_base + dst_starts * page_bytes).tolist(), (lengths * page_bytes).tolist())
+            for src_base, dst_base, size in zip(src.addresses[layer], dst.addresses[layer], src.page_bytes):
+                parts += zip((src_base + src_starts * size).tolist(), (dst_base + dst_starts * size).tolist(),
+                             (lengths * size).tolist())
         transfer = _MooncakeTransfer(self._engine, dst.endpoint, parts, self.max_in_flight, self.timeout_s)
         transfer.poll()  # submits the first window
         return transfer
 
     def close(self) -> None:
         if self._engine is not None:
-            if self._registration is not None:
-                self._engine.batch_unregister_memory(self._registration[1])
-                self._registration = None
+            for _, addresses in self._registrations.values():
+                self._engine.batch_unregister_memory(addresses)
+            self._registrations.clear()
             self._engine = None  # its destructor removes it from the metadata server
 
 
@@ -163,6 +164,10 @@ class _MooncakeTransfer(Transfer):
 
     def _fail(self, error: str) -> None:
         self.error = self.error or error
+
+
+def _first_address(buffers: KVBuffers) -> int | None:
+    return buffers.addresses[0][0] if buffers.addresses and buffers.addresses[0] else None
 
 
 def _free_port() -> int:

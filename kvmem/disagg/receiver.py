@@ -3,7 +3,8 @@ the prefill side for exactly those pages, and admits the request to decode once 
 
 A request goes QUEUED (no memory) -> RECEIVING (its row: the tree's matched prefix, then its own pages, which the
 prefill side writes; a KVRequest sent) -> admitted (`Engine.add_prefilled_request`, with the first token the prefill
-side sampled; the received pages enter this side's tree as the prompt of any request prefilled here would). A request
+side sampled; the received pages enter this side's tree as the prompt of any request prefilled here would). A hybrid
+engine's request also receives its window tail's window KV and its linear layers' state. A request
 whose KV does not come within kv_timeout_s, or that is aborted, is CANCELLING: its pages stay held until the prefill
 side answers (its answer comes once its write has ended, so nothing lands in pages given to another request) or is
 gone; a prefill side that does not answer within cancel_timeout_s is dropped as gone. A request that ends without
@@ -22,8 +23,8 @@ from kvmem.batch import Req
 from kvmem.disagg.channel import Channel, PeerGone
 from kvmem.disagg.layout import KVLayout, engine_layout
 from kvmem.disagg.messages import Cancel, Hello, KVDone, KVFailed, KVRequest, Refused, Welcome
-from kvmem.disagg.request_memory import held_tokens, preallocate, release, row_pages
-from kvmem.disagg.transport import KVTransport
+from kvmem.disagg.request_memory import held_tokens, preallocate, release, request_kv
+from kvmem.disagg.transport import EngineBuffers, KVTransport
 
 KV_TIMEOUT_S = 60.0
 CANCEL_TIMEOUT_S = 60.0
@@ -52,8 +53,9 @@ class KVReceiver:
     of `channel` prefills, its KV written into this engine's pool over `transport`.
 
     The constructor registers the pool and shakes hands: it raises ValueError (one line, the first difference) when
-    the prefill side's KV layout (page size, model, dtype, layer count, head shapes, KV cache dtype) is not this
-    one's, and RuntimeError when the prefill side does not answer or refuses; nothing is allocated before.
+    the prefill side's KV layout (page size, model, dtype, layer count, head shapes, KV cache dtype; a hybrid
+    engine's layer kinds, window and state shapes) is not this one's, and RuntimeError when the prefill side does
+    not answer or refuses; nothing is allocated before.
     """
 
     def __init__(self, engine, transport: KVTransport, channel: Channel, *, kv_timeout_s: float = KV_TIMEOUT_S,
@@ -63,13 +65,14 @@ class KVReceiver:
         self.engine = engine
         self.transport = transport
         self.layout = engine_layout(engine)
-        self.buffers = transport.register(engine.pool)
+        self.pools = EngineBuffers.register(transport, engine)
+        self.buffers = self.pools.kv  # the KV pool's registration, as before hybrid engines
         self._channel = channel
         try:
             self._handshake(check_number("handshake_timeout_s", handshake_timeout_s, 0, allow_minimum=False))
         except BaseException:
             channel.close()
-            transport.unregister(self.buffers)
+            self.pools.unregister(transport)
             raise
         self.stats = ReceiverStats()
         self.failed: dict[int, str] = {}
@@ -80,7 +83,7 @@ class KVReceiver:
 
     def _handshake(self, timeout_s: float) -> None:
         try:
-            reply = self._channel.request(Hello(self.layout.to_dict(), self.buffers.to_dict()), timeout_s)
+            reply = self._channel.request(Hello(self.layout.to_dict(), *self.pools.to_dicts()), timeout_s)
         except PeerGone as e:
             raise RuntimeError(f"the prefill side went away during the handshake: {e}") from None
         if not isinstance(reply, (Welcome, Refused)):
@@ -165,9 +168,11 @@ class KVReceiver:
         stats.requests += 1
         stats.prompt_tokens += len(req.input_ids)
         stats.cached_tokens += req.cache_protected_len
-        pages = len(row_pages(req, self.engine.req_to_token_pool, req.cache_protected_len, self.layout.page_size))
-        stats.received_pages += pages
-        stats.received_bytes += pages * self.layout.bytes_per_page
+        kv, layout = request_kv(req, self.engine.req_to_token_pool, self.engine.tree_cache, req.cache_protected_len), \
+            self.layout
+        stats.received_pages += len(kv.pages)
+        stats.received_bytes += len(kv.pages) * layout.bytes_per_page + len(kv.window_pages) * \
+            layout.window_bytes_per_page + (layout.state_bytes if kv.state_slot else 0)
         req.output_ids.append(first_token)
         out = self.engine.add_prefilled_request(req)
         if out is not None:
@@ -204,9 +209,11 @@ class KVReceiver:
             pending = self._queue.popleft()
             pending.deadline = time.monotonic() + self.kv_timeout_s
             self._receiving[req.rid] = pending
-            pages = row_pages(req, engine.req_to_token_pool, start, self.layout.page_size)
+            kv = request_kv(req, engine.req_to_token_pool, engine.tree_cache, start)
+            window = kv.window_pages.tolist() if self.pools.window is not None else None
             try:
-                self._channel.send(KVRequest(req.rid, req.input_ids.tolist(), start, pages.tolist()))
+                self._channel.send(KVRequest(req.rid, req.input_ids.tolist(), start, kv.pages.tolist(), window,
+                                             kv.state_slot))
             except PeerGone as e:
                 self._peer_gone(str(e))
 
@@ -273,8 +280,9 @@ class KVReceiver:
 
     def check_invariants(self) -> None:
         """The engine's invariants, counting what requests waiting for their KV hold: free + evictable + protected +
-        held == total."""
-        self.engine.scheduler.check_invariants(held_outside=self.held_tokens())
+        held == total, in every pool."""
+        waiting = [p.req for p in [*self._receiving.values(), *self._cancelling.values()]]
+        self.engine.scheduler.check_invariants(held_outside=waiting)
 
     def close(self) -> None:
         """Cancels what waits for KV, waits (within cancel_timeout_s) for the prefill side to let go of its pages,
@@ -289,4 +297,4 @@ class KVReceiver:
             if self._cancelling:
                 self._channel.wait(_IDLE_WAIT_S)
         self._channel.close()
-        self.transport.unregister(self.buffers)
+        self.pools.unregister(self.transport)

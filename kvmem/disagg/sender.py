@@ -5,8 +5,10 @@ A KVRequest becomes a request of the prefill engine (its own radix cache reuses 
 In the step that samples its first token the request joins the engine's running batch; before the engine's next step
 the sender takes it out with its memory (`Engine.hand_off`) and writes the pages of its tokens `start`.. into the
 decode side's pages. When the write ends the memory goes back (the prompt's whole pages stay cached in the tree) and
-the decode side gets KVDone or KVFailed. A cancelled request (the decode side gave up) or one whose decode side is
-gone still finishes its prefill, since the engine cannot drop it midway, and is then released without a write.
+the decode side gets KVDone or KVFailed. A hybrid engine's write also moves the window KV of the prompt's window tail
+and the linear layers' state after the prompt (`kvmem.disagg.request_memory.RequestKV`). A cancelled request (the
+decode side gave up) or one whose decode side is gone still finishes its prefill, since the engine cannot drop it
+midway, and is then released without a write.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from kvmem.batch import Req
 from kvmem.disagg.channel import Channel, LocalChannel, PeerGone
 from kvmem.disagg.layout import KVLayout, engine_layout
 from kvmem.disagg.messages import Cancel, Hello, KVDone, KVFailed, KVRequest, Refused, Welcome
-from kvmem.disagg.request_memory import held_tokens, row_pages
-from kvmem.disagg.transport import KVBuffers, KVTransport, Transfer, TransferStatus
+from kvmem.disagg.request_memory import RequestKV, held_tokens, request_kv, window_start
+from kvmem.disagg.transport import AllOf, EngineBuffers, KVBuffers, KVTransport, Transfer, TransferStatus
 
 HANDSHAKE_TIMEOUT_S = 10.0
 # Requests ask for two tokens: with one, the step that prefills a request also finishes it and frees its partial
@@ -42,7 +44,7 @@ class SenderStats:
 class _Peer:
     channel: Channel
     since: float
-    buffers: KVBuffers | None = None  # None until its Hello is accepted
+    buffers: EngineBuffers | None = None  # None until its Hello is accepted
     jobs: dict[int, _Job] = field(default_factory=dict)  # by the decode side's rid
     gone: bool = False
 
@@ -52,10 +54,24 @@ class _Job:
     peer: _Peer
     rid: int                # the decode side's
     start: int
-    dst_pages: np.ndarray
+    dst: RequestKV          # where the decode side wants it
     req: Req | None = None  # once handed off by the engine
     transfer: Transfer | None = None
     cancelled: bool = False
+
+
+_NONE = np.empty(0, dtype=np.int64)
+
+
+def _check_pages(name: str, pages, expected: int, buffers: KVBuffers) -> np.ndarray:
+    """A KVRequest's page list for one pool: `expected` distinct page ids of the peer's pool, as int64."""
+    array = np.asarray(pages if pages is not None else [])
+    if array.ndim != 1 or len(array) != expected or (expected and array.dtype.kind not in "iu"):
+        raise ValueError(f"{name} must list {expected} page ids, got {str(pages)[:80]}")
+    array = array.astype(np.int64)
+    if expected and (array.min() < 1 or array.max() >= buffers.num_pages or len(np.unique(array)) != expected):
+        raise ValueError(f"{name} must be distinct pages in [1, {buffers.num_pages})")
+    return array
 
 
 class KVSender:
@@ -70,7 +86,8 @@ class KVSender:
         self.engine = engine
         self.transport = transport
         self.layout = engine_layout(engine)
-        self.buffers = transport.register(engine.pool)
+        self.pools = EngineBuffers.register(transport, engine)
+        self.buffers = self.pools.kv  # the KV pool's registration, as before hybrid engines
         self.handshake_timeout_s = handshake_timeout_s
         self.stats = SenderStats()
         self._peers: list[_Peer] = []
@@ -98,14 +115,27 @@ class KVSender:
             difference = self.layout.mismatch(KVLayout.from_dict(msg.layout))
             if difference:
                 raise ValueError(f"KV layouts differ: {difference}")
-            buffers = KVBuffers.from_dict(msg.buffers)
-            self.transport.check_peer(buffers)
+            buffers = self._peer_buffers(msg)
+            for b in buffers:
+                if b is not None:
+                    self.transport.check_peer(b)
         except (ValueError, RuntimeError) as e:
             self._send(peer, Refused(f"the prefill side refused: {e}", self.layout.to_dict()))
             self._drop(peer)
             return
         peer.buffers = buffers
         self._send(peer, Welcome(self.layout.to_dict()))
+
+    def _peer_buffers(self, msg: Hello) -> EngineBuffers:
+        """The pools a Hello names, one for each of ours (ValueError for a missing or extra one)."""
+        ends = []
+        for name, mine, theirs in zip(("KV", "window", "state"), self.pools,
+                                      (msg.buffers, msg.window_buffers, msg.state_buffers)):
+            if (mine is None) != (theirs is None):
+                raise ValueError(f"the peer {'sent no' if theirs is None else 'sent a'} {name} pool; this side has "
+                                 f"{'one' if mine is not None else 'none'}")
+            ends.append(None if theirs is None else KVBuffers.from_dict(theirs))
+        return EngineBuffers(*ends)
 
     def _drop(self, peer: _Peer) -> None:
         """Forgets a peer: its requests are cancelled (released once their prefill or write ends, unanswered)."""
@@ -166,30 +196,34 @@ class KVSender:
         try:
             if not isinstance(msg.rid, int) or msg.rid in peer.jobs:
                 raise ValueError(f"rid {msg.rid!r} is not a new integer id")
-            dst_pages = self._check_request(peer, msg)
+            dst = self._check_request(peer, msg)
             rid = self.engine.add_request(msg.input_ids, _PREFILL_TOKENS, stop_token_ids=())
         except (ValueError, TypeError) as e:
             self.stats.failed += 1
             self._send(peer, KVFailed(msg.rid if isinstance(msg.rid, int) else -1, f"bad KV request: {e}"))
             return
-        job = _Job(peer, msg.rid, msg.start, dst_pages)
+        job = _Job(peer, msg.rid, msg.start, dst)
         peer.jobs[msg.rid] = job
         self._jobs[rid] = job
 
-    def _check_request(self, peer: _Peer, msg: KVRequest) -> np.ndarray:
+    def _check_request(self, peer: _Peer, msg: KVRequest) -> RequestKV:
         ps = self.layout.page_size
         prompt = len(msg.input_ids) if isinstance(msg.input_ids, list) else -1
         if not isinstance(msg.start, int) or not 0 <= msg.start <= prompt or msg.start % ps:
             raise ValueError(f"start {msg.start!r} is not a multiple of {ps} within the {prompt}-token prompt")
-        dst_pages = np.asarray(msg.dst_pages)
-        expected = pages_for(prompt - msg.start, ps)
-        if dst_pages.ndim != 1 or len(dst_pages) != expected or (expected and dst_pages.dtype.kind not in "iu"):
-            raise ValueError(f"dst_pages must list {expected} page ids, got {str(msg.dst_pages)[:80]}")
-        dst_pages = dst_pages.astype(np.int64)
-        if expected and (dst_pages.min() < 1 or dst_pages.max() >= peer.buffers.num_pages
-                         or len(np.unique(dst_pages)) != expected):
-            raise ValueError(f"dst_pages must be distinct pages in [1, {peer.buffers.num_pages})")
-        return dst_pages
+        pages = _check_pages("dst_pages", msg.dst_pages, pages_for(prompt - msg.start, ps), peer.buffers.kv)
+        window = _NONE
+        if peer.buffers.window is not None:
+            tail = pages_for(prompt - window_start(self.engine.tree_cache, msg.start, prompt), ps)
+            window = _check_pages("dst_window_pages", msg.dst_window_pages, tail, peer.buffers.window)
+        elif msg.dst_window_pages:
+            raise ValueError("dst_window_pages for an engine without window layers")
+        slots = peer.buffers.state.num_pages if peer.buffers.state is not None else 1
+        if isinstance(msg.dst_state_slot, bool) or not isinstance(msg.dst_state_slot, int) or \
+                not (0 < msg.dst_state_slot < slots if slots > 1 else msg.dst_state_slot == 0):
+            raise ValueError(f"dst_state_slot {msg.dst_state_slot!r} is not " +
+                             (f"a state slot in [1, {slots})" if slots > 1 else "0 (no linear layers)"))
+        return RequestKV(pages, window, msg.dst_state_slot)
 
     def _hand_off(self) -> None:
         """Takes out the requests the engine has just prefilled and starts their writes."""
@@ -202,9 +236,22 @@ class KVSender:
             if job.cancelled:
                 self._finish(job, KVFailed(job.rid, "cancelled"))
                 continue
-            src_pages = row_pages(req, engine.req_to_token_pool, job.start, self.layout.page_size)
-            job.transfer = self.transport.write(self.buffers, src_pages, job.peer.buffers, job.dst_pages)
+            src = request_kv(req, engine.req_to_token_pool, engine.tree_cache, job.start)
+            if not src.window_pages.all():  # the prefill's lock keeps the window tail: a bug, never a wrong token
+                self._finish(job, KVFailed(job.rid, "the window KV of the prompt's window tail is gone here"))
+                continue
+            job.transfer = self._write(src, job.peer.buffers, job.dst)
             self._sending.append(job)
+
+    def _write(self, src: RequestKV, peer: EngineBuffers, dst: RequestKV) -> Transfer:
+        """One write for the full pages, and a hybrid engine's window pages and state."""
+        mine, write = self.pools, self.transport.write
+        writes = [write(mine.kv, src.pages, peer.kv, dst.pages)]
+        if mine.window is not None:
+            writes.append(write(mine.window, src.window_pages, peer.window, dst.window_pages))
+        if mine.state is not None:
+            writes.append(write(mine.state, [src.state_slot], peer.state, [dst.state_slot]))
+        return writes[0] if len(writes) == 1 else AllOf(writes)
 
     def _poll_writes(self) -> None:
         still = []
@@ -213,8 +260,10 @@ class KVSender:
             if status is TransferStatus.PENDING:
                 still.append(job)
             elif status is TransferStatus.DONE:
-                self.stats.sent_pages += len(job.dst_pages)
-                self.stats.sent_bytes += len(job.dst_pages) * self.layout.bytes_per_page
+                layout, dst = self.layout, job.dst
+                self.stats.sent_pages += len(dst.pages)
+                self.stats.sent_bytes += len(dst.pages) * layout.bytes_per_page + len(dst.window_pages) * \
+                    layout.window_bytes_per_page + (layout.state_bytes if dst.state_slot else 0)
                 self._finish(job, KVDone(job.rid, job.req.output_ids[0]))
             else:
                 self._finish(job, KVFailed(job.rid, job.transfer.error))
@@ -244,11 +293,11 @@ class KVSender:
 
     def check_invariants(self) -> None:
         """The engine's invariants, counting what requests being sent hold: free + evictable + protected + held ==
-        total."""
-        self.engine.scheduler.check_invariants(held_outside=self.held_tokens())
+        total, in every pool."""
+        self.engine.scheduler.check_invariants(held_outside=[job.req for job in self._sending])
 
     def close(self) -> None:
         """Drops every peer and ends the pool's registration (requests still in flight are not waited for)."""
         for peer in list(self._peers):
             self._drop(peer)
-        self.transport.unregister(self.buffers)
+        self.pools.unregister(self.transport)

@@ -15,11 +15,12 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from kvmem._checks import check_number
-from kvmem.kv_pool import MHAKVPool, MLAKVPool
+from kvmem.disagg.layout import Pool, engine_pools
 
 
 class TransferStatus(enum.Enum):
@@ -58,6 +59,21 @@ class Finished(Transfer):
         return TransferStatus.FAILED if self.error else TransferStatus.DONE
 
 
+class AllOf(Transfer):
+    """Several writes as one (a hybrid request's full pages, window pages and state): PENDING while any is, then
+    FAILED with the first error, or DONE. So it fails only once none of its writes moves."""
+
+    def __init__(self, transfers: Sequence[Transfer]) -> None:
+        self._transfers = list(transfers)
+
+    def poll(self) -> TransferStatus:
+        statuses = [t.poll() for t in self._transfers]
+        if TransferStatus.PENDING in statuses:
+            return TransferStatus.PENDING
+        self.error = next((t.error for t in self._transfers if t.error), "")
+        return TransferStatus.FAILED if TransferStatus.FAILED in statuses else TransferStatus.DONE
+
+
 @dataclass(frozen=True)
 class KVBuffers:
     """Where a registered pool keeps its pages, as a peer addresses them: `endpoint` names the transport's end that
@@ -86,7 +102,7 @@ class KVTransport(ABC):
     """Moves pages from pools registered here into pools a peer registered (see the module docstring)."""
 
     @abstractmethod
-    def register(self, pool: MHAKVPool | MLAKVPool) -> KVBuffers:
+    def register(self, pool: Pool) -> KVBuffers:
         """Makes `pool`'s buffers writable by peers and readable by `write`; the pool must outlive its registration."""
 
     @abstractmethod
@@ -150,3 +166,34 @@ def _pages(name: str, pages, num_pages: int) -> np.ndarray:
         bad = array.min() if array.min() < 1 else array.max()
         raise ValueError(f"{name} holds page {bad}, outside [1, {num_pages})")
     return array
+
+
+class EngineBuffers(NamedTuple):
+    """An engine's registered pools, as a peer addresses them: `kv`, the (full-attention layers') KV pages; `window`
+    and `state`, a hybrid engine's window KV pages and state slots (None where it has none)."""
+
+    kv: KVBuffers
+    window: KVBuffers | None
+    state: KVBuffers | None
+
+    @classmethod
+    def register(cls, transport: KVTransport, engine) -> EngineBuffers:
+        """Registers every pool of a `kvmem.engine.Engine` (none stays registered when one fails)."""
+        done: list[KVBuffers] = []
+        try:
+            for pool in engine_pools(engine):
+                done.append(None if pool is None else transport.register(pool))
+        except BaseException:
+            for b in done:
+                if b is not None:
+                    transport.unregister(b)
+            raise
+        return cls(*done)
+
+    def unregister(self, transport: KVTransport) -> None:
+        for b in self:
+            if b is not None:
+                transport.unregister(b)
+
+    def to_dicts(self) -> tuple[dict, dict | None, dict | None]:
+        return tuple(None if b is None else b.to_dict() for b in self)

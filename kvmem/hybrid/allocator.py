@@ -58,6 +58,15 @@ class _PairedPages(_PageStack):
             self.window_page[pages] = self.window.take(n)
         return pages
 
+    def pop_tail_paired(self, n: int, paired: int) -> np.ndarray | None:
+        """n full pages, only the last `paired` of them with a window page (0 <= paired <= n)."""
+        if n > self.num_free() or paired > self.window.num_free():
+            return None
+        pages = super().pop(n)
+        if paired:
+            self.window_page[pages[n - paired:]] = self.window.pop(paired)
+        return pages
+
     def backup(self) -> HybridAllocatorState:
         full = super().backup()
         return HybridAllocatorState(full.free_pages, full.allocated, self.window.backup(), self.window_page.copy())
@@ -100,6 +109,21 @@ class HybridTokenAllocator(PagedTokenAllocator):
         self._window_pages = _PageStack(window_size // page_size)
         self._pages = _PairedPages(size // page_size, self._window_pages)
         self._window_group: list[np.ndarray] | None = None
+
+    def alloc_window_tail(self, n: int, window_tokens: int) -> torch.Tensor | None:
+        """[n] int64 slots of n / page_size whole new full pages, of which only the last window_tokens (whole pages)
+        take window slots: for tokens whose window KV nobody will write or read (a prompt's head that a request
+        received from elsewhere holds beyond its window). None, changing nothing, when either pool is short."""
+        n = check_int("n", n, minimum=1)
+        window_tokens = check_int("window_tokens", window_tokens, minimum=0, maximum=n)
+        ps = self.page_size
+        for name, value in (("n", n), ("window_tokens", window_tokens)):
+            if value % ps:
+                raise ValueError(f"{name} {value} must be a multiple of page_size {ps}")
+        pages = self._pages.pop_tail_paired(n // ps, window_tokens // ps)
+        if pages is None:
+            return None
+        return self._to_slots_tensor((pages[:, None] * ps + self._offsets).reshape(-1))
 
     # ---- sizes and translation -------------------------------------------------------------------------
     def window_available_size(self) -> int:

@@ -275,6 +275,13 @@ class HybridRadixCache(WindowComponent, StateComponent, RadixCache):
         if finished:
             self._release_row(row)
 
+    def _check_request(self, req: CachedRequest) -> None:
+        """RadixCache's check, and with linear layers a state slot of the request's own (its linear layers' state)."""
+        super()._check_request(req)
+        if self.state_pool is not None and not self._req_state[req.req_pool_idx]:
+            raise ValueError(f"request {getattr(req, 'rid', req)!r} has no state slot: its linear layers' state "
+                             "must be in one of its own (HybridRadixCache.start_reqs gives one)")
+
     def _node_at(self, req: CachedRequest, locked: HybridTreeNode | None, protected: int,
                  kv_len: int) -> HybridTreeNode:
         """The node whose path is the request's first kv_len tokens, which its insert (from `locked`, the node of

@@ -65,6 +65,12 @@ class WindowComponent:
     def window_total_size(self) -> int:
         return self._window_evictable + self._window_protected
 
+    def kept_window_start(self, kv_len: int) -> int:
+        """Trusted: the first position whose window KV a request holding kv_len tokens keeps (page-aligned, >= 0):
+        what its next tokens read, and what a tree node it leaves must keep to stay matchable."""
+        start = kv_len - self._tail
+        return max(start - start % self.page_size, 0)
+
     # ---- liveness -----------------------------------------------------------------------------------
     def _pages(self, slots: np.ndarray) -> np.ndarray:
         """The full pages of slots listed whole (a node's value, a request's run of whole pages)."""

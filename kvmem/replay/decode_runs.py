@@ -12,7 +12,7 @@ steps, the same slots, the same requests finishing in the last step, the same st
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from itertools import islice
 from time import perf_counter
 from typing import NamedTuple
@@ -105,7 +105,7 @@ class ReplayScheduler(Scheduler):
         self._outputs.pop(req, None)
         super()._finish(req, finished)
 
-    def check_invariants(self, held_outside: int = 0) -> None:
+    def check_invariants(self, held_outside: int | Iterable[Req] = 0) -> None:
         """The Scheduler's invariants, and the run arrays equal to what the running requests hold."""
         super().check_invariants(held_outside)
         if self._arrays is not None:
