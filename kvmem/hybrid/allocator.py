@@ -64,7 +64,7 @@ class _PairedPages(_PageStack):
             return None
         pages = super().pop(n)
         if paired:
-            self.window_page[pages[n - paired:]] = self.window.pop(paired)
+            self.window_page[pages[n - paired:]] = self.window.take(paired)
         return pages
 
     def backup(self) -> HybridAllocatorState:
