@@ -281,6 +281,18 @@ def test_state_eviction_frees_the_least_recently_matched_state_first():
     assert len(cache.match_prefix(list(range(2000, 2000 + GRID)) + [0]).indices) == 0
 
 
+def test_a_request_that_computes_a_cached_states_prefix_again_refreshes_that_state():
+    cache, _, states = state_cache(slots=4)
+    for rid, first in (("a", 1000), ("b", 2000), ("c", 1000)):  # c's match (all but its last token) finds no state
+        req = Req(rid, list(range(first, first + GRID)), 1)
+        computed(states, admit(cache, req), req.input_ids)
+        cache.release_req(req, cache=True)
+    assert cache.state_evictable_size() == 2 and cache.evict_states(1) == 1  # b's is the older one now (as SGLang)
+    assert len(cache.match_prefix(list(range(1000, 1000 + GRID)) + [0]).indices) == GRID
+    assert len(cache.match_prefix(list(range(2000, 2000 + GRID)) + [0]).indices) == 0
+    cache.check_invariants()
+
+
 def test_full_eviction_frees_the_states_of_the_nodes_it_deletes():
     cache, alloc, states = state_cache()
     req = Req("a", list(range(GRID)), 1)

@@ -67,18 +67,43 @@ def test_the_hybrid_peer_comparison_reports_where_the_trees_first_differ(monkeyp
     script = load_script("compare_sglang_hybrid.py", monkeypatch)
     ops = script["operations"](5)
     assert ops == script["operations"](5) and len(ops) == script["OPS"]  # the same sequence in both processes
-    mine = script["run"](script["KvmemSide"](), ops)
+    mine = script["run"](script["KvmemWindowSide"](), ops)
     theirs = json.loads(json.dumps(mine))
     first = next(i for i, op in enumerate(ops) if op[0].startswith("evict"))
     theirs[-1][0] += 1  # a difference after the first eviction, and none before it
     row = script["compare"](ops, mine, theirs)
     assert row["differing_ops"] == 1 and row["differing_before_first_eviction"] == 0
     assert row["first_difference"]["op"] == len(ops) - 1 and row["first_eviction"] == first
+    assert row["first_difference"]["class"] == "after_eviction"
     assert script["compare"](ops, mine, {"error": "boom"}) == {"sglang_error": "boom"}
 
 
-def test_the_hybrid_peer_comparison_without_sglang_reports_the_skipped_side():
-    report = run_script("compare_sglang_hybrid.py", "--quick", *NO_PEER)
+def test_the_state_peer_comparison_names_an_off_grid_insert_and_leaves_other_early_differences_unexplained(
+        monkeypatch):
+    script = load_script("compare_sglang_hybrid.py", monkeypatch)
+    grid = script["GRID"]
+    whole, mixed = script["operations"](4, "states"), script["operations"](5, "states")
+    assert whole == script["operations"](4, "states") and len(whole) == script["OPS"]
+    assert all(len(op[1]) % grid == 0 for op in whole if op[0] == "insert")  # even seeds insert whole blocks
+    off = next(i for i, op in enumerate(mixed) if op[0] == "insert" and len(op[1]) % grid)
+    mine = script["run"](script["KvmemStateSide"](), mixed)
+    assert mine[off][0][1] == 0  # kvmem keeps no state off the grid
+    theirs = json.loads(json.dumps(mine))
+    theirs[off][0][1] = 1  # SGLang's no-buffer tree keeps one at the request's end
+    row = script["compare"](mixed, mine, theirs, "states")
+    assert row["first_difference"]["class"] == "state_off_the_grid"
+    assert set(row["first_difference"]["kvmem"]) == set(script["FIELDS"]["states"])
+    match = next(i for i, op in enumerate(mixed) if op[0] == "match")
+    theirs = json.loads(json.dumps(mine))
+    theirs[match][0][0] += grid
+    row = script["compare"](mixed, mine, theirs, "states")
+    expected = "unexplained" if match < row["first_eviction"] else "after_eviction"
+    assert row["first_difference"]["class"] == expected
+
+
+@pytest.mark.parametrize("component", ["window", "states"])
+def test_the_hybrid_peer_comparison_without_sglang_reports_the_skipped_side(component):
+    report = run_script("compare_sglang_hybrid.py", "--quick", "--component", component, *NO_PEER)
     assert "not found: SGLang side skipped" in report["error"] and report["kvmem"]["sequences"] == 8
 
 

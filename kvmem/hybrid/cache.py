@@ -37,7 +37,7 @@ class HybridRadixCache(WindowComponent, StateComponent, RadixCache):
 
     Args:
         req_to_token_pool, page_size, eviction_policy, pin_budget: as for RadixCache (eviction_policy orders the full
-            KV's leaves; the window and state components evict least recently matched first).
+            KV's leaves; the window and state components evict least recently used first).
         token_allocator: a `HybridTokenAllocator` with a window, else a `TokenAllocator` / `PagedTokenAllocator`.
         window: the sliding window W (transformers' `sliding_window`; a chunked-attention model's chunk), at most the
             context (req_to_token_pool.max_context_len); None: no window layers.

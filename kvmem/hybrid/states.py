@@ -9,8 +9,9 @@ finishes there hands its state over. A request admitted over a cached state gets
 
 A request's lock holds the state of the node it locks (`state_lock`): from its match until its lock moves on (the
 end of its first prefill chunk), which covers the copy at admission. A split leaves the state with the tail, the
-node that still ends at its position. State eviction frees the least recently matched unlocked state: a node nobody
-locks and with no child goes whole, any other stays without a state.
+node that still ends at its position. State eviction frees the least recently used unlocked state (matched, or
+computed again by a request that cached its prefix): a node nobody locks and with no child goes whole, any other
+stays without a state.
 
 `StateComponent` is a part of `HybridRadixCache` (a mixin over its tree and a `StatePool` / `StateSlotPool`).
 """
@@ -116,7 +117,7 @@ class StateComponent:
 
     # ---- eviction -----------------------------------------------------------------------------------
     def evict_states(self, num_states: int) -> int:
-        """Frees at least `num_states` of the tree's states, least recently matched first, from nodes no request
+        """Frees at least `num_states` of the tree's states, least recently used first, from nodes no request
         locks (or all there are if fewer); returns how many. A node nobody locks and with no child goes whole (its
         KV too); any other stays without a state."""
         return self._evict_states(check_int("num_states", num_states, minimum=0))[0]
@@ -168,9 +169,14 @@ class StateComponent:
     def _cache_state(self, node: HybridTreeNode, row: int, finished: bool) -> None:
         """The request in `row` has computed exactly the prefix ending at `node` (on the grid): the node keeps its
         state, handed over by a finished request, copied from a running one (into a free slot, or one state
-        eviction makes; none: the node stays without)."""
+        eviction makes; none: the node stays without). A state the node holds already stays, used now."""
+        if node.parent is None:
+            return
+        if node.state:  # its prefix was asked for again, past where the request's match could resume
+            self._refresh_state(node)
+            return
         slot = int(self._req_state[row])
-        if node.parent is None or node.state or not slot:
+        if not slot:
             return
         if finished:
             self._req_state[row] = 0
