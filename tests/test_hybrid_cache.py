@@ -130,6 +130,29 @@ def test_window_eviction_frees_least_recently_matched_tails_last():
     cache.check_invariants()
 
 
+def test_window_eviction_keeps_lru_order_through_many_matches_and_full_evictions():
+    # Each match re-ranks a leaf and each full eviction unlists one: the window LRU's stale entries pile up (three
+    # rounds of matches leave more stale entries than live ones, twice) and are dropped in rebuilds, which must keep
+    # every live node's place.
+    cache, alloc = window_cache(window=2, size=512, window_size=512)  # keep 1: one-token leaves go whole
+    leaves = [[7, i] for i in range(200)]
+    for key in leaves:
+        cache.insert(key, alloc.alloc(2) if key[1] == 0 else torch.cat((cache.match_prefix([7]).indices,
+                                                                         alloc.alloc(1))))
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        order = rng.permutation(200)
+        for i in order:
+            cache.match_prefix(leaves[i])
+        cache.check_invariants()
+    assert cache.evict_window(40) == 40  # the 40 least recently matched leaves go whole (unlocked, childless)
+    cache.check_invariants()
+    assert cache.evict(40) == 40  # full eviction: the next 40
+    cache.check_invariants()
+    gone = sorted(i for i in range(200) if len(cache.match_prefix(leaves[i]).indices) < 2)  # (matches re-rank)
+    assert gone == sorted(order[:80])
+
+
 def test_window_eviction_cuts_a_long_node_before_its_tail_and_takes_the_tail_last():
     cache, alloc = window_cache(window=5)  # keep 4
     cache.insert(KEY, alloc.alloc(16))
