@@ -49,11 +49,11 @@ class Pair:
     the prefill side's steps, so that a test interleaves them itself."""
 
     def __init__(self, preset="llama-tiny", page_size=16, prefill_capacity=1024, decode_capacity=1024,
-                 transport=None, model=None, **receiver_options):
+                 transport=None, model=None, prefill_options=None, decode_options=None, **receiver_options):
         model = model or model_of(preset)
         self.transport = transport or CopyTransport()
-        self.prefill = Engine(model, capacity_tokens=prefill_capacity, page_size=page_size)
-        self.decode = Engine(model, capacity_tokens=decode_capacity, page_size=page_size)
+        self.prefill = Engine(model, capacity_tokens=prefill_capacity, page_size=page_size, **(prefill_options or {}))
+        self.decode = Engine(model, capacity_tokens=decode_capacity, page_size=page_size, **(decode_options or {}))
         self.sender = KVSender(self.prefill, self.transport)
         self.auto = True
         decode_end, prefill_end = LocalChannel.pair(peer_step=lambda: self.auto and self.sender.step())

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
-from test_disagg import StalledTransport  # noqa: E402
+from test_disagg import Pair, StalledTransport  # noqa: E402
 
 from kvmem.disagg import CopyTransport, KVBuffers, KVReceiver, KVSender, LocalChannel, preallocate  # noqa: E402
 from kvmem.disagg.layout import layer_buffers, num_layers  # noqa: E402
@@ -71,31 +71,12 @@ def small_pools(preset):
     return dict(state_slots=3) if linear(preset) else dict(window_tokens=48)
 
 
-class Pair:
-    """A hybrid prefill engine and decode engine over the copy transport; `auto` as in test_disagg.Pair."""
+class HybridPair(Pair):
+    """test_disagg.Pair with a hybrid model, and engine options (pool sizes) for either side."""
 
     def __init__(self, preset, page_size, transport=None, decode=None, prefill=None, **receiver_options):
-        model = model_of(preset)
-        self.transport = transport or CopyTransport()
-        self.prefill = Engine(model, capacity_tokens=1024, page_size=page_size, **(prefill or {}))
-        self.decode = Engine(model, capacity_tokens=1024, page_size=page_size, **(decode or {}))
-        self.sender = KVSender(self.prefill, self.transport)
-        self.auto = True
-        decode_end, prefill_end = LocalChannel.pair(peer_step=lambda: self.auto and self.sender.step())
-        self.sender.accept(prefill_end)
-        self.channel = decode_end
-        self.receiver = KVReceiver(self.decode, self.transport, decode_end, **receiver_options)
-
-    def check(self):
-        self.sender.check_invariants()
-        self.receiver.check_invariants()
-
-    def run(self):
-        outputs = self.receiver.run_until_idle(self.check)
-        while not self.sender.is_idle():
-            self.sender.step()
-            self.check()
-        return outputs
+        super().__init__(page_size=page_size, transport=transport, model=model_of(preset), prefill_options=prefill,
+                         decode_options=decode, **receiver_options)
 
     def assert_nothing_held(self):
         """Every full slot, window slot and state slot is free or the tree's unlocked cache, on both sides."""
@@ -126,7 +107,7 @@ def test_hybrid_engines_hand_off_and_give_one_engines_and_transformers_greedy_to
     assert min(map(len, prompts)) > 7 * W
     expected = Engine(model_of(preset), capacity_tokens=1024, page_size=page_size).generate(prompts, MAX_NEW)
     assert expected == reference(preset)
-    pair = Pair(preset, page_size, decode=small_pools(preset))
+    pair = HybridPair(preset, page_size, decode=small_pools(preset))
     rids = [pair.receiver.add_request(p, MAX_NEW) for p in prompts]
     outputs = pair.run()
     assert [outputs[r] for r in rids] == expected
@@ -147,7 +128,7 @@ def test_a_conversations_next_turn_asks_only_for_what_the_decode_sides_cache_can
     model = model_of(preset)
     rng = random.Random(5)
     first = [rng.randrange(256) for _ in range(64 if linear(preset) else 45)]  # Qwen3-Next: a state on the grid
-    pair = Pair(preset, page_size)
+    pair = HybridPair(preset, page_size)
     (out,) = pair.receiver.generate([first], MAX_NEW)
     turn = first + out + [rng.randrange(256) for _ in range(20)]
     assert pair.receiver.generate([turn], MAX_NEW) == hf_generate(model, [turn])
@@ -277,7 +258,7 @@ def test_the_sender_answers_bad_window_pages_or_state_slots_with_kv_failed():
 def test_aborts_timeouts_and_failed_writes_leave_no_window_or_state_slot_held(preset):
     prompts = prompts_sharing_a_head(n=3, seed=4)
     # An abort while the KV is asked for, then the others land.
-    pair = Pair(preset, 4)
+    pair = HybridPair(preset, 4)
     pair.auto = False
     rids = [pair.receiver.add_request(p, MAX_NEW) for p in prompts]
     pair.receiver.step()
@@ -289,7 +270,7 @@ def test_aborts_timeouts_and_failed_writes_leave_no_window_or_state_slot_held(pr
     pair.assert_nothing_held()
     # A write that stalls past the deadline keeps every pool's pages until it ends; then one that fails.
     transport = StalledTransport()
-    pair = Pair(preset, 4, transport=transport, kv_timeout_s=1e-9)
+    pair = HybridPair(preset, 4, transport=transport, kv_timeout_s=1e-9)
     rid = pair.receiver.add_request(prompts[0], MAX_NEW)
     while not transport.stalled:
         pair.receiver.step()
@@ -302,7 +283,7 @@ def test_aborts_timeouts_and_failed_writes_leave_no_window_or_state_slot_held(pr
     assert pair.receiver.failed[rid].startswith("no KV within")
     pair.assert_nothing_held()
     transport = StalledTransport()
-    pair = Pair(preset, 4, transport=transport)
+    pair = HybridPair(preset, 4, transport=transport)
     rids = [pair.receiver.add_request(p, MAX_NEW) for p in prompts[:2]]
     while pair.sender.stats.requests < 2:  # both prefilled and handed off: their writes stall
         pair.receiver.step()
