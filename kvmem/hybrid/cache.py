@@ -137,8 +137,9 @@ class HybridRadixCache(WindowComponent, StateComponent, RadixCache):
 
     def _forget(self, node: HybridTreeNode) -> None:
         super()._forget(node)
-        if node.window_entry is not None:
-            self._window_forget(node)
+        if node.window_entry is not None:  # its full slots, and so their window peers, are being freed
+            self._window_evictable -= len(node.value)
+            self._window_remove(node)
         if node.state:
             self._state_forget(node)
 
@@ -147,7 +148,7 @@ class HybridRadixCache(WindowComponent, StateComponent, RadixCache):
         match), and so on up."""
         parent = node.parent
         super()._leave_device(node)
-        while parent.parent is not None and not parent.window_live and parent.entry is not None:
+        while not parent.window_live and parent.entry is not None and parent.parent is not None:
             node, parent = parent, parent.parent
             self._unlist_leaf(node)
             self._dropped.append(node.value)

@@ -133,10 +133,6 @@ class WindowComponent:
         if child.window_entry is not None:
             self._window_add(head)
 
-    def _window_forget(self, node: HybridTreeNode) -> None:
-        """`node`, in the window LRU, left the tree (its full slots, and so their window peers, are being freed)."""
-        self._window_remove(node)
-        self._window_evictable -= len(node.value)
 
     def _refresh_window(self, node: HybridTreeNode) -> None:
         """A match ended at `node`: the nodes of its window tail (and a page) rank as used now, so that window
