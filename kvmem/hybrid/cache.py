@@ -139,7 +139,7 @@ class HybridRadixCache(WindowComponent, StateComponent, RadixCache):
         super()._forget(node)
         if node.window_entry is not None:  # its full slots, and so their window peers, are being freed
             self._window_evictable -= len(node.value)
-            self._window_remove(node)
+            self._window_stale += 1  # an entry whose node left the tree is stale (see WindowComponent._window_remove)
         if node.state:
             self._state_forget(node)
 

@@ -113,17 +113,18 @@ class WindowComponent:
         return node.window_tail, node.window_tick, node.id, node
 
     def _window_add(self, node: HybridTreeNode) -> None:
+        if self._window_stale > 64 and 2 * self._window_stale > len(self._window_lru):
+            self._window_lru = SortedList(e for e in self._window_lru if _is_current(e))
+            self._window_stale = 0
         node.window_entry = self._window_entry(node)
         self._window_lru.add(node.window_entry)
 
     def _window_remove(self, node: HybridTreeNode) -> None:
-        # The entry stays in the list, stale (no longer its node's): a removal by value would search for it on every
-        # full eviction and every match; eviction skips stale entries, and a rebuild drops them once they are half.
+        # The entry stays in the list, stale (no longer its node's, or its node left the tree): a removal by value
+        # would search for it on every full eviction and every match; window eviction skips stale entries, and the
+        # next add rebuilds the list once they are more than half.
         node.window_entry = None
         self._window_stale += 1
-        if self._window_stale > 64 and 2 * self._window_stale > len(self._window_lru):
-            self._window_lru = SortedList(e for e in self._window_lru if e[-1].window_entry is e)
-            self._window_stale = 0
 
     def _window_split(self, head: HybridTreeNode, child: HybridTreeNode) -> None:
         head.window_live = child.window_live
@@ -232,7 +233,7 @@ class WindowComponent:
         while freed < num_tokens and self._window_lru:
             entry = self._window_lru.pop(0)
             node = entry[-1]
-            if node.window_entry is not entry:
+            if not _is_current(entry):
                 self._window_stale -= 1
                 continue
             node.window_entry = None
@@ -325,7 +326,7 @@ class WindowComponent:
                 entries += 1
                 if node.window_entry != self._window_entry(node) or node.window_entry not in self._window_lru:
                     fail_invariant(f"node {node.id}: its window LRU entry is stale or missing")
-        current = sum(1 for e in self._window_lru if e[-1].window_entry is e)
+        current = sum(1 for e in self._window_lru if _is_current(e))
         if entries != current or len(self._window_lru) - current != self._window_stale:
             fail_invariant(f"the window LRU holds {current} current entries (and {self._window_stale} counted stale of "
                            f"{len(self._window_lru)}) for {entries} nodes")
@@ -337,3 +338,9 @@ class WindowComponent:
             fail_invariant(f"the window allocator marks {alloc.window_cached_size()} slots cached; the live nodes "
                            f"hold {len(pages) * self.page_size}")
         alloc.check_pairing()
+
+
+def _is_current(entry: tuple) -> bool:
+    """Whether a window LRU entry is still its node's, and the node still in the tree."""
+    node = entry[-1]
+    return node.window_entry is entry and node.parent is not None
