@@ -108,20 +108,22 @@ def test_a_free_group_batches_both_pools_frees():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from([1, 2, 4]), st.lists(st.tuples(st.sampled_from(["alloc", "free", "free_window"]),
+@given(st.sampled_from([1, 2, 4]), st.lists(st.tuples(st.sampled_from(["alloc", "alloc_tail", "free", "free_window"]),
                                                       st.integers(1, 3)), max_size=40))
 def test_random_allocations_keep_the_pairing_one_to_one(page_size, ops):
     alloc = HybridTokenAllocator(32, 16, page_size=page_size)
     held: list[torch.Tensor] = []  # whole pages each
     for op, n in ops:
-        if op == "alloc":
-            slots = alloc.alloc(n * page_size)
+        if op in ("alloc", "alloc_tail"):  # alloc_tail: window pages for all but the first page
+            slots = alloc.alloc(n * page_size) if op == "alloc" else \
+                alloc.alloc_window_tail(n * page_size, (n - 1) * page_size)
             if slots is not None:
                 held.append(slots)
         elif held:
             slots = held.pop(n % len(held))
             if op == "free":
                 alloc.free(slots)
+                assert alloc.window_slots(slots).eq(0).all()  # a freed slot has no window slot
                 continue
             if alloc.window_slots(slots).ne(0).all():
                 alloc.free_window(slots)
