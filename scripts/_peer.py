@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -28,6 +29,19 @@ def parser(doc: str | None, quick_help: str) -> argparse.ArgumentParser:
     ap.add_argument("--out", help="also write the JSON report here")
     ap.add_argument("--peer", choices=["sglang"], help=argparse.SUPPRESS)
     return ap
+
+
+def parse_sides(ap: argparse.ArgumentParser, argv: list[str] | None,
+                sglang_main: Callable[[argparse.Namespace], object]) -> argparse.Namespace | None:
+    """Parses the command line. Run as the SGLang side (``--peer sglang``), runs `sglang_main` and returns None; else
+    puts this checkout's kvmem first on sys.path, checks the shared options (`check_args`) and returns the args."""
+    args = ap.parse_args(argv)
+    if args.peer == "sglang":
+        sglang_main(args)
+        return None
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    check_args(ap, args)
+    return args
 
 
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -48,9 +48,7 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -362,12 +360,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--allocator-module", metavar="PATH",
                     help="time this copy of kvmem/allocator.py instead of the installed one (to try a change)")
-    args = ap.parse_args(argv)
-    if args.peer == "sglang":
-        sglang_main(args)
+    args = _peer.parse_sides(ap, argv, sglang_main)
+    if args is None:
         return
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    _peer.check_args(ap, args)
     try:  # loaded before any row: a path that is no module with the allocators is a usage error, not a traceback
         side = KvmemSide(args.allocator_module)
     except (OSError, ImportError, SyntaxError, AttributeError) as e:

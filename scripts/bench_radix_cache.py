@@ -45,7 +45,6 @@ import statistics
 import sys
 import time
 from array import array
-from pathlib import Path
 
 import _peer  # scripts/_peer.py: the script's own folder is on sys.path
 
@@ -427,12 +426,9 @@ def hybrid_report(kv: dict, hy: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = _peer.parser(__doc__, "smaller rows only (no 256k keys, no 200k leaves)")
-    args = ap.parse_args(argv)
-    if args.peer == "sglang":
-        sglang_main(args)
+    args = _peer.parse_sides(ap, argv, sglang_main)
+    if args is None:
         return
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    _peer.check_args(ap, args)
     gc.disable()  # both sides: a collection of a 200k-node tree would land inside some timed call
     kv = run_rows(kvmem_side_factory(), args.quick, with_list_key=True)
     hy = run_rows(kvmem_side_factory(HYBRID_WINDOW), args.quick, with_list_key=False)

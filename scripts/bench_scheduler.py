@@ -448,11 +448,9 @@ def report(kv: dict, sg: dict) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = _peer.parser(__doc__, f"{REPEATS[True]} repeats instead of {REPEATS[False]}")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    if args.peer == "sglang":
-        sglang_main(args)
+    args = _peer.parse_sides(ap, argv, sglang_main)
+    if args is None:
         return
-    _peer.check_args(ap, args)
     import torch
 
     torch.set_num_threads(TORCH_THREADS)

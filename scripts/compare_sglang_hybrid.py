@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
-from pathlib import Path
 
 import _peer  # scripts/_peer.py: the script's own folder is on sys.path
 
@@ -428,12 +426,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--component", choices=tuple(SIDES), default="window",
                     help="the component beside full attention: window (SWA) or states (linear attention, Mamba)")
-    args = ap.parse_args(argv)
-    if args.peer == "sglang":
-        sglang_main(args)
+    args = _peer.parse_sides(ap, argv, sglang_main)
+    if args is None:
         return
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    _peer.check_args(ap, args)
     side = SIDES[args.component][0]
     mine = {seed: run(side(), operations(seed, args.component)) for seed in sequences(args)}
     sg = _peer.run_peer(__file__, args, "--seed", str(args.seed), "--component", args.component)
