@@ -235,11 +235,15 @@ def computed(states, slot, tokens):
     states.ssm_states[0][slot, 0] = len(tokens)
 
 
-def test_a_request_that_finishes_on_the_grid_hands_its_state_to_the_tree():
-    cache, _, states = state_cache()
-    req = Req("a", list(range(2 * GRID)), 1)
+def finished(cache, states, req):
+    """`req` admitted, its state computed, and finished into the tree."""
     computed(states, admit(cache, req), req.input_ids)
     cache.release_req(req, cache=True)
+
+
+def test_a_request_that_finishes_on_the_grid_hands_its_state_to_the_tree():
+    cache, _, states = state_cache()
+    finished(cache, states, Req("a", list(range(2 * GRID)), 1))
     assert cache.state_evictable_size() == 1 and cache.state_available_size() == 4 - 1
     again = Req("b", list(range(2 * GRID)) + [5], 1)
     slot = admit(cache, again)
@@ -250,18 +254,14 @@ def test_a_request_that_finishes_on_the_grid_hands_its_state_to_the_tree():
 
 def test_a_request_that_ends_off_the_grid_leaves_no_state_and_a_match_finds_none():
     cache, _, states = state_cache()
-    req = Req("a", list(range(GRID + 5)), 1)
-    computed(states, admit(cache, req), req.input_ids)
-    cache.release_req(req, cache=True)
+    finished(cache, states, Req("a", list(range(GRID + 5)), 1))
     assert cache.state_evictable_size() == 0 and cache.total_size() == GRID + 5
     assert len(cache.match_prefix(list(range(GRID + 5))).indices) == 0  # full KV, but nothing to resume from
 
 
 def test_a_match_ending_inside_a_node_splits_it_and_the_new_head_has_no_state():
     cache, _, states = state_cache()
-    req = Req("a", list(range(2 * GRID)), 1)
-    computed(states, admit(cache, req), req.input_ids)
-    cache.release_req(req, cache=True)
+    finished(cache, states, Req("a", list(range(2 * GRID)), 1))
     m = cache.match_prefix(list(range(GRID)))
     assert len(m.indices) == 0 and cache.state_evictable_size() == 1
 
@@ -281,9 +281,7 @@ def test_a_running_requests_state_is_copied_into_the_tree_at_a_chunk_end_on_the_
 
 def test_a_matched_state_stays_while_the_request_holds_its_lock():
     cache, _, states = state_cache(slots=3)
-    first = Req("a", list(range(GRID)), 1)
-    computed(states, admit(cache, first), first.input_ids)
-    cache.release_req(first, cache=True)
+    finished(cache, states, Req("a", list(range(GRID)), 1))
     user = Req("b", list(range(GRID)) + [9], 1)
     admit(cache, user)
     assert cache.evict_states(5) == 0 and cache.state_protected_size() == 1
@@ -295,9 +293,7 @@ def test_a_matched_state_stays_while_the_request_holds_its_lock():
 def test_state_eviction_frees_the_least_recently_matched_state_first():
     cache, _, states = state_cache(slots=4)
     for rid, first in (("a", 1000), ("b", 2000)):
-        req = Req(rid, list(range(first, first + GRID)), 1)
-        computed(states, admit(cache, req), req.input_ids)
-        cache.release_req(req, cache=True)
+        finished(cache, states, Req(rid, list(range(first, first + GRID)), 1))
     cache.match_prefix(list(range(1000, 1000 + GRID)) + [0])  # a is used again: b is older
     cache.evict_states(1)
     assert len(cache.match_prefix(list(range(1000, 1000 + GRID)) + [0]).indices) == GRID
@@ -307,9 +303,7 @@ def test_state_eviction_frees_the_least_recently_matched_state_first():
 def test_a_request_that_computes_a_cached_states_prefix_again_refreshes_that_state():
     cache, _, states = state_cache(slots=4)
     for rid, first in (("a", 1000), ("b", 2000), ("c", 1000)):  # c's match (all but its last token) finds no state
-        req = Req(rid, list(range(first, first + GRID)), 1)
-        computed(states, admit(cache, req), req.input_ids)
-        cache.release_req(req, cache=True)
+        finished(cache, states, Req(rid, list(range(first, first + GRID)), 1))
     assert cache.state_evictable_size() == 2 and cache.evict_states(1) == 1  # b's is the older one now (as SGLang)
     assert len(cache.match_prefix(list(range(1000, 1000 + GRID)) + [0]).indices) == GRID
     assert len(cache.match_prefix(list(range(2000, 2000 + GRID)) + [0]).indices) == 0
@@ -318,9 +312,7 @@ def test_a_request_that_computes_a_cached_states_prefix_again_refreshes_that_sta
 
 def test_full_eviction_frees_the_states_of_the_nodes_it_deletes():
     cache, alloc, states = state_cache()
-    req = Req("a", list(range(GRID)), 1)
-    computed(states, admit(cache, req), req.input_ids)
-    cache.release_req(req, cache=True)
+    finished(cache, states, Req("a", list(range(GRID)), 1))
     assert cache.evict(1) == GRID
     assert cache.state_available_size() == 4 and cache.state_evictable_size() == 0
     cache.check_invariants()
@@ -328,9 +320,7 @@ def test_full_eviction_frees_the_states_of_the_nodes_it_deletes():
 
 def test_reset_frees_states_and_window_slots():
     cache, alloc, states = state_cache(window=5)
-    req = Req("a", list(range(GRID)), 1)
-    computed(states, admit(cache, req), req.input_ids)
-    cache.release_req(req, cache=True)
+    finished(cache, states, Req("a", list(range(GRID)), 1))
     cache.reset()
     assert cache.state_available_size() == 4 and alloc.window_available_size() == 256
     assert alloc.available_size() == 512
