@@ -437,7 +437,10 @@ class Scheduler:
     def held_by_requests(self) -> int:
         """Slots held by running requests (decoding, prefilling or in the pending batch) and not by the tree
         (whole pages)."""
-        return sum(round_up(r.kv_len, self.page_size) - r.cache_protected_len for r in self._holders())
+        return self._slots_held(self._holders())
+
+    def _slots_held(self, reqs: Iterable[Req]) -> int:
+        return sum(round_up(r.kv_len, self.page_size) - r.cache_protected_len for r in reqs)
 
     def _holders(self) -> list[Req]:
         """The requests holding memory: running ones, decoding, prefilling or in the pending batch."""
@@ -448,19 +451,17 @@ class Scheduler:
             holders.update(self._batch.reqs)
         return [r for r in holders if r.status is ReqStatus.RUNNING]
 
-    def check_invariants(self, held_outside: int | Iterable[Req] = 0) -> None:
+    def check_invariants(self, held_outside: Iterable[Req] = ()) -> None:
         """Raises AssertionError unless free + evictable + protected + held by requests == total (in the token
         pool, and in each of a hybrid tree's other components), the output tokens the running requests still owe
         are counted right, and the tree's own invariants hold. held_outside: the requests holding memory outside
-        the loop (a disaggregated side's transfers), or for a tree with one token pool only the slots they hold."""
-        outside = [] if isinstance(held_outside, int) else list(held_outside)
+        the loop (a disaggregated side's transfers)."""
+        outside = list(held_outside)
         self.tree_cache.check_invariants()
         free = self.token_allocator.available_size()
         evictable = self.tree_cache.evictable_size()
         protected = self.tree_cache.protected_size()
-        held = self.held_by_requests() + (held_outside if isinstance(held_outside, int) else
-                                          sum(round_up(r.kv_len, self.page_size) - r.cache_protected_len
-                                              for r in outside))
+        held = self.held_by_requests() + self._slots_held(outside)
         total = self.token_allocator.size
         if free + evictable + protected + held != total:
             raise AssertionError(f"memory leak or double count: free {free} + evictable {evictable} + protected "

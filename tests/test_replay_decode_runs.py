@@ -395,7 +395,7 @@ def test_a_handed_off_request_leaves_the_run_arrays_and_a_prefilled_one_joins_th
     assert sched.running_kv_tokens() == 13  # the arrays are built for both
     sched.hand_off(a)
     assert sched.running_kv_tokens() == 7
-    outside = 4  # a's partial last page: its whole first page is the tree's
+    outside = [a]  # its partial last page (4 slots): its whole first page is the tree's
     sched.check_invariants(held_outside=outside)
     from kvmem.disagg import preallocate
     c = Req("c", list(range(40, 45)), max_new_tokens=3)

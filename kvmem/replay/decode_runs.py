@@ -105,7 +105,7 @@ class ReplayScheduler(Scheduler):
         self._outputs.pop(req, None)
         super()._finish(req, finished)
 
-    def check_invariants(self, held_outside: int | Iterable[Req] = 0) -> None:
+    def check_invariants(self, held_outside: Iterable[Req] = ()) -> None:
         """The Scheduler's invariants, and the run arrays equal to what the running requests hold."""
         super().check_invariants(held_outside)
         if self._arrays is not None:
