@@ -38,14 +38,53 @@ class AllocatorState:
 FREE, HELD, CACHED = 0, 1, 2  # a page's state: free, handed out, handed out and held by a prefix cache
 
 
-class _PageStack:
-    """Free page ids 1..num_pages, handed out oldest-freed first, with a state per page (FREE, HELD, CACHED)."""
+class _FreeList:
+    """A FIFO of free page ids: handed out oldest-freed first."""
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         # Live free pages are buf[head:tail]; the buffer is twice the page count so that appends only
         # compact (move the live run to the front) once per num_pages frees: O(1) amortized.
         self._buf = np.empty(2 * num_pages, dtype=np.int64)
+        self._head = self._tail = 0
+
+    def reset(self, pages: np.ndarray) -> None:
+        """Makes `pages` (distinct, at most num_pages) the whole list."""
+        n = len(pages)
+        self._buf[:n] = pages
+        self._head = 0
+        self._tail = n
+
+    def num_free(self) -> int:
+        return self._tail - self._head
+
+    def take(self, n: int) -> np.ndarray:
+        """Pops n <= num_free() pages: a view of the list, valid until the next push."""
+        head = self._head
+        self._head = head + n
+        return self._buf[head:head + n]
+
+    def push(self, pages: np.ndarray) -> None:
+        """Appends pages (whose states, where kept, are cleared already)."""
+        n = len(pages)
+        if self._tail + n > len(self._buf):
+            live = self._tail - self._head
+            self._buf[:live] = self._buf[self._head:self._tail]
+            self._head = 0
+            self._tail = live
+        self._buf[self._tail:self._tail + n] = pages
+        self._tail += n
+
+    def listed(self) -> np.ndarray:
+        """A copy of the list, oldest first."""
+        return self._buf[self._head:self._tail].copy()
+
+
+class _PageStack(_FreeList):
+    """Free page ids 1..num_pages, handed out oldest-freed first, with a state per page (FREE, HELD, CACHED)."""
+
+    def __init__(self, num_pages: int) -> None:
+        super().__init__(num_pages)
         # Entry num_pages + 1 is a sentinel that stays FREE like page 0: `take(mode="clip")` sends every
         # out-of-range page to one of the two, so a single gather checks range and ownership together.
         self._state = np.zeros(num_pages + 2, dtype=np.uint8)
@@ -54,13 +93,8 @@ class _PageStack:
         self.clear()
 
     def clear(self) -> None:
-        self._buf[:self.num_pages] = self._arange[1:]
-        self._head = 0
-        self._tail = self.num_pages
+        self.reset(self._arange[1:])
         self._state[:] = FREE
-
-    def num_free(self) -> int:
-        return self._tail - self._head
 
     def pop(self, n: int) -> np.ndarray | None:
         if n > self._tail - self._head:
@@ -71,13 +105,6 @@ class _PageStack:
         self._head += n
         self._state[pages] = HELD
         return pages
-
-    def take(self, n: int) -> np.ndarray:
-        """Pops n <= num_free() pages without flagging them, for a pool whose pages' states are kept elsewhere: a
-        view of the free list, valid until the next push."""
-        head = self._head
-        self._head = head + n
-        return self._buf[head:head + n]
 
     def check_free(self, name: str, pages: np.ndarray) -> None:
         """Raises unless `pages` are distinct, in range and allocated. Changes nothing."""
@@ -117,17 +144,6 @@ class _PageStack:
         """Marks held, distinct `pages` CACHED."""
         self._state[pages] = CACHED
 
-    def push(self, pages: np.ndarray) -> None:
-        """Appends pages whose flags are cleared already to the free list."""
-        n = len(pages)
-        if self._tail + n > len(self._buf):
-            live = self._tail - self._head
-            self._buf[:live] = self._buf[self._head:self._tail]
-            self._head = 0
-            self._tail = live
-        self._buf[self._tail:self._tail + n] = pages
-        self._tail += n
-
     def unlisted(self, pages: np.ndarray, starts: np.ndarray) -> np.ndarray:
         """[n] bool: True where pages[i] (each in 0..num_pages) is not among `starts`. Works in a scratch
         array, so it allocates nothing per call."""
@@ -144,13 +160,10 @@ class _PageStack:
         return self._state.take(pages, mode="clip")
 
     def backup(self) -> AllocatorState:
-        return AllocatorState(self._buf[self._head:self._tail].copy(), self._state.copy())
+        return AllocatorState(self.listed(), self._state.copy())
 
     def restore(self, state: AllocatorState) -> None:
-        n = len(state.free_pages)
-        self._buf[:n] = state.free_pages
-        self._head = 0
-        self._tail = n
+        self.reset(state.free_pages)
         self._state[:] = state.allocated
 
 

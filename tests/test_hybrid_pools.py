@@ -107,6 +107,65 @@ def test_a_free_group_batches_both_pools_frees():
     assert alloc.available_size() == 4 and alloc.window_available_size() == 4
 
 
+def test_a_freed_full_page_parks_its_window_page_and_is_handed_out_first_with_it():
+    alloc = HybridTokenAllocator(8, 4)
+    slots = alloc.alloc(4)  # a fresh pool pairs full page i with window page i
+    assert alloc.window_slots(slots).tolist() == [1, 2, 3, 4]
+    alloc.free_window(slots[:2])  # full pages 1 and 2 lose theirs; 3 and 4 keep theirs
+    alloc.free(slots)
+    assert alloc.window_slots(slots).tolist() == [0, 0, 0, 0]  # free slots have none, parked or not
+    assert (alloc.available_size(), alloc.window_available_size()) == (8, 4)
+    alloc.check_pairing()
+    again = alloc.alloc(3)  # the parked pages 3 and 4 first, then a bare page that takes a freed window page
+    assert again.tolist() == [3, 4, 5] and alloc.window_slots(again).tolist() == [3, 4, 1]
+    assert (alloc.available_size(), alloc.window_available_size()) == (5, 1)
+    alloc.check_pairing()
+    assert alloc.alloc(2) is None  # one window page left: nothing taken
+    assert (alloc.available_size(), alloc.window_available_size()) == (5, 1)
+
+
+def test_alloc_window_tail_unparks_pages_when_bare_ones_run_out():
+    alloc = HybridTokenAllocator(8, 8, page_size=2)  # every free page parked
+    slots = alloc.alloc_window_tail(6, 2)  # two bare pages: they give their window pages back
+    assert alloc.window_slots(slots).ne(0).tolist() == [False] * 4 + [True] * 2
+    assert (alloc.available_size(), alloc.window_available_size()) == (2, 6)
+    alloc.check_pairing()
+    rest = alloc.alloc(2)
+    assert alloc.window_slots(rest).ne(0).all() and alloc.window_available_size() == 4
+    alloc.free(slots)
+    alloc.free(rest)
+    assert (alloc.available_size(), alloc.window_available_size()) == (8, 8)
+    alloc.check_pairing()
+
+
+def test_backup_and_restore_cover_the_parked_pages():
+    alloc = HybridTokenAllocator(16, 8)
+    slots = alloc.alloc(6)
+    alloc.free_window(slots[:3])
+    alloc.free(slots)
+    state = alloc.backup_state()
+    first = alloc.alloc(8)
+    pairs = alloc.window_slots(first).tolist()
+    alloc.restore_state(state)
+    alloc.check_pairing()
+    again = alloc.alloc(8)
+    assert again.tolist() == first.tolist() and alloc.window_slots(again).tolist() == pairs
+
+
+@pytest.mark.parametrize("corrupt, match", [
+    (lambda p: p.window_page.__setitem__(p.parked.listed()[0], 0), "parked full page"),
+    (lambda p: p.window_page.__setitem__(p.listed()[0], 7), "not parked|paired with two"),
+    (lambda p: p.window.push(np.array([p.window_page[p.parked.listed()[0]]])), "window pages paired"),
+])
+def test_check_pairing_catches_a_broken_pairing(corrupt, match):
+    alloc = HybridTokenAllocator(16, 8)
+    alloc.free(alloc.alloc(4))
+    alloc.check_pairing()
+    corrupt(alloc._pages)
+    with pytest.raises(AssertionError, match=match):
+        alloc.check_pairing()
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from([1, 2, 4]), st.lists(st.tuples(st.sampled_from(["alloc", "alloc_tail", "free", "free_window"]),
                                                       st.integers(1, 3)), max_size=40))

@@ -9,7 +9,10 @@ tombstone, or the old part of a long request's row).
 
 Pairing is kept per page in a host int64 array (0 = no window page), the same numpy bookkeeping as the allocators'.
 A window page keeps no state of its own: it is handed out while a full page is paired with it, and held by the prefix
-cache when that full page is (the window pool is only a free list), so a hand-out or a free touches one state array.
+cache when that full page is. A full page freed with its window page keeps the pairing (it is *parked*): free full
+pages form two lists, the parked ones, handed out first with no new pairing to write, and the unpaired ones, which
+take their window pages from the window pool's free list (window pages freed alone). So at page size 1, where every
+token is a page, a hand-out or a free writes one state per token, as the full-attention allocator does.
 """
 
 from __future__ import annotations
@@ -23,57 +26,108 @@ import numpy as np
 from kvmem._checks import check_host_bytes, check_int
 from kvmem._index import as_index_array
 from kvmem._torch import torch
-from kvmem.allocator import CACHED, FREE, AllocatorState, PagedTokenAllocator, _PageStack
+from kvmem.allocator import CACHED, FREE, HELD, AllocatorState, PagedTokenAllocator, _FreeList, _PageStack
 
 
 @dataclass(frozen=True)
 class HybridAllocatorState(AllocatorState):
-    """A `HybridTokenAllocator.backup_state()` snapshot: the full pages', the window pool's free list and the
-    pairing."""
+    """A `HybridTokenAllocator.backup_state()` snapshot: the full pages' (the unpaired free ones in `free_pages`), the
+    parked full pages, the window pool's free list and the pairing."""
 
-    window: AllocatorState | None = None
+    parked: np.ndarray | None = None
+    window_free: np.ndarray | None = None
     window_pages: np.ndarray | None = None
+    num_window_pages: int = 0
 
 
 class _PairedPages(_PageStack):
-    """Full pages that take a window page each as they are handed out (`window_page[full page]`, 0 = none)."""
+    """Full pages that hold a window page each while handed out (`window_page[full page]`, 0 = none). This stack's
+    own free list holds the unpaired free full pages; `parked` the free ones that kept their window page; `window`
+    the window pages paired with no full page."""
 
-    def __init__(self, num_pages: int, window: _PageStack) -> None:
-        self.window = window
+    def __init__(self, num_pages: int, num_window_pages: int) -> None:
+        self.window = _FreeList(num_window_pages)
+        self.parked = _FreeList(num_pages)
         self.window_page = np.zeros(num_pages + 2, dtype=np.int64)
         super().__init__(num_pages)
 
     def clear(self) -> None:
         super().clear()
-        self.window.clear()
+        # A fresh pool parks window page i on full page i: hand-outs then take pages 1, 2, ... in both pools.
+        paired = min(self.num_pages, self.window.num_pages)
         self.window_page[:] = 0
+        self.window_page[1:paired + 1] = self._arange[1:paired + 1]
+        self.parked.reset(self._arange[1:paired + 1])
+        self.take(paired)
+        self.window.reset(np.arange(paired + 1, self.window.num_pages + 1, dtype=np.int64))
+
+    def num_free(self) -> int:
+        return self._tail - self._head + self.parked._tail - self.parked._head
+
+    def window_free(self) -> int:
+        """Window pages free: parked or listed alone."""
+        return self.window._tail - self.window._head + self.parked._tail - self.parked._head
 
     def pop(self, n: int) -> np.ndarray | None:
-        if n > self.window.num_free():
+        parked = self.parked
+        head = parked._head
+        if n <= parked._tail - head:
             if n < 0:
                 raise ValueError(f"cannot take {n} pages")
+            pages = parked._buf[head:head + n].copy()
+            parked._head = head + n
+            self._state[pages] = HELD
+            return pages
+        fresh = n - (parked._tail - head)  # unpaired full pages, each taking a window page
+        if fresh > self._tail - self._head or fresh > self.window._tail - self.window._head:
             return None
-        pages = super().pop(n)
-        if pages is not None:
-            self.window_page[pages] = self.window.take(n)
+        pages = np.concatenate((parked.take(n - fresh), self.take(fresh)))
+        self.window_page[pages[n - fresh:]] = self.window.take(fresh)
+        self._state[pages] = HELD
         return pages
 
     def pop_tail_paired(self, n: int, paired: int) -> np.ndarray | None:
         """n full pages, only the last `paired` of them with a window page (0 <= paired <= n)."""
-        if n > self.num_free() or paired > self.window.num_free():
+        if n > self.num_free() or paired > self.window_free():
             return None
-        pages = super().pop(n)
-        if paired:
-            self.window_page[pages[n - paired:]] = self.window.take(paired)
-        return pages
+        bare = n - paired
+        plain = min(bare, self._tail - self._head)
+        head = self.take(plain)
+        if plain < bare:  # parked pages give their window page back to serve as bare ones
+            unparked = self.parked.take(bare - plain)
+            self.window.push(self.window_page[unparked])
+            self.window_page[unparked] = 0
+            head = np.concatenate((head, unparked))
+        else:
+            head = head.copy()
+        self._state[head] = HELD
+        return np.concatenate((head, self.pop(paired)))
+
+    def push(self, pages: np.ndarray) -> None:
+        peers = self.window_page[pages]
+        n = np.count_nonzero(peers)
+        parked = self.parked
+        if n == len(pages) and parked._tail + n <= len(parked._buf):  # push's common case, inline: one call less
+            parked._buf[parked._tail:parked._tail + n] = pages
+            parked._tail += n
+        elif n == len(pages):
+            parked.push(pages)
+        elif n == 0:
+            super().push(pages)
+        else:
+            paired = peers != 0
+            self.parked.push(pages[paired])
+            super().push(pages[~paired])
 
     def backup(self) -> HybridAllocatorState:
         full = super().backup()
-        return HybridAllocatorState(full.free_pages, full.allocated, self.window.backup(), self.window_page.copy())
+        return HybridAllocatorState(full.free_pages, full.allocated, self.parked.listed(), self.window.listed(),
+                                    self.window_page.copy(), self.window.num_pages)
 
-    def restore(self, state: AllocatorState) -> None:
+    def restore(self, state: HybridAllocatorState) -> None:
         super().restore(state)
-        self.window.restore(state.window)
+        self.parked.reset(state.parked)
+        self.window.reset(state.window_free)
         self.window_page[:] = state.window_pages
 
 
@@ -106,8 +160,7 @@ class HybridTokenAllocator(PagedTokenAllocator):
             raise ValueError(f"window_size {window_size} must be a multiple of page_size {page_size}")
         check_host_bytes(f"a window pool of size {window_size}", (window_size // page_size + 2) * 33)
         self.window_size = window_size
-        self._window_pages = _PageStack(window_size // page_size)
-        self._pages = _PairedPages(size // page_size, self._window_pages)
+        self._pages = _PairedPages(size // page_size, window_size // page_size)
         self._window_group: list[np.ndarray] | None = None
 
     def alloc_window_tail(self, n: int, window_tokens: int) -> torch.Tensor | None:
@@ -128,7 +181,7 @@ class HybridTokenAllocator(PagedTokenAllocator):
     # ---- sizes and translation -------------------------------------------------------------------------
     def window_available_size(self) -> int:
         """Free window slots (tokens)."""
-        return self._window_pages.num_free() * self.page_size
+        return self._pages.window_free() * self.page_size
 
     def window_cached_size(self) -> int:
         """Window slots paired with full pages marked cached (held by the prefix cache): O(pages), for invariant
@@ -144,7 +197,9 @@ class HybridTokenAllocator(PagedTokenAllocator):
         if len(full) and (full.min() < 0 or full.max() >= self.size + self.page_size):
             raise IndexError(f"slots: slot {full.min() if full.min() < 0 else full.max()} out of range "
                              f"[0, {self.size + self.page_size})")
-        return self._to_slots_tensor(self.window_slots_of(full))
+        window = self.window_slots_of(full)
+        window[~self.allocated_mask(full)] = 0  # a free full page may keep its window page (parked) for its next owner
+        return self._to_slots_tensor(window)
 
     def window_slots_of(self, slots: np.ndarray) -> np.ndarray:
         """Trusted: window_slots of host int64 full slots (each in range)."""
@@ -159,11 +214,6 @@ class HybridTokenAllocator(PagedTokenAllocator):
         return self._pages.window_page[pages]
 
     # ---- frees -------------------------------------------------------------------------------------
-    def _release_pages(self, pages: np.ndarray) -> None:
-        # Window peers first: they are found through the pairing that freeing the full page clears.
-        self._release_window_pages(pages)
-        super()._release_pages(pages)
-
     def free_window(self, slots: torch.Tensor) -> None:
         """Frees the window slots paired with full slots `slots` ([n] integer tensor, whole pages listed from their
         first slot at page size > 1); the full slots stay allocated. Raises, freeing nothing, for a slot that is not
@@ -190,7 +240,7 @@ class HybridTokenAllocator(PagedTokenAllocator):
         if paired:
             peers = peers[peers != 0] if paired != len(peers) else peers
             if self._window_group is None:
-                self._window_pages.push(peers)
+                self._pages.window.push(peers)
             else:
                 self._window_group.append(peers)  # a fresh array: the gather above copied it
             window_page[pages] = 0
@@ -221,11 +271,11 @@ class HybridTokenAllocator(PagedTokenAllocator):
         finally:
             group, self._window_group = self._window_group, None
             if group:
-                self._window_pages.push(np.concatenate(group))
+                self._pages.window.push(np.concatenate(group))
 
     def restore_state(self, state: AllocatorState) -> None:
-        if not isinstance(state, HybridAllocatorState) or state.window is None or \
-                len(state.window.allocated) != self._window_pages.num_pages + 2:
+        if not isinstance(state, HybridAllocatorState) or state.window_pages is None or \
+                state.num_window_pages != self._pages.window.num_pages:
             raise ValueError("state must come from backup_state() of a HybridTokenAllocator of the same sizes")
         super().restore_state(state)
 
@@ -234,19 +284,23 @@ class HybridTokenAllocator(PagedTokenAllocator):
         self._window_group = None
 
     def check_pairing(self) -> None:
-        """Raises AssertionError unless the pairing is one to one: every window page handed out is paired with one
-        handed-out full page, and the window allocator holds no page without one."""
-        window_page = self._pages.window_page
-        held = np.flatnonzero(self._pages._state[1:-1] != FREE) + 1
-        peers = window_page[held]
-        peers = peers[peers != 0]
-        if np.count_nonzero(window_page) != len(peers):
-            raise AssertionError("HybridTokenAllocator: a free full page keeps a window page")
+        """Raises AssertionError unless the pairing is one to one: every window page is paired with one full page
+        (handed out, or free and parked) or listed free alone, never both; a free full page keeps one only while
+        parked."""
+        full = self._pages
+        window_page, state = full.window_page, full._state
+        parked = full.parked.listed()
+        if np.count_nonzero(state[parked]) or np.count_nonzero(window_page[parked] == 0):
+            raise AssertionError("HybridTokenAllocator: a parked full page is handed out or keeps no window page")
+        free = np.flatnonzero(state[1:-1] == FREE) + 1
+        if np.count_nonzero(window_page[free]) != len(parked):
+            raise AssertionError("HybridTokenAllocator: a free full page keeps a window page but is not parked")
+        peers = window_page[window_page != 0]
         if len(np.unique(peers)) != len(peers):
             raise AssertionError("HybridTokenAllocator: a window page is paired with two full pages")
-        window = self._window_pages
-        window_held = window.num_pages - window.num_free()
+        window = full.window
         in_free_list = np.zeros(window.num_pages + 1, dtype=bool)
-        in_free_list[window.backup().free_pages] = True
-        if len(peers) != window_held or np.count_nonzero(in_free_list[peers]):
-            raise AssertionError(f"HybridTokenAllocator: {window_held} window pages handed out, {len(peers)} paired")
+        in_free_list[window.listed()] = True
+        if len(peers) + window.num_free() != window.num_pages or np.count_nonzero(in_free_list[peers]):
+            raise AssertionError(f"HybridTokenAllocator: {len(peers)} window pages paired, {window.num_free()} free "
+                                 f"alone, of {window.num_pages}")

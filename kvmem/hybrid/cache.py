@@ -146,8 +146,15 @@ class HybridRadixCache(WindowComponent, StateComponent, RadixCache):
     def _leave_device(self, node: HybridTreeNode) -> None:
         """A leaf leaves the tree; a tombstone parent it leaves an unlocked leaf goes too (it can end no usable
         match), and so on up."""
+        # RadixTree._leave_device's steps, written out: every evicted leaf comes here, and a super() call per leaf
+        # made up a fifth of a hybrid eviction's time.
         parent = node.parent
-        super()._leave_device(node)
+        del parent.children[node.key[:self._page_bytes]]
+        node.parent = None
+        self._forget(node)
+        if parent.children or parent.lock_ref or parent.parent is None:
+            return
+        self._add_evictable(parent)
         while not parent.window_live and parent.entry is not None and parent.parent is not None:
             node, parent = parent, parent.parent
             self._unlist_leaf(node)
