@@ -120,6 +120,43 @@ def run_peer(script: str, args: argparse.Namespace, *extra: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def hybrid_rounds(full: Callable[[], dict], hybrid: Callable[[], dict], rounds: int,
+                  first: dict) -> list[tuple[dict, dict]]:
+    """`rounds` rounds of (full(), hybrid()) results, full first in even rounds and hybrid first in odd ones; round
+    0's full result is `first`, timed already."""
+    out = [(first, hybrid())]
+    for i in range(1, rounds):
+        if i % 2:
+            hy = hybrid()
+            out.append((full(), hy))
+        else:
+            kv = full()
+            out.append((kv, hybrid()))
+    return out
+
+
+def hybrid_rows(rounds: list[tuple[dict, dict]], same_work, goal: float) -> dict:
+    """The hybrid report of a benchmark timed in rounds of (full-attention, hybrid) row medians in microseconds
+    ({row: us}), run full then hybrid in even rounds and hybrid then full in odd ones, so that a drift of the machine
+    favours neither side. Each row: both sides' mean, each round's ratio (hybrid / full) and their mean (`ratio`),
+    where `same_work(row)` says both did the same work; rows over `goal` are listed."""
+    rows, over = [], []
+    for name in rounds[0][1]:
+        full = [kv[name] for kv, _ in rounds]
+        hybrid = [hy[name] for _, hy in rounds]
+        row = {"row": name, "kvmem_us": round(sum(full) / len(full), 2),
+               "hybrid_us": round(sum(hybrid) / len(hybrid), 2)}
+        if same_work(name):
+            ratios = [h / f for f, h in zip(full, hybrid)]
+            row["round_ratios"] = [round(r, 2) for r in ratios]
+            row["ratio"] = round(sum(ratios) / len(ratios), 2)
+            if row["ratio"] > goal:
+                over.append(name)
+        rows.append(row)
+    return {"rows": rows, "rounds": len(rounds),
+            "goal": {f"within_{goal}x_on_every_row": not over and all("ratio" in r for r in rows), "rows_over": over}}
+
+
 def emit(report: dict, out: str | None) -> None:
     text = json.dumps(report, indent=1)
     if out:

@@ -115,6 +115,7 @@ def test_a_freed_full_page_parks_its_window_page_and_is_handed_out_first_with_it
     alloc.free(slots)
     assert alloc.window_slots(slots).tolist() == [0, 0, 0, 0]  # free slots have none, parked or not
     assert (alloc.available_size(), alloc.window_available_size()) == (8, 4)
+    assert type(alloc.available_size()) is int and type(alloc.window_available_size()) is int  # reports: JSON
     alloc.check_pairing()
     again = alloc.alloc(3)  # the parked pages 3 and 4 first, then a bare page that takes a freed window page
     assert again.tolist() == [3, 4, 5] and alloc.window_slots(again).tolist() == [3, 4, 1]

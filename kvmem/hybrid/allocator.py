@@ -105,19 +105,20 @@ class _PairedPages(_PageStack):
 
     def push(self, pages: np.ndarray) -> None:
         peers = self.window_page[pages]
-        n = np.count_nonzero(peers)
+        n = len(pages)
+        paired = np.count_nonzero(peers)
         parked = self.parked
-        if n == len(pages) and parked._tail + n <= len(parked._buf):  # push's common case, inline: one call less
+        if paired == n and parked._tail + n <= len(parked._buf):  # push's common case, inline: one call less
             parked._buf[parked._tail:parked._tail + n] = pages
             parked._tail += n
-        elif n == len(pages):
+        elif paired == n:
             parked.push(pages)
-        elif n == 0:
+        elif paired == 0:
             super().push(pages)
         else:
-            paired = peers != 0
-            self.parked.push(pages[paired])
-            super().push(pages[~paired])
+            mask = peers != 0
+            parked.push(pages[mask])
+            super().push(pages[~mask])
 
     def backup(self) -> HybridAllocatorState:
         full = super().backup()
