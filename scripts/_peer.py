@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -138,8 +139,9 @@ def hybrid_rounds(full: Callable[[], dict], hybrid: Callable[[], dict], rounds: 
 def hybrid_rows(rounds: list[tuple[dict, dict]], same_work, goal: float) -> dict:
     """The hybrid report of a benchmark timed in rounds of (full-attention, hybrid) row medians in microseconds
     ({row: us}), run full then hybrid in even rounds and hybrid then full in odd ones, so that a drift of the machine
-    favours neither side. Each row: both sides' mean, each round's ratio (hybrid / full) and their mean (`ratio`),
-    where `same_work(row)` says both did the same work; rows over `goal` are listed."""
+    favours neither side. Each row: both sides' mean, each round's ratio (hybrid / full) and their median (`ratio`:
+    a burst of noise on a shared machine spoils one round, not the row), where `same_work(row)` says both did the
+    same work; rows over `goal` are listed."""
     rows, over = [], []
     for name in rounds[0][1]:
         full = [kv[name] for kv, _ in rounds]
@@ -149,7 +151,7 @@ def hybrid_rows(rounds: list[tuple[dict, dict]], same_work, goal: float) -> dict
         if same_work(name):
             ratios = [h / f for f, h in zip(full, hybrid)]
             row["round_ratios"] = [round(r, 2) for r in ratios]
-            row["ratio"] = round(sum(ratios) / len(ratios), 2)
+            row["ratio"] = round(statistics.median(ratios), 2)
             if row["ratio"] > goal:
                 over.append(name)
         rows.append(row)

@@ -31,7 +31,7 @@ in its free row; the alloc and free rows are marked `lopsided`, and their slower
 Hybrid rows (issue 36): the same kvmem rows on `kvmem.hybrid.HybridTokenAllocator` (a window slot paired with every
 full slot; window pool as large as the full one, so the fragmentation is the same), beside the full-attention
 allocators: `hybrid.rows[*].ratio` is hybrid_us / kvmem_us, the goal at most HYBRID_GOAL. Both sides are timed in
-HYBRID_ROUNDS rounds, hybrid first in every other one, and the ratio is the mean of the rounds' ratios, so that a
+HYBRID_ROUNDS rounds, hybrid first in every other one, and the ratio is the median of the rounds' ratios, so that a
 drift of a shared machine over the run favours neither.
 
 One command measures both sides: kvmem in this process, then SGLang by running this same file with
@@ -68,7 +68,7 @@ MAX_K = {1: 5000, 64: 2000, 4096: 32, "extend_1..2048": 20, "extend_128": 50, "d
 BUDGET_S, REPS = 1.0, 7  # per row and side
 QUICK_BUDGET_S, QUICK_REPS = 0.25, 5
 HYBRID_GOAL = 1.5  # a hybrid allocation within this factor of the full-attention one's time
-HYBRID_ROUNDS = 2  # full-attention and hybrid rows, timed in alternating order (see _peer.hybrid_rows)
+HYBRID_ROUNDS = 3  # full-attention and hybrid rows, timed in alternating order (see _peer.hybrid_rows)
 
 
 # ---- workloads (numpy only: the same arrays in both processes for one seed) ------------------------------

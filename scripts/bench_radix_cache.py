@@ -25,7 +25,7 @@ insert row is marked lopsided there. The JSON report is printed on stdout, progr
 Hybrid rows (issue 36): the same kvmem rows on `kvmem.hybrid.HybridRadixCache` with a sliding window of 128 (gpt-oss)
 over a `HybridTokenAllocator` whose window pool is as large as its full pool (every node stays live), beside the
 full-attention RadixCache: `hybrid.rows[*].ratio` is hybrid_us / kvmem_us, the goal at most HYBRID_GOAL. Both sides
-are timed in HYBRID_ROUNDS rounds, hybrid first in every other one, and the ratio is the mean of the rounds' ratios,
+are timed in HYBRID_ROUNDS rounds, hybrid first in every other one, and the ratio is the median of the rounds' ratios,
 so that a drift of a shared machine over the run favours neither.
 
 Before a ratio is reported, both sides must have done the same work on that row: every match returned the
@@ -58,7 +58,9 @@ SHARED_PREFIX = 64
 EVICT_AMOUNT = 64
 HYBRID_WINDOW = 128  # gpt-oss's sliding window
 HYBRID_GOAL = 1.5  # a hybrid tree operation within this factor of the full-attention one's time
-HYBRID_ROUNDS = 2  # full-attention and hybrid rows, timed in alternating order (see _peer.hybrid_rows)
+EVICT_BUDGET_S = 3.0  # per evict row and side: SGLang's tree takes ~0.5 s a call at 200k leaves
+QUICK_EVICT_BUDGET_S = 0.5
+HYBRID_ROUNDS = 3  # full-attention and hybrid rows, timed in alternating order (see _peer.hybrid_rows)
 
 
 # ---- workloads (side-agnostic: a side provides alloc / insert / match / evict / match_with_indices) ----
@@ -148,13 +150,14 @@ def run_rows(make_side, quick: bool, with_list_key: bool) -> dict:
     leaves_list = EVICT_LEAVES[:3] if quick else EVICT_LEAVES
     for leaf_tokens in EVICT_LEAF_TOKENS:
         for leaves in leaves_list:
-            rows[f"evict/{leaves}/{leaf_tokens}"] = evict_row(make_side, leaves, leaf_tokens)
+            rows[f"evict/{leaves}/{leaf_tokens}"] = evict_row(make_side, leaves, leaf_tokens,
+                                                              QUICK_EVICT_BUDGET_S if quick else EVICT_BUDGET_S)
             progress(f"evict at {leaves} leaves of {leaf_tokens} tokens: done")
             gc.collect()
     return rows
 
 
-def evict_row(make_side, leaves: int, leaf_tokens: int) -> dict:
+def evict_row(make_side, leaves: int, leaf_tokens: int, budget_s: float) -> dict:
     side = make_side(SHARED_PREFIX + (leaves + 4 * EVICT_AMOUNT) * leaf_tokens + 1024)
     prefix = array("q", range(1, SHARED_PREFIX + 1))
     prefix_slots = side.alloc(SHARED_PREFIX)
@@ -180,7 +183,6 @@ def evict_row(make_side, leaves: int, leaf_tokens: int) -> dict:
         freed[0] = side.evict(EVICT_AMOUNT)
 
     per_call = max(1, EVICT_AMOUNT // leaf_tokens)
-    budget_s = 3.0  # per row and side: SGLang's tree takes ~0.5 s a call at 200k leaves
     t0 = time.perf_counter()
     evict(None)
     first = time.perf_counter() - t0
