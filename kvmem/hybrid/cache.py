@@ -146,8 +146,8 @@ class HybridRadixCache(WindowComponent, StateComponent, RadixCache):
     def _leave_device(self, node: HybridTreeNode) -> None:
         """A leaf leaves the tree; a tombstone parent it leaves an unlocked leaf goes too (it can end no usable
         match), and so on up."""
-        # RadixTree._leave_device's steps, written out: every evicted leaf comes here, and a super() call per leaf
-        # made up a fifth of a hybrid eviction's time.
+        # RadixTree._leave_device's steps, written out: every evicted leaf comes here, so the super() call this
+        # saves shows in every eviction (docs/hybrid.md, Benchmarks).
         parent = node.parent
         del parent.children[node.key[:self._page_bytes]]
         node.parent = None
