@@ -101,6 +101,9 @@ class _PairedPages(_PageStack):
         else:
             head = head.copy()
         self._state[head] = HELD
+        # Cannot come up short: if the bare pages emptied the unpaired list, the parked pages left are at least
+        # `paired` (n fit in all free pages); else the unpaired ones still cover what the parked do not, and the
+        # window pages free alone cover those (`paired` fit in all free window pages).
         return np.concatenate((head, self.pop(paired)))
 
     def push(self, pages: np.ndarray) -> None:
