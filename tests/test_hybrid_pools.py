@@ -2,6 +2,7 @@
 kind."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -165,6 +166,16 @@ def test_check_pairing_catches_a_broken_pairing(corrupt, match):
     corrupt(alloc._pages)
     with pytest.raises(AssertionError, match=match):
         alloc.check_pairing()
+
+
+def test_the_host_memory_check_counts_the_window_free_list_the_parked_list_and_the_pairing(monkeypatch):
+    # 16 bytes a window page (its free list); 24 a full page, with page 0 and the sentinel (parked list, pairing).
+    memory = 1000 * 16 + (100 + 2) * 24
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": memory}[name])
+    HybridTokenAllocator(100, 1000)  # exactly what the machine has
+    with pytest.raises(ValueError) as raised:
+        HybridTokenAllocator(100, 1001)
+    assert str(raised.value).startswith("a window pool of size 1001 needs 0.0 GiB of host memory; this machine has ")
 
 
 @settings(max_examples=60, deadline=None)

@@ -162,7 +162,10 @@ class HybridTokenAllocator(PagedTokenAllocator):
         super().__init__(size, page_size, device)
         if window_size % page_size:
             raise ValueError(f"window_size {window_size} must be a multiple of page_size {page_size}")
-        check_host_bytes(f"a window pool of size {window_size}", (window_size // page_size + 2) * 33)
+        # The window pool's free list (2 x 8 bytes a window page), and per full page the parked list (2 x 8) and the
+        # pairing (8), beside what the full pages' allocator counted.
+        check_host_bytes(f"a window pool of size {window_size}",
+                         (window_size // page_size) * 16 + (size // page_size + 2) * 24)
         self.window_size = window_size
         self._pages = _PairedPages(size // page_size, window_size // page_size)
         self._window_group: list[np.ndarray] | None = None
