@@ -128,32 +128,34 @@ def hybrid_rounds(full: Callable[[], dict], hybrid: Callable[[], dict], rounds: 
     out = [(first, hybrid())]
     for i in range(1, rounds):
         if i % 2:
-            hy = hybrid()
-            out.append((full(), hy))
+            hy, kv = hybrid(), full()
         else:
-            kv = full()
-            out.append((kv, hybrid()))
+            kv, hy = full(), hybrid()
+        out.append((kv, hy))
     return out
 
 
-def hybrid_rows(rounds: list[tuple[dict, dict]], same_work, goal: float) -> dict:
+def hybrid_rows(rounds: list[tuple[dict, dict]], works: Callable[[str], list[tuple]], goal: float) -> dict:
     """The hybrid report of a benchmark timed in rounds of (full-attention, hybrid) row medians in microseconds
     ({row: us}), run full then hybrid in even rounds and hybrid then full in odd ones, so that a drift of the machine
-    favours neither side. Each row: both sides' mean, each round's ratio (hybrid / full) and their median (`ratio`:
-    a burst of noise on a shared machine spoils one round, not the row), where `same_work(row)` says both did the
-    same work; rows over `goal` are listed."""
+    favours neither side. Each row: both sides' mean, and where both did the same work in every round (`works(row)`:
+    each round's (full, hybrid) work) each round's ratio (hybrid / full) and their median (`ratio`: a burst of noise
+    on a shared machine spoils one round, not the row); else each round's work. Rows over `goal` are listed."""
     rows, over = [], []
     for name in rounds[0][1]:
         full = [kv[name] for kv, _ in rounds]
         hybrid = [hy[name] for _, hy in rounds]
         row = {"row": name, "kvmem_us": round(sum(full) / len(full), 2),
                "hybrid_us": round(sum(hybrid) / len(hybrid), 2)}
-        if same_work(name):
+        work = works(name)
+        if all(mine == theirs for mine, theirs in work):
             ratios = [h / f for f, h in zip(full, hybrid)]
             row["round_ratios"] = [round(r, 2) for r in ratios]
             row["ratio"] = round(statistics.median(ratios), 2)
             if row["ratio"] > goal:
                 over.append(name)
+        else:
+            row["unequal_work"] = [{"kvmem": mine, "hybrid": theirs} for mine, theirs in work]
         rows.append(row)
     return {"rows": rows, "rounds": len(rounds),
             "goal": {f"within_{goal}x_on_every_row": not over and all("ratio" in r for r in rows), "rows_over": over}}

@@ -262,21 +262,16 @@ class HybridSide(KvmemSide):
 def hybrid_report(rounds: list[tuple[dict, dict]]) -> dict:
     """Each row's hybrid time beside the full-attention one over alternating rounds (`_peer.hybrid_rows`), rated where
     both did the same work in every round (the same checks: slots per alloc, free slots before and after, the first
-    paged call's slots); a row whose work differs lists both sides' checks."""
+    paged call's slots)."""
     def medians(res: dict) -> dict:
         return {f"{name}/{op}": row[op]["median_us"] for name, row in res["rows"].items()
                 for op in ("alloc", "free", "alloc+free")}
 
-    def same_work(row: str) -> bool:
+    def works(row: str) -> list[tuple]:
         name = row.rsplit("/", 1)[0]
-        return all(kv["checks"][name] == hy["checks"][name] for kv, hy in rounds)
+        return [(kv["checks"][name], hy["checks"][name]) for kv, hy in rounds]
 
-    out = _peer.hybrid_rows([(medians(kv), medians(hy)) for kv, hy in rounds], same_work, HYBRID_GOAL)
-    for row in out["rows"]:
-        if "ratio" not in row:
-            name = row["row"].rsplit("/", 1)[0]
-            row["unequal_work"] = [{"kvmem": kv["checks"][name], "hybrid": hy["checks"][name]} for kv, hy in rounds]
-    return out
+    return _peer.hybrid_rows([(medians(kv), medians(hy)) for kv, hy in rounds], works, HYBRID_GOAL)
 
 
 # ---- SGLang side (runs under SGLang's venv; imports nothing from kvmem) -------------------------------------

@@ -413,18 +413,14 @@ def goals(rows: list[dict]) -> dict:
 
 def hybrid_report(rounds: list[tuple[dict, dict]]) -> dict:
     """Each row's hybrid time beside the full-attention one over alternating rounds (`_peer.hybrid_rows`), rated where
-    both did the same work in every round; a row whose work differs lists both sides' work."""
+    both did the same work in every round."""
     def medians(rows: dict) -> dict:
         return {name: row["median_us"] for name, row in rows.items()}
 
-    def same_work(name: str) -> bool:
-        return all(kv[name]["work"] == hy[name]["work"] for kv, hy in rounds)
+    def works(name: str) -> list[tuple]:
+        return [(kv[name]["work"], hy[name]["work"]) for kv, hy in rounds]
 
-    out = _peer.hybrid_rows([(medians(kv), medians(hy)) for kv, hy in rounds], same_work, HYBRID_GOAL)
-    for row in out["rows"]:
-        if "ratio" not in row:
-            row["unequal_work"] = [{"kvmem": kv[row["row"]]["work"], "hybrid": hy[row["row"]]["work"]}
-                                   for kv, hy in rounds]
+    out = _peer.hybrid_rows([(medians(kv), medians(hy)) for kv, hy in rounds], works, HYBRID_GOAL)
     out["window"] = HYBRID_WINDOW
     return out
 

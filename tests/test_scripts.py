@@ -116,12 +116,13 @@ def test_hybrid_rounds_alternate_which_side_runs_first_and_rate_the_median_of_th
                                  lambda: order.append("hybrid") or {"a": 3.0, "b": 4.0}, 3, {"a": 2.0, "b": 1.0})
     assert order == ["hybrid", "hybrid", "full", "full", "hybrid"]
     rounds[2][1]["a"] = 9.0  # a burst of noise in one round moves the row's mean, not its median
-    out = _peer.hybrid_rows(rounds, lambda row: row == "a", 1.5)
+    out = _peer.hybrid_rows(rounds, lambda row: [(1, 1), (1, 1 if row == "a" else 2), (1, 1)], 1.5)
     a, b = out["rows"]
     assert a == {"row": "a", "kvmem_us": 2.0, "hybrid_us": 5.0, "round_ratios": [1.5, 1.5, 4.5], "ratio": 1.5}
     assert "ratio" not in b and out["rounds"] == 3
+    assert b["unequal_work"][1] == {"kvmem": 1, "hybrid": 2}
     assert out["goal"] == {"within_1.5x_on_every_row": False, "rows_over": []}  # b has no ratio: unequal work
-    out = _peer.hybrid_rows(rounds, lambda row: True, 1.4)
+    out = _peer.hybrid_rows(rounds, lambda row: [(1, 1)] * 3, 1.4)
     assert out["goal"] == {"within_1.4x_on_every_row": False, "rows_over": ["a", "b"]}
 
 

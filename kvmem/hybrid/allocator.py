@@ -108,19 +108,14 @@ class _PairedPages(_PageStack):
 
     def push(self, pages: np.ndarray) -> None:
         peers = self.window_page[pages]
-        n = len(pages)
         paired = np.count_nonzero(peers)
-        parked = self.parked
-        if paired == n and parked._tail + n <= len(parked._buf):  # push's common case, inline: one call less
-            parked._buf[parked._tail:parked._tail + n] = pages
-            parked._tail += n
-        elif paired == n:
-            parked.push(pages)
+        if paired == len(pages):
+            self.parked.push(pages)
         elif paired == 0:
             super().push(pages)
         else:
             mask = peers != 0
-            parked.push(pages[mask])
+            self.parked.push(pages[mask])
             super().push(pages[~mask])
 
     def backup(self) -> HybridAllocatorState:
